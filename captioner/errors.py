@@ -1,0 +1,39 @@
+"""User-facing errors: each one prints as a single clear line, never a traceback."""
+
+
+class CaptionerError(Exception):
+    """An error caused by the user's input (a file, a config value, an argument).
+
+    Entry points (``train.py``, ``captioner`` CLI) catch it, print ``error: <message>`` on stderr
+    and exit with status 2. The message must name the file or key and say what is wrong.
+    """
+
+
+class ConfigError(CaptionerError):
+    """A configuration value or command-line argument is invalid."""
+
+
+class DataError(CaptionerError):
+    """An annotation file, split file or image is missing or malformed."""
+
+
+class BundleError(CaptionerError):
+    """A checkpoint or inference bundle cannot be loaded safely or does not match."""
+
+
+def check_choice(name: str, value: object, choices: "tuple | list") -> None:
+    """Raise ConfigError unless ``value`` is one of ``choices`` (the message lists them)."""
+    if value not in choices:
+        valid = ", ".join(str(c) for c in choices)
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of: {valid}")
+
+
+def check_range(name: str, value: object, low: float | None = None, high: float | None = None,
+                kind: type | tuple = (int, float)) -> None:
+    """Raise ConfigError unless ``value`` has type ``kind`` and lies in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ConfigError(f"{name}={value!r} must be a {names}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
+        raise ConfigError(f"{name}={value!r} must be {bounds}")

@@ -1,0 +1,91 @@
+"""Atomic writes and safe loads: the only way the project writes or reads its own files.
+
+Every file is written to a temporary sibling and renamed into place, so an interrupted write never
+leaves a truncated file where a good one was. Torch files load with ``weights_only=True`` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import torch
+
+from captioner.errors import BundleError, DataError
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """Open a temporary file next to ``path``; on success fsync it and rename it over ``path``.
+
+    On any exception the temporary file is removed and ``path`` is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
+    """Write ``obj`` as JSON atomically."""
+    with atomic_write(path, "w") as handle:
+        json.dump(obj, handle, indent=indent)
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """Read JSON, raising DataError that names the file for a missing or malformed one."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{what} not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{what} {path} is not valid JSON: {exc}") from None
+
+
+def save_torch(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` atomically (temporary file, fsync, rename)."""
+    with atomic_write(path, "wb") as handle:
+        torch.save(obj, handle)
+
+
+def load_torch(path: str | os.PathLike, what: str = "file", map_location: Any = "cpu") -> Any:
+    """``torch.load(weights_only=True)`` with one clear BundleError for every way it can fail.
+
+    A file that carries pickled code (classes, functions) is refused, never executed.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise BundleError(f"{what} not found: {path}")
+    if not path.is_file():
+        raise BundleError(f"{what} {path} is not a file")
+    if path.stat().st_size == 0:
+        raise BundleError(f"{what} {path} is empty")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if "weights_only" in str(exc) or "Weights only load failed" in str(exc):
+            raise BundleError(
+                f"{what} {path} was refused: it contains pickled Python objects other than tensors "
+                "and plain data, which could run code; only weights-only files are loaded"
+            ) from None
+        raise BundleError(f"{what} {path} is corrupt or not a torch file ({first})") from None
+    except Exception as exc:  # torch raises many types (RuntimeError, EOFError, KeyError, ...)
+        first = str(exc).strip().split(". ")[0].splitlines()[0] if str(exc).strip() else ""
+        raise BundleError(f"{what} {path} is truncated or corrupt ({type(exc).__name__}: {first})") from None
