@@ -1,0 +1,160 @@
+"""Image-caption dataset, transforms and batching: each image decoded once with all its captions.
+
+An unreadable image never stops training: the dataset returns ``Skipped(path, reason)`` in its
+place, ``collate`` moves it into ``batch["skipped"]`` and a ``SkipCounter`` reports them.
+Everything here is picklable (no lambdas), so DataLoader workers can be used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from PIL import Image
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import Dataset
+from torchvision.transforms import v2
+
+from captioner.data.images import ImageError, load_rgb
+from captioner.data.readers import Record
+from captioner.data.vocab import Vocabulary
+from captioner.errors import check_range
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def build_transform(image_size: int, train: bool, augment: bool = False) -> v2.Compose:
+    """PIL RGB image -> normalised float tensor (3, image_size, image_size).
+
+    With ``train`` and ``augment``: a mild random resized crop (80-100 % of the area) and colour
+    jitter. Never a horizontal flip: captions say "left" and "right".
+    """
+    check_range("image_size", image_size, 1, kind=int)
+    if train and augment:
+        steps = [v2.RandomResizedCrop((image_size, image_size), scale=(0.8, 1.0), antialias=True),
+                    v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2, hue=0.02)]
+    else:
+        steps = [v2.Resize((image_size, image_size), antialias=True)]
+    return v2.Compose([*steps, v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
+                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An image that could not be read, in place of a dataset item."""
+
+    path: str
+    reason: str
+
+
+class CaptionDataset(Dataset):
+    """Images of ``records`` with their encoded captions.
+
+    ``per_caption=False``: one item per image carrying all its captions, so a batch decodes (and the
+    encoder runs on) each image once. ``per_caption=True``: one item per (image, caption) pair.
+    """
+
+    def __init__(self, records: Sequence[Record], vocab: Vocabulary,
+                 transform: Callable[[Image.Image], torch.Tensor],
+                 max_len: int = 20, per_caption: bool = False) -> None:
+        check_range("max_len", max_len, 1, kind=int)
+        self.records = list(records)
+        self.vocab = vocab
+        self.transform = transform
+        self.max_len = max_len
+        self.items: list[tuple[int, int | None]] = (
+            [(i, k) for i, r in enumerate(self.records) for k in range(len(r.captions))]
+            if per_caption else [(i, None) for i in range(len(self.records))])
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict | Skipped:
+        """``{"image" (3, H, W), "captions" [LongTensor (len_k,)], "image_id", "index"}`` or Skipped.
+
+        ``index`` is the position of the image's record in ``records``.
+        """
+        i, k = self.items[index]
+        record = self.records[i]
+        try:
+            image = load_rgb(record.image_path)
+        except ImageError as exc:
+            return Skipped(record.image_path, exc.reason)
+        captions = record.captions if k is None else (record.captions[k],)
+        return {
+            "image": self.transform(image),  # (3, H, W)
+            "captions": [torch.tensor(self.vocab.encode(c, self.max_len), dtype=torch.long)
+                         for c in captions],
+            "image_id": record.image_id,
+            "index": i,
+        }
+
+
+def collate(items: list[dict | Skipped]) -> dict:
+    """Batch dataset items: images stacked, every caption of every image flattened and padded.
+
+    Returns ``images`` (B, 3, H, W) (or ``features`` (B, L, C) for items that carry cached features),
+    ``captions`` (N, T) padded with ``<pad>`` = 0, ``lengths`` (N,) including ``<start>``/``<end>``,
+    ``image_index`` (N,) the image of each caption, ``image_ids`` (B,), ``indices`` (B,) and
+    ``skipped`` (the Skipped items, dropped from the batch). B may be 0 when every image was skipped.
+    """
+    skipped = [item for item in items if isinstance(item, Skipped)]
+    kept = [item for item in items if not isinstance(item, Skipped)]
+    if not kept:
+        return _empty_batch(skipped)
+    captions = [c for item in kept for c in item["captions"]]
+    counts = torch.tensor([len(item["captions"]) for item in kept])
+    key = "features" if "features" in kept[0] else "image"
+    return {
+        "images" if key == "image" else "features": torch.stack([item[key] for item in kept]),
+        "captions": pad_sequence(captions, batch_first=True, padding_value=Vocabulary.pad_id),  # (N, T)
+        "lengths": torch.tensor([len(c) for c in captions], dtype=torch.long),  # (N,)
+        "image_index": torch.repeat_interleave(torch.arange(len(kept)), counts),  # (N,)
+        "image_ids": torch.tensor([item["image_id"] for item in kept], dtype=torch.long),  # (B,)
+        "indices": torch.tensor([item["index"] for item in kept], dtype=torch.long),  # (B,)
+        "skipped": skipped,
+    }
+
+
+def _empty_batch(skipped: list[Skipped]) -> dict:
+    """A batch with no images (every item was skipped)."""
+    empty = torch.zeros(0, dtype=torch.long)
+    return {"images": torch.zeros(0, 3, 0, 0), "captions": torch.zeros(0, 0, dtype=torch.long),
+            "lengths": empty, "image_index": empty, "image_ids": empty, "indices": empty,
+            "skipped": skipped}
+
+
+class SkipCounter:
+    """Unreadable images seen during a run, counted once per path, for one summary line."""
+
+    def __init__(self) -> None:
+        self._skipped: dict[str, Skipped] = {}
+
+    def add(self, skipped: Sequence[Skipped]) -> list[Skipped]:
+        """Record ``skipped`` (e.g. ``batch["skipped"]``); return those not seen before."""
+        new = []
+        for item in skipped:
+            if item.path not in self._skipped:
+                self._skipped[item.path] = item
+                new.append(item)
+        return new
+
+    @property
+    def count(self) -> int:
+        """Number of distinct unreadable images."""
+        return len(self._skipped)
+
+    def first(self, n: int = 5) -> list[Skipped]:
+        """The first ``n`` distinct unreadable images, in the order they were met."""
+        return list(self._skipped.values())[:n]
+
+    def report(self, n: int = 5) -> str:
+        """One line: how many images were skipped and the first ``n`` with their reasons ("" if none)."""
+        if not self._skipped:
+            return ""
+        shown = "; ".join(f"{s.path} ({s.reason})" for s in self.first(n))
+        more = f"; and {self.count - n} more" if self.count > n else ""
+        noun = "image" if self.count == 1 else "images"
+        return f"skipped {self.count} unreadable {noun}: {shown}{more}"

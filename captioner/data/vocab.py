@@ -1,0 +1,116 @@
+"""Tokenizer and vocabulary: built from training captions only, saved as JSON (never pickled)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from typing import Iterable, Sequence
+
+from nltk.tokenize import RegexpTokenizer
+
+from captioner.errors import DataError, check_range
+from captioner.fileio import read_json, write_json
+
+_TOKENIZER = RegexpTokenizer(r"[^\W_]+")  # runs of letters/digits; needs no downloaded nltk data
+_FORMAT, _VERSION = "captioner-vocab", 1
+
+
+def tokenize(text: str) -> list[str]:
+    """Lower-case ``text`` and split it into words and numbers (punctuation dropped)."""
+    return _TOKENIZER.tokenize(text.lower())
+
+
+class Vocabulary:
+    """Word <-> id mapping; ids 0..3 are ``<pad>``, ``<start>``, ``<end>``, ``<unk>``."""
+
+    PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
+    SPECIALS = (PAD, START, END, UNK)
+    pad_id, start_id, end_id, unk_id = 0, 1, 2, 3
+
+    def __init__(self, words: Sequence[str]) -> None:
+        """``words`` in id order; the four specials are put first unless ``words`` starts with them."""
+        words = list(words)
+        if tuple(words[:4]) == self.SPECIALS:
+            words = words[4:]
+        repeated = sorted(w for w, n in Counter(words).items() if n > 1 or w in self.SPECIALS)
+        if repeated:
+            raise ValueError(f"vocabulary words repeat or clash with the specials: {repeated[:5]}")
+        self.itos: list[str] = [*self.SPECIALS, *words]
+        self.stoi: dict[str, int] = {w: i for i, w in enumerate(self.itos)}
+
+    @classmethod
+    def build(cls, captions: Iterable[str], min_count: int = 5, max_size: int | None = None) -> Vocabulary:
+        """Words seen at least ``min_count`` times in ``captions``, most frequent first (ties by word).
+
+        ``max_size`` caps the number of words besides the four specials. Pass training captions only.
+        """
+        check_range("min_count", min_count, 1, kind=int)
+        if max_size is not None:
+            check_range("max_size", max_size, 0, kind=int)
+        counts = Counter(word for caption in captions for word in tokenize(caption))
+        words = sorted((w for w, n in counts.items() if n >= min_count), key=lambda w: (-counts[w], w))
+        return cls(words[:max_size])
+
+    def encode(self, caption: str, max_len: int) -> list[int]:
+        """``[<start>] + ids of the first max_len words (unknown -> <unk>) + [<end>]``."""
+        ids = [self.stoi.get(word, self.unk_id) for word in tokenize(caption)[:max_len]]
+        return [self.start_id, *ids, self.end_id]
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        """Words of ``ids``, skipping ``<start>``/``<pad>`` and stopping at ``<end>``."""
+        words = []
+        for i in ids:
+            i = int(i)
+            if i == self.end_id:
+                break
+            if i not in (self.start_id, self.pad_id):
+                words.append(self.itos[i])
+        return words
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Vocabulary) and self.itos == other.itos
+
+    __hash__ = None  # mutable lists inside: not hashable
+
+    def to_dict(self) -> dict:
+        """JSON-ready form: ``{"format", "version", "words"}`` with ``words`` the full id -> word list."""
+        return {"format": _FORMAT, "version": _VERSION, "words": list(self.itos)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Vocabulary:
+        """Inverse of ``to_dict``; raises DataError describing what is malformed."""
+        if not isinstance(d, dict) or d.get("format") != _FORMAT:
+            raise DataError(f"not a captioner vocabulary (expected \"format\": \"{_FORMAT}\")")
+        if d.get("version") != _VERSION:
+            raise DataError(f"vocabulary version {d.get('version')!r} is not supported (expected {_VERSION})")
+        words = d.get("words")
+        if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+            raise DataError("vocabulary \"words\" must be a list of non-empty strings")
+        if tuple(words[:4]) != cls.SPECIALS:
+            raise DataError(f"vocabulary \"words\" must start with {', '.join(cls.SPECIALS)}")
+        try:
+            return cls(words)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the vocabulary as JSON, atomically."""
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Vocabulary:
+        """Read a vocabulary JSON file; DataError naming the file when it is missing or malformed."""
+        data = read_json(path, "vocabulary file")
+        try:
+            return cls.from_dict(data)
+        except DataError as exc:
+            raise DataError(f"{path}: {exc}") from None
+
+    def fingerprint(self) -> str:
+        """A short sha256 hex digest of the word list: equal fingerprints mean equal ids."""
+        return hashlib.sha256(json.dumps(self.itos).encode("utf-8")).hexdigest()[:16]

@@ -1,0 +1,108 @@
+"""Tokenizer and Vocabulary: deterministic build, encode/decode, JSON round trip, malformed files."""
+
+from __future__ import annotations
+
+import json
+
+import nltk
+import pytest
+import torch
+
+from captioner.data.vocab import Vocabulary, tokenize
+from captioner.errors import ConfigError, DataError
+
+CAPTIONS = ["A dog runs.", "a dog sits", "The DOG, a cat!", "a cat sleeps", "a bird"]
+
+
+def test_tokenize_lower_cases_and_drops_punctuation(monkeypatch):
+    monkeypatch.setattr(nltk.data, "path", [])  # no downloaded nltk data may be needed
+    assert tokenize("A man's RED-hat, 2 dogs!\n") == ["a", "man", "s", "red", "hat", "2", "dogs"]
+    assert tokenize("Café au lait_ok") == ["café", "au", "lait", "ok"]
+    assert tokenize("  ...  ") == []
+
+
+def test_specials_have_fixed_ids():
+    vocab = Vocabulary(["dog", "cat"])
+    assert vocab.itos[:4] == ["<pad>", "<start>", "<end>", "<unk>"]
+    assert (vocab.pad_id, vocab.start_id, vocab.end_id, vocab.unk_id) == (0, 1, 2, 3)
+    assert vocab.stoi["dog"] == 4 and vocab.stoi["cat"] == 5 and len(vocab) == 6
+    assert Vocabulary(vocab.itos).itos == vocab.itos  # a full id list (specials first) is accepted too
+
+
+def test_repeated_or_special_words_are_refused():
+    with pytest.raises(ValueError, match="dog"):
+        Vocabulary(["dog", "cat", "dog"])
+    with pytest.raises(ValueError, match="<unk>"):
+        Vocabulary(["dog", "<unk>"])
+
+
+def test_build_counts_min_count_and_orders_deterministically():
+    vocab = Vocabulary.build(CAPTIONS, min_count=2)
+    # counts: a 5, dog 3, cat 2 (ties by word); runs/sits/the/sleeps/bird appear once
+    assert vocab.itos[4:] == ["a", "dog", "cat"]
+    assert Vocabulary.build(reversed(CAPTIONS), min_count=2).itos == vocab.itos
+    assert Vocabulary.build(CAPTIONS, min_count=1).itos[4:] == ["a", "dog", "cat", "bird", "runs", "sits",
+                                                               "sleeps", "the"]
+    assert Vocabulary.build(CAPTIONS, min_count=1, max_size=2).itos[4:] == ["a", "dog"]
+    assert Vocabulary.build(CAPTIONS).itos[4:] == ["a"]  # default min_count 5
+
+
+def test_build_rejects_bad_arguments():
+    with pytest.raises(ConfigError):
+        Vocabulary.build(CAPTIONS, min_count=0)
+    with pytest.raises(ConfigError):
+        Vocabulary.build(CAPTIONS, max_size=-1)
+
+
+def test_encode_unknown_words_and_max_len():
+    vocab = Vocabulary.build(CAPTIONS, min_count=2)
+    a, dog, cat = vocab.stoi["a"], vocab.stoi["dog"], vocab.stoi["cat"]
+    assert vocab.encode("A dog chases a CAT.", max_len=20) == [1, a, dog, 3, a, cat, 2]
+    assert vocab.encode("A dog chases a CAT.", max_len=2) == [1, a, dog, 2]
+    assert vocab.encode("!!!", max_len=5) == [1, 2]
+
+
+def test_decode_skips_start_and_pad_and_stops_at_end():
+    vocab = Vocabulary(["dog", "cat"])
+    assert vocab.decode([1, 4, 3, 5, 2, 4, 0]) == ["dog", "<unk>", "cat"]
+    assert vocab.decode(torch.tensor([4, 0, 5])) == ["dog", "cat"]
+    assert vocab.decode(vocab.encode("cat dog", 10)) == ["cat", "dog"]
+
+
+def test_save_load_round_trip_is_json(tmp_path):
+    vocab = Vocabulary.build(CAPTIONS, min_count=1)
+    path = tmp_path / "sub" / "vocab.json"
+    vocab.save(path)
+    stored = json.loads(path.read_text())
+    assert stored == {"format": "captioner-vocab", "version": 1, "words": vocab.itos}
+    loaded = Vocabulary.load(path)
+    assert loaded == vocab and loaded.stoi == vocab.stoi
+    assert loaded.fingerprint() == vocab.fingerprint() and len(vocab.fingerprint()) == 16
+    assert Vocabulary.from_dict(vocab.to_dict()) == vocab
+
+
+def test_fingerprint_changes_with_the_words():
+    assert Vocabulary(["dog", "cat"]).fingerprint() != Vocabulary(["cat", "dog"]).fingerprint()
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("[1, 2", "not valid JSON"),
+    (json.dumps({"format": "other", "version": 1, "words": []}), "not a captioner vocabulary"),
+    (json.dumps({"format": "captioner-vocab", "version": 9, "words": []}), "version 9 is not supported"),
+    (json.dumps({"format": "captioner-vocab", "version": 1, "words": ["a", 3]}), "list of non-empty strings"),
+    (json.dumps({"format": "captioner-vocab", "version": 1, "words": ["dog"]}), "must start with <pad>"),
+    (json.dumps({"format": "captioner-vocab", "version": 1,
+                 "words": ["<pad>", "<start>", "<end>", "<unk>", "a", "a"]}), "repeat"),
+    (json.dumps(["<pad>"]), "not a captioner vocabulary"),
+])
+def test_malformed_vocab_file(tmp_path, content, problem):
+    path = tmp_path / "vocab.json"
+    path.write_text(content)
+    with pytest.raises(DataError) as info:
+        Vocabulary.load(path)
+    assert str(path) in str(info.value) and problem in str(info.value)
+
+
+def test_missing_vocab_file(tmp_path):
+    with pytest.raises(DataError, match="vocab.json"):
+        Vocabulary.load(tmp_path / "vocab.json")
