@@ -1,0 +1,119 @@
+"""Attention scorers over the L annotation vectors a_i of an image (Xu et al. 2015, section 3.1.2).
+
+Every scorer splits its work in two: ``keys`` projects the features once per image (the ``W_a a_i``
+term does not depend on the step t), and ``forward`` scores those keys against the LSTM state
+h_{t-1} at each step, giving alpha_t = softmax_i(e_ti) (eq. 4-5) and the expected context
+sum_i alpha_ti a_i (section 4.2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from captioner.errors import ConfigError, check_choice, check_range
+
+ATTENTION_TYPES = ("additive", "dot", "scaled_dot", "bilinear", "multihead")
+
+
+class Attention(nn.Module):
+    """Base of all scorers: ``key`` projects the features once, ``score`` compares them with h."""
+
+    def __init__(self, key: nn.Linear) -> None:
+        super().__init__()
+        self.key = key
+
+    def keys(self, features: Tensor) -> Tensor:
+        """Project the features (B, L, D) once per image into keys (B, L, A)."""
+        return self.key(features)
+
+    def score(self, keys: Tensor, h: Tensor) -> Tensor:
+        """Unnormalised scores e_ti (B, L) of the keys (B, L, A) against h_{t-1} (B, H) (eq. 4)."""
+        raise NotImplementedError
+
+    def forward(self, keys: Tensor, features: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """Return the context sum_i alpha_i a_i (B, D) and the weights alpha (B, L), which sum to 1."""
+        alpha = self.score(keys, h).softmax(dim=-1)  # (B, L), eq. 5
+        context = torch.bmm(alpha.unsqueeze(1), features).squeeze(1)  # (B, D)
+        return context, alpha
+
+
+class AdditiveAttention(Attention):
+    """The paper's MLP scorer: e_ti = w^T tanh(W_a a_i + W_h h_{t-1} + b)."""
+
+    def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int) -> None:
+        super().__init__(nn.Linear(feature_dim, attention_dim))  # W_a and b
+        self.query = nn.Linear(hidden_dim, attention_dim, bias=False)  # W_h
+        self.energy = nn.Linear(attention_dim, 1, bias=False)  # w
+
+    def score(self, keys: Tensor, h: Tensor) -> Tensor:
+        hidden = torch.tanh(keys + self.query(h).unsqueeze(1))  # (B, L, A)
+        return self.energy(hidden).squeeze(-1)  # (B, L)
+
+
+class DotAttention(Attention):
+    """Dot product of the projected features and the projected state: e_ti = (W_q h)^T (W_k a_i) * s.
+
+    The two projections make the dimensions match; ``scaled`` sets s = 1 / sqrt(A), else s = 1.
+    """
+
+    def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int, scaled: bool = False) -> None:
+        super().__init__(nn.Linear(feature_dim, attention_dim, bias=False))  # W_k
+        self.query = nn.Linear(hidden_dim, attention_dim, bias=False)  # W_q
+        self.scale = attention_dim**-0.5 if scaled else 1.0
+
+    def score(self, keys: Tensor, h: Tensor) -> Tensor:
+        query = self.query(h).unsqueeze(-1)  # (B, A, 1)
+        return torch.bmm(keys, query).squeeze(-1) * self.scale  # (B, L)
+
+
+class BilinearAttention(Attention):
+    """Luong's "general" scorer e_ti = h^T W a_i with a full-rank W; its keys W a_i are (B, L, H)."""
+
+    def __init__(self, feature_dim: int, hidden_dim: int) -> None:
+        super().__init__(nn.Linear(feature_dim, hidden_dim, bias=False))  # W
+
+    def score(self, keys: Tensor, h: Tensor) -> Tensor:
+        return torch.bmm(keys, h.unsqueeze(-1)).squeeze(-1)  # (B, L)
+
+
+class MultiHeadAttention(Attention):
+    """Several scaled dot-product heads over projected keys and values, one query per image.
+
+    ``keys`` returns keys and values side by side (B, L, 2A), projected once per image. The context
+    is the heads' concatenated output mapped back to D; alpha is the heads' average weights (what an
+    attention overlay shows and what hard attention samples from).
+    """
+
+    def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int) -> None:
+        if attention_dim % heads:
+            raise ConfigError(f"attention_dim={attention_dim} must be divisible by attention_heads={heads}")
+        super().__init__(nn.Linear(feature_dim, 2 * attention_dim))  # W_k and W_v in one matmul
+        self.query = nn.Linear(hidden_dim, attention_dim)
+        self.out = nn.Linear(attention_dim, feature_dim)
+        self.heads = heads
+
+    def forward(self, keys: Tensor, features: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        batch, locations, _ = keys.shape
+        key, value = keys.view(batch, locations, 2, self.heads, -1).permute(2, 0, 3, 1, 4)  # (B, heads, L, d)
+        query = self.query(h).view(batch, self.heads, 1, -1)  # (B, heads, 1, d)
+        context = F.scaled_dot_product_attention(query, key, value)  # (B, heads, 1, d)
+        # SDPA does not return its weights: recompute them for alpha (one query per head, cheap).
+        weights = (query @ key.transpose(-1, -2) * key.size(-1) ** -0.5).softmax(dim=-1)  # (B, heads, 1, L)
+        return self.out(context.reshape(batch, -1)), weights.mean(dim=1).squeeze(1)  # (B, D), (B, L)
+
+
+def build_attention(kind: str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int = 1) -> Attention:
+    """Build the scorer ``kind`` (one of ATTENTION_TYPES); only "multihead" takes ``heads`` > 1."""
+    check_choice("attention", kind, ATTENTION_TYPES)
+    check_range("attention_heads", heads, 1, kind=int)
+    if kind == "multihead":
+        return MultiHeadAttention(feature_dim, hidden_dim, attention_dim, heads)
+    if heads != 1:
+        raise ConfigError(f"attention_heads={heads} needs attention='multihead' (got {kind!r})")
+    if kind == "additive":
+        return AdditiveAttention(feature_dim, hidden_dim, attention_dim)
+    if kind == "bilinear":
+        return BilinearAttention(feature_dim, hidden_dim)
+    return DotAttention(feature_dim, hidden_dim, attention_dim, scaled=kind == "scaled_dot")

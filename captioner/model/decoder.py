@@ -1,0 +1,145 @@
+"""The Show, Attend and Tell LSTM decoder (Xu et al. 2015, sections 3.1.2 and 4).
+
+Shapes: B images, N captions, L locations, D feature channels, H LSTM units, E embedding size,
+V vocabulary size, T teacher-forced steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.distributions import Categorical
+
+from captioner.errors import check_choice, check_range
+from captioner.model.attention import build_attention
+
+MODES = ("soft", "hard")
+GATES = ("scalar", "vector", "none")
+HARD_INFERENCE = ("argmax", "expectation")
+
+State = tuple[Tensor, Tensor]
+
+
+@dataclass
+class DecoderOutput:
+    """Teacher-forced decoder outputs for N captions of T steps (targets are ``captions[:, 1:]``).
+
+    ``location_log_probs`` (log alpha of the sampled location, 0 where the expected context was
+    used), ``entropy`` (of alpha_t) and ``sampled`` (which sequences sampled locations) are set only
+    for hard attention in training mode.
+    """
+
+    logits: Tensor  # (N, T, V)
+    alphas: Tensor  # (N, T, L)
+    location_log_probs: Tensor | None = None  # (N, T)
+    entropy: Tensor | None = None  # (N, T)
+    sampled: Tensor | None = None  # (N,) bool
+
+
+class ShowAttendTellDecoder(nn.Module):
+    """LSTM decoder with soft or hard attention, a gating scalar and the deep output layer."""
+
+    def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
+                 attention_dim: int = 512, attention: str = "additive", attention_heads: int = 1,
+                 mode: str = "soft", gate: str = "scalar", deep_output: bool = True, dropout: float = 0.5,
+                 hard_expectation_prob: float = 0.5, hard_inference: str = "argmax") -> None:
+        super().__init__()
+        check_choice("mode", mode, MODES)
+        check_choice("gate", gate, GATES)
+        check_choice("hard_inference", hard_inference, HARD_INFERENCE)
+        check_range("dropout", dropout, 0.0, 1.0)
+        check_range("hard_expectation_prob", hard_expectation_prob, 0.0, 1.0)
+        self.mode = mode
+        self.hard_expectation_prob = hard_expectation_prob
+        self.hard_inference = hard_inference
+        self.embedding = nn.Embedding(vocab_size, embed_dim)  # E
+        self.attention = build_attention(attention, feature_dim, hidden_dim, attention_dim, attention_heads)
+        self.init_h = nn.Linear(feature_dim, hidden_dim)  # f_init,h
+        self.init_c = nn.Linear(feature_dim, hidden_dim)  # f_init,c
+        gates = {"scalar": 1, "vector": feature_dim}
+        self.f_beta = nn.Linear(hidden_dim, gates[gate]) if gate in gates else None
+        self.lstm = nn.LSTMCell(embed_dim + feature_dim, hidden_dim)
+        self.dropout = nn.Dropout(dropout)
+        if deep_output:
+            self.deep_h = nn.Linear(hidden_dim, embed_dim)  # L_h
+            self.deep_z = nn.Linear(feature_dim, embed_dim)  # L_z
+            self.classifier = nn.Linear(embed_dim, vocab_size)  # L_o
+        else:
+            self.deep_h = self.deep_z = None
+            self.classifier = nn.Linear(hidden_dim, vocab_size)
+
+    def init_state(self, features: Tensor) -> State:
+        """h_0 = tanh(f_init,h(mean_i a_i)), c_0 = tanh(f_init,c(mean_i a_i)), each (B, H)."""
+        mean = features.mean(dim=1)  # (B, D)
+        return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))
+
+    def step(self, tokens: Tensor, state: State, features: Tensor, keys: Tensor
+             ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
+        """One decoding step from the previous tokens (B,) and state.
+
+        Returns logits (B, V), the new state, alpha (B, L) and, for hard attention in training mode
+        (a location sampled in every row), the location log-probability (B,) and entropy (B,).
+        """
+        return self._step(self.embedding(tokens), state, features, keys, expect=None)
+
+    def forward(self, features: Tensor, captions: Tensor, image_index: Tensor | None = None) -> DecoderOutput:
+        """Teacher forcing of ``captions`` (N, T+1) on ``features`` (B, L, D) for a fixed T steps.
+
+        ``image_index`` (N,) names each caption's image (None: caption n belongs to image n). Keys
+        and initial states are computed on the B images once, then gathered to the N captions. Pad
+        steps run like the others (no per-step batch shrinking); the loss masks them.
+        """
+        keys = self.attention.keys(features)  # (B, L, A), once per image
+        state = self.init_state(features)  # (B, H) x 2
+        if image_index is not None:
+            features, keys = features[image_index], keys[image_index]  # (N, L, D), (N, L, A)
+            state = (state[0][image_index], state[1][image_index])  # (N, H) x 2
+        embedded = self.embedding(captions[:, :-1])  # (N, T, E): E y_{t-1}
+        sampling = self.mode == "hard" and self.training
+        expect = None
+        if sampling:  # per sequence: expected context instead of a sampled location (section 4.1)
+            expect = torch.rand(captions.size(0), device=captions.device) < self.hard_expectation_prob  # (N,)
+        steps = []
+        for t in range(embedded.size(1)):
+            logits, state, alpha, log_prob, entropy = self._step(embedded[:, t], state, features, keys, expect)
+            steps.append((logits, alpha, log_prob, entropy))
+        logits, alphas, log_probs, entropies = zip(*steps)
+        output = DecoderOutput(torch.stack(logits, dim=1), torch.stack(alphas, dim=1))  # (N, T, V), (N, T, L)
+        if sampling:
+            output.location_log_probs = torch.stack(log_probs, dim=1)  # (N, T)
+            output.entropy = torch.stack(entropies, dim=1)  # (N, T)
+            output.sampled = ~expect
+        return output
+
+    def _step(self, embedded: Tensor, state: State, features: Tensor, keys: Tensor, expect: Tensor | None
+              ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
+        h, c = state  # (B, H) x 2: h_{t-1}, c_{t-1}
+        z, alpha, log_prob, entropy = self._attend(features, keys, h, expect)  # (B, D), (B, L)
+        if self.f_beta is not None:
+            z = torch.sigmoid(self.f_beta(h)) * z  # beta_t = sigmoid(f_beta(h_{t-1})) (section 4.2.1)
+        h, c = self.lstm(torch.cat([embedded, z], dim=-1), (h, c))  # eq. 1-3, input [E y_{t-1}; z_t]
+        if self.deep_h is None:
+            logits = self.classifier(self.dropout(h))  # (B, V)
+        else:  # eq. 7: L_o(E y_{t-1} + L_h h_t + L_z z_t)
+            logits = self.classifier(self.dropout(embedded + self.deep_h(h) + self.deep_z(z)))  # (B, V)
+        return logits, (h, c), alpha, log_prob, entropy
+
+    def _attend(self, features: Tensor, keys: Tensor, h: Tensor, expect: Tensor | None
+                ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """z_t before gating (B, D), alpha_t (B, L) and, when sampling, log p(s_t) and H(alpha_t) (B,)."""
+        context, alpha = self.attention(keys, features, h)  # eq. 4-5; soft: expected context (section 4.2)
+        if self.mode == "soft" or (not self.training and self.hard_inference == "expectation"):
+            return context, alpha, None, None
+        rows = torch.arange(features.size(0), device=features.device)
+        if not self.training:  # hard attention at inference: the most likely location
+            return features[rows, alpha.argmax(dim=-1)], alpha, None, None
+        locations = Categorical(probs=alpha, validate_args=False)
+        s = locations.sample()  # (B,): s_t ~ Multinoulli_L(alpha_t) (section 4.1)
+        z = features[rows, s]  # (B, D): z_t = a_{s_t}
+        log_prob = locations.log_prob(s)  # (B,)
+        if expect is not None:
+            z = torch.where(expect.unsqueeze(1), context, z)
+            log_prob = log_prob.masked_fill(expect, 0.0)
+        return z, alpha, log_prob, locations.entropy()

@@ -1,0 +1,180 @@
+"""Caption generation from image features: greedy, sampling and beam search, batched over images.
+
+Each function computes the attention keys once per image, then runs at most ``max_len`` steps with
+finished rows masked. Nothing is read back from the device inside the step loop except, every
+``EXIT_CHECK_INTERVAL`` steps, whether every image is done. <pad> and <start> are never generated.
+Call them on a decoder in eval mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from captioner.errors import ConfigError, check_range
+from captioner.model.decoder import ShowAttendTellDecoder
+
+PAD_ID = 0  # Vocabulary.pad_id: fills the tokens after <end>
+EXIT_CHECK_INTERVAL = 4  # steps between the host checks for "every image is done"
+
+
+@dataclass
+class Generation:
+    """Generated captions, T = the longest of them."""
+
+    tokens: Tensor  # (B, T) long: no <start>, <end> where emitted, PAD_ID after it
+    scores: Tensor  # (B,) sum of the tokens' log-probabilities (beam: over the length penalty)
+    alphas: Tensor  # (B, T, L) attention of each returned token, 0 after the end
+    lengths: Tensor  # (B,) long, the <end> token included
+
+
+@torch.no_grad()
+def greedy(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int
+           ) -> Generation:
+    """Emit the most likely word at each step for the features (B, L, D)."""
+    return _decode(decoder, features, max_len, start_id, end_id, lambda log_probs: log_probs.argmax(dim=-1))
+
+
+@torch.no_grad()
+def sample(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
+           temperature: float = 1.0, generator: torch.Generator | None = None) -> Generation:
+    """Sample each word from softmax(logits / temperature); scores use the untempered log-probs."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
+        raise ConfigError(f"temperature={temperature!r} must be a number > 0")
+
+    def choose(log_probs: Tensor) -> Tensor:
+        probs = (log_probs / temperature).softmax(dim=-1)  # (B, V)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+
+    return _decode(decoder, features, max_len, start_id, end_id, choose)
+
+
+def _decode(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
+            choose: Callable[[Tensor], Tensor]) -> Generation:
+    """One caption per image, ``choose`` picking each next token (B,) from the log-probs (B, V)."""
+    check_range("max_len", max_len, 1, kind=int)
+    batch = features.size(0)
+    keys = decoder.attention.keys(features)  # (B, L, A), once per image
+    state = decoder.init_state(features)
+    tokens = torch.full((batch,), start_id, dtype=torch.long, device=features.device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=features.device)
+    scores = features.new_zeros(batch, dtype=torch.float32)
+    lengths = torch.zeros(batch, dtype=torch.long, device=features.device)
+    words, alphas = [], []
+    for t in range(max_len):
+        logits, state, alpha, _, _ = decoder.step(tokens, state, features, keys)  # (B, V), (B, L)
+        log_probs = _word_log_probs(logits, start_id)  # (B, V)
+        tokens = choose(log_probs).masked_fill(finished, PAD_ID)  # (B,)
+        scores += log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)
+        lengths += ~finished
+        words.append(tokens)
+        alphas.append(alpha.masked_fill(finished.unsqueeze(1), 0.0))
+        finished = finished | (tokens == end_id)
+        if (t + 1) % EXIT_CHECK_INTERVAL == 0 and finished.all():
+            break
+    return _trimmed(Generation(torch.stack(words, 1), scores, torch.stack(alphas, 1), lengths))
+
+
+@torch.no_grad()
+def beam_search(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
+                beam_size: int = 3, length_penalty: float = 0.0) -> Generation:
+    """Beam search over B images x K beams at once, returning the best caption of each image.
+
+    Each step ranks the 2K best extensions (summed log-probs, never raw logits): those of the top K
+    that end with <end> become finished hypotheses, the K best others stay live. Hypotheses are
+    compared on score / lp(length), lp = ((5 + length) / 6) ** length_penalty (GNMT; 0 compares
+    the sums). An image is done when its best finished hypothesis beats any score its live beams
+    could still reach (score / lp(max_len), as log-probs only fall); at ``max_len`` the live beams
+    compete too, so a caption is returned even when <end> was never emitted. Words, backpointers
+    and alphas are kept per step and the chosen caption is traced back at the end.
+    """
+    check_range("beam_size", beam_size, 1, kind=int)
+    check_range("max_len", max_len, 1, kind=int)
+    check_range("length_penalty", length_penalty, 0.0)
+    batch, beams, device = features.size(0), beam_size, features.device
+    keys = decoder.attention.keys(features)  # (B, L, A), once per image
+    state = tuple(s.repeat_interleave(beams, dim=0) for s in decoder.init_state(features))  # (B*K, H)
+    features, keys = features.repeat_interleave(beams, dim=0), keys.repeat_interleave(beams, dim=0)
+    tokens = torch.full((batch * beams,), start_id, dtype=torch.long, device=device)  # (B*K,)
+    scores = torch.full((batch, beams), float("-inf"), device=device)  # (B, K) live beams' log-probs
+    scores[:, 0] = 0.0  # the K rows start identical: expand one of them
+    offsets = torch.arange(batch, device=device).unsqueeze(1) * beams  # (B, 1): first row of each image
+    best = torch.full((batch,), float("-inf"), device=device)  # (B,) best finished score / lp
+    best_step = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) step of its <end>
+    best_row = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) beam that emitted it
+    done = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
+    words, parents, alphas = [], [], []  # per step: (B, K), (B, K), (B, K, L)
+    for t in range(max_len):
+        logits, state, alpha, _, _ = decoder.step(tokens, state, features, keys)  # (B*K, V), (B*K, L)
+        vocab = logits.size(-1)
+        log_probs = _word_log_probs(logits, start_id).view(batch, beams, vocab)  # (B, K, V)
+        candidates = (scores.unsqueeze(-1) + log_probs).view(batch, beams * vocab)  # (B, K*V)
+        top, index = candidates.topk(2 * beams, dim=1)  # (B, 2K): at most K of them end with <end>
+        parent, word = index // vocab, index % vocab  # (B, 2K)
+        ends = (word[:, :beams] == end_id) & top[:, :beams].isfinite() & ~done.unsqueeze(1)  # (B, K)
+        value, pick = (top[:, :beams] / _penalty(t + 1, length_penalty)).masked_fill(~ends, float("-inf")).max(1)
+        better = value > best  # (B,)
+        best = torch.where(better, value, best)
+        best_step = best_step.masked_fill(better, t)
+        best_row = torch.where(better, parent.gather(1, pick.unsqueeze(1)).squeeze(1), best_row)
+        scores, keep = top.masked_fill(word == end_id, float("-inf")).topk(beams, dim=1)  # (B, K)
+        parent, word = parent.gather(1, keep), word.gather(1, keep)  # (B, K)
+        state = tuple(s.index_select(0, (offsets + parent).view(-1)) for s in state)  # follow the parents
+        tokens = word.view(-1)  # (B*K,)
+        words.append(word)
+        parents.append(parent)
+        alphas.append(alpha.view(batch, beams, alpha.size(-1)))
+        done = best >= scores.max(dim=1).values / _penalty(max_len, length_penalty)
+        if (t + 1) % EXIT_CHECK_INTERVAL == 0 and done.all():
+            break
+    steps = len(words)
+    live, live_row = (scores / _penalty(steps, length_penalty)).max(dim=1)  # (B,)
+    use_live = (live > best) | best.isneginf()  # nothing finished, or a live beam is better
+    end_step = torch.where(use_live, steps, best_step)  # (B,) the words before it are traced back
+    row = torch.where(use_live, live_row, best_row)
+    return _trimmed(_trace(words, parents, alphas, end_step, row, end_id, torch.where(use_live, live, best)))
+
+
+def _word_log_probs(logits: Tensor, start_id: int) -> Tensor:
+    """log p(word) (B, V) in float32; -inf for <pad> and <start>, which are never generated."""
+    log_probs = logits.float().log_softmax(dim=-1)
+    log_probs[:, PAD_ID] = float("-inf")
+    log_probs[:, start_id] = float("-inf")
+    return log_probs
+
+
+def _penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ((5 + length) / 6) ** alpha; 1 when alpha is 0."""
+    return ((5 + length) / 6) ** alpha
+
+
+def _trace(words: list[Tensor], parents: list[Tensor], alphas: list[Tensor], end_step: Tensor, row: Tensor,
+           end_id: int, scores: Tensor) -> Generation:
+    """Follow the backpointers from beam ``row`` at ``end_step`` (B,): <end> there when it lies before
+    the last step (a finished hypothesis), the words of the beams it came from before it."""
+    history = torch.stack(alphas, dim=1)  # (B, steps, K, L)
+    batch, steps, _, locations = history.shape
+    images = torch.arange(batch, device=row.device)
+    ended = end_step < steps  # (B,)
+    last = end_step.clamp(max=steps - 1)
+    tokens = torch.full((batch, steps), PAD_ID, dtype=torch.long, device=row.device)
+    tokens[images, last] = torch.where(ended, end_id, PAD_ID)
+    attention = history.new_zeros(batch, steps, locations)
+    attention[images, last] = history[images, last, row] * ended.unsqueeze(1)
+    for t in reversed(range(steps)):
+        before = t < end_step  # (B,)
+        parent = parents[t][images, row]  # (B,)
+        tokens[:, t] = torch.where(before, words[t][images, row], tokens[:, t])
+        attention[:, t] = torch.where(before.unsqueeze(1), history[images, t, parent], attention[:, t])
+        row = torch.where(before, parent, row)
+    return Generation(tokens, scores, attention, end_step + ended)
+
+
+def _trimmed(generation: Generation) -> Generation:
+    """Drop the trailing steps where every caption has ended (one host sync, after decoding)."""
+    steps = int(generation.lengths.max()) if generation.lengths.numel() else 0
+    return Generation(generation.tokens[:, :steps], generation.scores, generation.alphas[:, :steps],
+                      generation.lengths)

@@ -1,0 +1,80 @@
+"""Training loss of Show, Attend and Tell: masked cross-entropy, doubly stochastic regularisation and,
+for hard attention, the REINFORCE terms of eq. 12 (Xu et al. 2015)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from captioner.errors import check_range
+from captioner.model.decoder import DecoderOutput
+
+
+class CaptionLoss(nn.Module):
+    """Sum of the caption loss terms; ``forward`` returns each term and their total under "loss".
+
+    Every token term is normalised by the number of real (non-pad) target tokens of the batch, so
+    the REINFORCE and entropy terms keep the paper's weights relative to the cross-entropy. The
+    moving-average reward baseline is a buffer (checkpointed) and moves only in training mode.
+    """
+
+    baseline: Tensor
+
+    def __init__(self, pad_id: int, ds_lambda: float = 1.0, reinforce_weight: float = 1.0,
+                 entropy_weight: float = 0.002, baseline_decay: float = 0.9) -> None:
+        super().__init__()
+        check_range("ds_lambda", ds_lambda, 0.0)
+        check_range("reinforce_weight", reinforce_weight, 0.0)
+        check_range("entropy_weight", entropy_weight, 0.0)
+        check_range("baseline_decay", baseline_decay, 0.0, 1.0)
+        self.pad_id = pad_id
+        self.ds_lambda = ds_lambda
+        self.reinforce_weight = reinforce_weight
+        self.entropy_weight = entropy_weight
+        self.baseline_decay = baseline_decay
+        self.register_buffer("baseline", torch.zeros(()))
+
+    def forward(self, output: DecoderOutput, captions: Tensor) -> dict[str, Tensor]:
+        """Loss terms for ``output`` of teacher forcing on ``captions`` (N, T+1).
+
+        Keys: "ce" (mean cross-entropy per real token), "ds" (doubly stochastic penalty, eq. 14),
+        "loss" (the total to minimise) and, for hard attention in training, "reinforce" (the
+        surrogate whose gradient is the REINFORCE term of eq. 12; "loss" carries its gradient only)
+        and "entropy" (the bonus, weighted and subtracted in "loss").
+        """
+        targets = captions[:, 1:]  # (N, T)
+        mask = (targets != self.pad_id).to(output.alphas.dtype)  # (N, T)
+        tokens = mask.sum().clamp_min(1.0)
+        nll = F.cross_entropy(output.logits.transpose(1, 2), targets, ignore_index=self.pad_id,
+                              reduction="none")  # (N, T), 0 on pad
+        ce = nll.sum() / tokens
+        coverage = (output.alphas * mask.unsqueeze(-1)).sum(dim=1)  # (N, L): sum_t alpha_ti over real steps
+        ds = self.ds_lambda * (1.0 - coverage).square().sum(dim=1).mean()  # eq. 14
+        terms = {"ce": ce, "ds": ds}
+        loss = ce + ds
+        if output.location_log_probs is not None:
+            reinforce, entropy = self._reinforce(output, nll, mask, tokens)
+            terms.update(reinforce=reinforce, entropy=entropy)
+            # the surrogate adds its gradient, not its value: "loss" stays comparable with soft attention
+            loss = loss + (reinforce - reinforce.detach()) - self.entropy_weight * entropy
+        return {"loss": loss, **terms}
+
+    def _reinforce(self, output: DecoderOutput, nll: Tensor, mask: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """REINFORCE surrogate and entropy bonus of eq. 12 over the sequences that sampled locations."""
+        sampled = output.sampled.to(mask.dtype)  # (N,)
+        reward = -nll.sum(dim=1).detach()  # (N,): log p(y | s, a)
+        location = (output.location_log_probs * mask).sum(dim=1)  # (N,): log p(s | a), 0 for expectation rows
+        reinforce = -self.reinforce_weight * ((reward - self.baseline) * location).sum() / tokens
+        entropy = (output.entropy * mask * sampled.unsqueeze(1)).sum() / tokens
+        if self.training:
+            self._update_baseline(reward, sampled)
+        return reinforce, entropy
+
+    @torch.no_grad()
+    def _update_baseline(self, reward: Tensor, sampled: Tensor) -> None:
+        """b <- decay b + (1 - decay) mean log p(y | s) over the sampled sequences (no host sync)."""
+        count = sampled.sum()
+        mean = (reward * sampled).sum() / count.clamp_min(1.0)
+        moved = self.baseline_decay * self.baseline + (1.0 - self.baseline_decay) * mean
+        self.baseline.copy_(torch.where(count > 0, moved, self.baseline))

@@ -1,0 +1,189 @@
+"""Show-Attend-Tell decoder: one step against the paper's equations, teacher forcing, hard attention."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from captioner.errors import ConfigError
+from captioner.model.decoder import ShowAttendTellDecoder
+
+V, D, E, H, A, L = 11, 6, 8, 10, 9, 4
+
+
+def make_decoder(**options) -> ShowAttendTellDecoder:
+    torch.manual_seed(0)
+    config = dict(vocab_size=V, feature_dim=D, embed_dim=E, hidden_dim=H, attention_dim=A, dropout=0.0)
+    return ShowAttendTellDecoder(**{**config, **options})
+
+
+@pytest.fixture
+def batch():
+    """3 images, 5 captions (image_index 0, 0, 1, 2, 2) of 2 to 6 words, padded with 0."""
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(3, L, D, generator=generator)
+    captions = torch.tensor([
+        [1, 4, 5, 6, 2, 0, 0],
+        [1, 7, 2, 0, 0, 0, 0],
+        [1, 8, 9, 10, 4, 5, 2],
+        [1, 3, 3, 2, 0, 0, 0],
+        [1, 6, 5, 4, 9, 2, 0],
+    ])
+    return features, captions, torch.tensor([0, 0, 1, 2, 2])
+
+
+def test_soft_forward_shapes_and_distributions(batch):
+    features, captions, index = batch
+    output = make_decoder().train()(features, captions, index)
+    assert output.logits.shape == (5, 6, V) and output.alphas.shape == (5, 6, L)
+    assert output.location_log_probs is None and output.entropy is None and output.sampled is None
+    assert_close(output.alphas.sum(-1), torch.ones(5, 6))
+
+
+def test_init_state_is_tanh_of_an_affine_map_of_the_mean(batch):
+    features, _, _ = batch
+    decoder = make_decoder()
+    h, c = decoder.init_state(features)
+    mean = features.mean(dim=1)
+    assert_close(h, torch.tanh(mean @ decoder.init_h.weight.T + decoder.init_h.bias))
+    assert_close(c, torch.tanh(mean @ decoder.init_c.weight.T + decoder.init_c.bias))
+
+
+@pytest.mark.parametrize("gate", ["scalar", "vector", "none"])
+@pytest.mark.parametrize("deep_output", [True, False])
+def test_one_step_follows_the_equations(batch, gate, deep_output):
+    features, _, _ = batch
+    decoder = make_decoder(gate=gate, deep_output=deep_output).eval()
+    lstm_inputs = []
+    decoder.lstm.register_forward_hook(lambda module, args, out: lstm_inputs.append(args[0]))
+    tokens = torch.tensor([1, 5, 7])
+    keys, (h0, c0) = decoder.attention.keys(features), decoder.init_state(features)
+    logits, (h1, c1), alpha, log_prob, entropy = decoder.step(tokens, (h0, c0), features, keys)
+
+    context, expected_alpha = decoder.attention(keys, features, h0)  # attention from h_{t-1}
+    if gate == "none":
+        assert decoder.f_beta is None
+        z = context
+    else:  # beta_t = sigmoid(f_beta(h_{t-1})): one gate, or one per feature channel
+        beta = torch.sigmoid(decoder.f_beta(h0))
+        assert beta.shape == (3, 1 if gate == "scalar" else D)
+        z = beta * context
+    embedded = decoder.embedding(tokens)
+    assert_close(lstm_inputs[0], torch.cat([embedded, z], dim=-1))  # [E y_{t-1}; z_t]
+    assert_close((h1, c1), decoder.lstm(torch.cat([embedded, z], dim=-1), (h0, c0)))
+    if deep_output:  # eq. 7
+        expected = decoder.classifier(embedded + decoder.deep_h(h1) + decoder.deep_z(z))
+    else:
+        expected = decoder.classifier(h1)
+    assert_close(logits, expected)
+    assert_close(alpha, expected_alpha)
+    assert log_prob is None and entropy is None
+
+
+def test_forward_equals_stepping_through_the_caption(batch):
+    features, captions, _ = batch
+    decoder = make_decoder(dropout=0.5).eval()
+    output = decoder(features, captions[:3])
+    keys, state = decoder.attention.keys(features), decoder.init_state(features)
+    for t in range(captions.size(1) - 1):
+        logits, state, alpha, _, _ = decoder.step(captions[:3, t], state, features, keys)
+        assert_close(output.logits[:, t], logits)
+        assert_close(output.alphas[:, t], alpha)
+
+
+def test_keys_and_initial_state_are_computed_once_per_image(batch):
+    features, captions, index = batch
+    decoder = make_decoder()
+    key_batches, init_batches = [], []
+    decoder.attention.key.register_forward_hook(lambda m, args, out: key_batches.append(args[0].shape[0]))
+    decoder.init_h.register_forward_hook(lambda m, args, out: init_batches.append(args[0].shape[0]))
+    decoder(features, captions, index)
+    assert key_batches == [3] and init_batches == [3]
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_image_index_equals_repeating_the_features(batch, mode):
+    features, captions, index = batch
+    decoder = make_decoder(mode=mode).train()
+    torch.manual_seed(5)
+    gathered = decoder(features, captions, index)
+    torch.manual_seed(5)
+    repeated = decoder(features[index], captions)
+    for name in ("logits", "alphas", "location_log_probs", "entropy", "sampled"):
+        assert_close(getattr(gathered, name), getattr(repeated, name))
+
+
+def test_pad_steps_do_not_change_the_real_steps(batch):
+    features, captions, index = batch
+    decoder = make_decoder().eval()
+    output = decoder(features, captions, index)
+    longer = decoder(features, torch.cat([captions, torch.zeros(5, 3, dtype=torch.long)], dim=1), index)
+    assert longer.logits.shape[1] == output.logits.shape[1] + 3
+    assert_close(longer.logits[:, :6], output.logits)
+    assert_close(longer.alphas[:, :6], output.alphas)
+
+
+def test_hard_training_outputs(batch):
+    features, captions, index = batch
+    decoder = make_decoder(mode="hard", hard_expectation_prob=0.0).train()
+    output = decoder(features, captions, index)
+    assert output.location_log_probs.shape == (5, 6) and output.entropy.shape == (5, 6)
+    assert output.sampled.dtype == torch.bool and output.sampled.all()
+    log_alphas = output.alphas.log()
+    matches = (output.location_log_probs.unsqueeze(-1) - log_alphas).abs() < 1e-5  # log alpha of some location
+    assert matches.any(dim=-1).all()
+    assert_close(output.entropy, -(output.alphas * log_alphas).sum(-1))
+
+
+def test_expectation_is_chosen_per_sequence(batch):
+    features, _, _ = batch
+    decoder = make_decoder(mode="hard", hard_expectation_prob=0.5).train()
+    captions = torch.randint(3, V, (200, 4))
+    torch.manual_seed(0)
+    output = decoder(features, captions, torch.randint(0, 3, (200,)))
+    assert 60 < int(output.sampled.sum()) < 140
+    assert (output.location_log_probs[~output.sampled] == 0).all()
+    assert (output.location_log_probs[output.sampled] < 0).all()
+
+
+def test_hard_with_expectation_always_equals_soft(batch):
+    features, captions, index = batch
+    soft = make_decoder().train()
+    hard = make_decoder(mode="hard", hard_expectation_prob=1.0).train()
+    hard.load_state_dict(soft.state_dict())
+    expected, output = soft(features, captions, index), hard(features, captions, index)
+    assert_close(output.logits, expected.logits)
+    assert not output.sampled.any() and (output.location_log_probs == 0).all()
+
+
+def test_hard_inference_uses_the_most_likely_location(batch):
+    features, _, _ = batch
+    decoder = make_decoder(mode="hard", gate="none").eval()
+    lstm_inputs = []
+    decoder.lstm.register_forward_hook(lambda module, args, out: lstm_inputs.append(args[0]))
+    keys, state = decoder.attention.keys(features), decoder.init_state(features)
+    _, _, alpha, log_prob, entropy = decoder.step(torch.tensor([1, 1, 1]), state, features, keys)
+    assert log_prob is None and entropy is None
+    assert_close(lstm_inputs[0][:, E:], features[torch.arange(3), alpha.argmax(-1)])
+
+
+def test_hard_inference_expectation_equals_soft(batch):
+    features, captions, index = batch
+    soft = make_decoder().eval()
+    hard = make_decoder(mode="hard", hard_inference="expectation").eval()
+    hard.load_state_dict(soft.state_dict())
+    assert_close(hard(features, captions, index).logits, soft(features, captions, index).logits)
+
+
+def test_dropout_acts_in_training_only(batch):
+    features, captions, index = batch
+    decoder = make_decoder(dropout=0.5).train()
+    assert not torch.equal(decoder(features, captions, index).logits, decoder(features, captions, index).logits)
+    decoder.eval()
+    assert torch.equal(decoder(features, captions, index).logits, decoder(features, captions, index).logits)
+
+
+@pytest.mark.parametrize("option", [dict(mode="stochastic"), dict(gate="sigmoid"), dict(hard_inference="sample"),
+                                    dict(dropout=1.5), dict(attention="luong"), dict(hard_expectation_prob=-0.1)])
+def test_invalid_options_raise_config_error(option):
+    with pytest.raises(ConfigError, match=next(iter(option))):
+        make_decoder(**option)

@@ -1,0 +1,283 @@
+"""Greedy, sampling and beam search: scripted chains with known answers, then a real decoder."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from captioner.errors import ConfigError
+from captioner.model import decoding
+from captioner.model.decoder import ShowAttendTellDecoder
+from captioner.model.decoding import beam_search, greedy, sample
+from captioner.model.losses import CaptionLoss
+
+START, END = 1, 2
+V, D, L = 12, 6, 4
+METHODS = {"greedy": greedy, "sample": sample, "beam": beam_search}
+
+
+class ChainDecoder:
+    """A scripted decoder: the next word depends only on the previous one (row ``table[previous]``
+    of next-word probabilities); alpha is the one-hot of the previous word, so traced alphas show
+    which beam each word came from."""
+
+    def __init__(self, table: dict[int, dict[int, float]], vocab: int) -> None:
+        probs = torch.full((vocab, vocab), 1e-6)
+        for previous, row in table.items():
+            for word, p in row.items():
+                probs[previous, word] = p
+        self.log_probs = (probs / probs.sum(-1, keepdim=True)).log()  # (V, V)
+        self.attention = self
+        self.vocab = vocab
+
+    def keys(self, features):
+        return features
+
+    def init_state(self, features):
+        return features.new_zeros(features.size(0), 1), features.new_zeros(features.size(0), 1)
+
+    def step(self, tokens, state, features, keys):
+        return self.log_probs[tokens], state, torch.eye(self.vocab)[tokens], None, None
+
+
+#        pad start end  a  b  c  d
+# ids:    0    1    2   3  4  5  6
+TRAP = ChainDecoder({START: {3: 0.5, 4: 0.4, END: 0.1}, 3: {END: 0.4, 5: 0.3, 6: 0.3}, 4: {END: 0.9, 5: 0.1}}, 7)
+LONG = ChainDecoder({START: {3: 0.55, 4: 0.45}, 3: {END: 1.0}, 4: {5: 1.0}, 5: {6: 1.0}, 6: {END: 1.0}}, 7)
+
+
+def chain_features(batch: int = 2):
+    return torch.zeros(batch, 7, 1)
+
+
+def test_greedy_follows_the_most_likely_word():
+    generation = greedy(TRAP, chain_features(), 5, START, END)
+    assert generation.tokens.tolist() == [[3, 2], [3, 2]]
+    assert generation.lengths.tolist() == [2, 2]
+    assert_close(generation.scores, torch.full((2,), math.log(0.5 * 0.4)), atol=1e-4, rtol=0)
+    assert_close(generation.alphas[0], torch.eye(7)[[START, 3]])
+
+
+def test_beam_search_escapes_the_greedy_trap():
+    generation = beam_search(TRAP, chain_features(), 5, START, END, beam_size=2)
+    assert generation.tokens.tolist() == [[4, 2], [4, 2]]
+    assert_close(generation.scores, torch.full((2,), math.log(0.4 * 0.9)), atol=1e-4, rtol=0)
+    assert_close(generation.alphas[0], torch.eye(7)[[START, 4]])  # word 2 was emitted after word "b"
+
+
+def test_length_penalty_changes_the_ranking():
+    short = beam_search(LONG, chain_features(1), 8, START, END, beam_size=2)
+    assert short.tokens.tolist() == [[3, 2]] and short.lengths.tolist() == [2]
+    assert_close(short.scores, torch.tensor([math.log(0.55)]), atol=1e-4, rtol=0)
+    long = beam_search(LONG, chain_features(1), 8, START, END, beam_size=2, length_penalty=2.0)
+    assert long.tokens.tolist() == [[4, 5, 6, 2]] and long.lengths.tolist() == [4]
+    assert_close(long.scores, torch.tensor([math.log(0.45) / (9 / 6) ** 2]), atol=1e-4, rtol=0)
+    assert_close(long.alphas[0], torch.eye(7)[[START, 4, 5, 6]])
+
+
+def make_decoder(mode: str = "soft", seed: int = 0, **options) -> ShowAttendTellDecoder:
+    torch.manual_seed(seed)
+    return ShowAttendTellDecoder(V, D, 16, 16, 16, mode=mode, dropout=0.0, **options).eval()
+
+
+def features_for(batch: int = 5, seed: int = 1):
+    return torch.randn(batch, L, D, generator=torch.Generator().manual_seed(seed))
+
+
+def with_end_bias(decoder: ShowAttendTellDecoder, bias: float) -> ShowAttendTellDecoder:
+    """Set the output bias of <end>: -inf makes <end> impossible, a positive value makes it common."""
+    with torch.no_grad():
+        decoder.classifier.bias[END] = bias
+    return decoder
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_beam_of_one_is_greedy(mode, seed):
+    decoder, features = make_decoder(mode, seed), features_for(6, seed)
+    expected = greedy(decoder, features, 9, START, END)
+    beam = beam_search(decoder, features, 9, START, END, beam_size=1)
+    assert torch.equal(beam.tokens, expected.tokens)
+    assert torch.equal(beam.scores, expected.scores)
+    assert torch.equal(beam.lengths, expected.lengths)
+    assert_close(beam.alphas, expected.alphas)
+
+
+def pad_to(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(tokens, (0, width - tokens.size(-1)))
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 0.7])
+def test_batched_beam_equals_one_image_at_a_time(length_penalty):
+    decoder, features = make_decoder(seed=3), features_for(5, seed=3)
+    batched = beam_search(decoder, features, 10, START, END, beam_size=3, length_penalty=length_penalty)
+    for b in range(5):
+        alone = beam_search(decoder, features[b:b + 1], 10, START, END, beam_size=3, length_penalty=length_penalty)
+        width = batched.tokens.size(1)
+        assert torch.equal(pad_to(alone.tokens[0], width), batched.tokens[b])
+        assert torch.equal(alone.lengths[0], batched.lengths[b])
+        assert_close(alone.scores[0], batched.scores[b])
+        assert_close(pad_to(alone.alphas[0].T, width).T, batched.alphas[b])
+
+
+@pytest.mark.parametrize("beam_size, end_bias", [(1, 0.25), (3, 0.0)])  # some captions end, others run out
+def test_generation_agrees_with_teacher_forcing(beam_size, end_bias):
+    """Re-scoring the returned captions with the teacher-forced decoder gives the same scores and
+    alphas: the backpointers were followed correctly."""
+    decoder, features = with_end_bias(make_decoder(seed=4), end_bias), features_for(5, seed=4)
+    generation = beam_search(decoder, features, 8, START, END, beam_size=beam_size)
+    captions = torch.cat([torch.full((5, 1), START), generation.tokens], dim=1)
+    output = decoder(features, captions)
+    mask = torch.arange(generation.tokens.size(1)) < generation.lengths.unsqueeze(1)  # (B, T)
+    log_probs = output.logits.log_softmax(-1).gather(-1, generation.tokens.unsqueeze(-1)).squeeze(-1)
+    assert_close((log_probs * mask).sum(1), generation.scores)
+    assert_close(output.alphas * mask.unsqueeze(-1), generation.alphas)
+    assert_close(generation.alphas.sum(-1), mask.float())
+    ended = generation.tokens.gather(1, (generation.lengths - 1).unsqueeze(1)).squeeze(1) == END  # (B,)
+    assert ended.any() and not ended.all()  # both kinds of caption are checked
+    assert int((generation.tokens == END).sum()) == int(ended.sum())  # <end> only as the last token
+    assert not generation.tokens[~mask].any()  # pad after the end
+
+
+@pytest.mark.parametrize("length_penalty, end_bias", [(0.0, -1.0), (1.5, -1.0), (0.0, -3.0)])
+@torch.no_grad()
+def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_caption(length_penalty, end_bias):
+    """3 words + <end>, 3 steps: 27 beams never prune, so beam search must agree with brute force
+    over every caption that ends within 3 steps or runs to the limit (the three cases pick "<end>",
+    "w <end>" and "w w w")."""
+    torch.manual_seed(11)
+    decoder = with_end_bias(ShowAttendTellDecoder(6, D, 8, 8, 8, dropout=0.0).eval(), end_bias)
+    features = features_for(2, seed=11)
+    generation = beam_search(decoder, features, 3, START, END, beam_size=27, length_penalty=length_penalty)
+    captions = [list(words) + [END] for n in range(3) for words in itertools.product([3, 4, 5], repeat=n)]
+    captions += [list(words) for words in itertools.product([3, 4, 5], repeat=3)]
+    for b in range(2):
+        scores = []
+        for caption in captions:
+            tokens = torch.tensor([[START, *caption]])
+            log_probs = decoder(features[b:b + 1], tokens).logits.log_softmax(-1)[0]
+            score = log_probs.gather(1, tokens[0, 1:].unsqueeze(1)).sum()
+            scores.append(float(score) / ((5 + len(caption)) / 6) ** length_penalty)
+        best = max(range(len(captions)), key=scores.__getitem__)
+        assert generation.tokens[b, : generation.lengths[b]].tolist() == captions[best]
+        assert generation.scores[b].item() == pytest.approx(scores[best], abs=1e-5)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_beam_search_returns_a_caption_when_end_is_impossible(beam_size):
+    decoder = with_end_bias(make_decoder(seed=5), float("-inf"))
+    generation = beam_search(decoder, features_for(3), 6, START, END, beam_size=beam_size)
+    assert generation.tokens.shape == (3, 6) and generation.lengths.tolist() == [6, 6, 6]
+    assert not (generation.tokens == END).any()
+    assert torch.isfinite(generation.scores).all()
+    if beam_size == 1:
+        assert torch.equal(generation.tokens, greedy(decoder, features_for(3), 6, START, END).tokens)
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
+def test_pad_and_start_are_never_generated(method):
+    decoder = make_decoder(seed=10)
+    with torch.no_grad():
+        decoder.classifier.bias[[0, START]] = 20.0  # the model prefers them by far
+    generation = METHODS[method](decoder, features_for(3), 6, START, END)
+    mask = torch.arange(generation.tokens.size(1)) < generation.lengths.unsqueeze(1)
+    assert (generation.tokens[mask] > START).all()
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
+def test_an_empty_batch_gives_an_empty_generation(method):
+    generation = METHODS[method](make_decoder(), features_for(0), 6, START, END)
+    assert generation.tokens.shape == (0, 0) and generation.alphas.shape == (0, 0, L)
+    assert generation.scores.shape == generation.lengths.shape == (0,)
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
+def test_keys_are_computed_once_per_decode(method):
+    decoder = with_end_bias(make_decoder(seed=7), float("-inf"))
+    key_calls, steps = [], []
+    decoder.attention.key.register_forward_hook(lambda m, args, out: key_calls.append(args[0].shape[0]))
+    decoder.lstm.register_forward_hook(lambda m, args, out: steps.append(1))
+    generation = METHODS[method](decoder, features_for(2), 10, START, END)
+    assert key_calls == [2] and len(steps) == 10 and generation.tokens.shape == (2, 10)
+
+
+def test_no_host_synchronisation_inside_the_step_loop(monkeypatch):
+    """Only the early-exit checks (one every EXIT_CHECK_INTERVAL steps) and the final trim read
+    values back from the device."""
+    decoder = with_end_bias(make_decoder(seed=8), float("-inf"))
+    syncs = []
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+        return lambda self, *args: syncs.append(name) or original(self, *args)
+
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    max_len = 12
+    for run in METHODS.values():
+        syncs.clear()
+        run(decoder, features_for(3), max_len, START, END)
+        assert syncs == ["__bool__"] * (max_len // decoding.EXIT_CHECK_INTERVAL) + ["__int__"], run.__name__
+
+
+def test_sampling_at_low_temperature_is_greedy_and_reproducible_with_a_generator():
+    decoder, features = make_decoder(seed=9), features_for(6, seed=9)
+    expected = greedy(decoder, features, 8, START, END)
+    cold = sample(decoder, features, 8, START, END, temperature=1e-4)
+    assert torch.equal(cold.tokens, expected.tokens)
+    assert torch.equal(cold.scores, expected.scores)
+
+    def draw(seed):
+        return sample(decoder, features, 8, START, END, temperature=2.0,
+                      generator=torch.Generator().manual_seed(seed))
+
+    first, again, other = draw(0), draw(0), draw(1)
+    assert torch.equal(first.tokens, again.tokens) and torch.equal(first.scores, again.scores)
+    assert not torch.equal(first.tokens, other.tokens)
+    assert not torch.equal(first.tokens, expected.tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0])
+def test_sampling_needs_a_positive_temperature(temperature):
+    with pytest.raises(ConfigError, match="temperature"):
+        sample(make_decoder(), features_for(1), 4, START, END, temperature=temperature)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny training steps run faster on one thread than on two shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TRAINING_CAPTIONS = torch.tensor([
+    [1, 4, 5, 6, 2, 0, 0],
+    [1, 7, 8, 2, 0, 0, 0],
+    [1, 9, 10, 11, 5, 2, 0],
+    [1, 4, 3, 7, 9, 11, 2],
+])
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_a_tiny_batch_is_memorised_and_greedy_reproduces_it(mode, one_thread):
+    torch.manual_seed(0)
+    decoder = ShowAttendTellDecoder(V, D, 32, 32, 32, mode=mode, dropout=0.0)
+    features = torch.randn(4, L, D)
+    image_index = torch.tensor([2, 0, 3, 1])  # caption n describes image image_index[n]
+    loss = CaptionLoss(pad_id=0)
+    optimizer = torch.optim.Adam(decoder.parameters(), lr=1e-2)
+    decoder.train()
+    for _ in range(150):
+        optimizer.zero_grad()
+        loss(decoder(features, TRAINING_CAPTIONS, image_index), TRAINING_CAPTIONS)["loss"].backward()
+        optimizer.step()
+    decoder.eval()
+    assert loss(decoder(features, TRAINING_CAPTIONS, image_index), TRAINING_CAPTIONS)["ce"] < 0.05
+    generation = greedy(decoder, features, 8, START, END)
+    expected = TRAINING_CAPTIONS[torch.argsort(image_index), 1:]
+    assert torch.equal(generation.tokens, expected[:, : generation.tokens.size(1)])
+    assert generation.lengths.tolist() == (expected != 0).sum(1).tolist()

@@ -1,0 +1,148 @@
+"""CaptionLoss: masked cross-entropy, doubly stochastic penalty, REINFORCE with a moving baseline."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from captioner.errors import ConfigError
+from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
+from captioner.model.losses import CaptionLoss
+
+V, L = 9, 4
+CAPTIONS = torch.tensor([
+    [1, 4, 5, 6, 2],
+    [1, 7, 2, 0, 0],
+    [1, 8, 3, 2, 0],
+])  # 4 + 2 + 3 = 9 real target tokens
+
+
+def random_output(seed: int = 0, hard: bool = False) -> DecoderOutput:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 4, V, generator=generator)
+    alphas = torch.randn(3, 4, L, generator=generator).softmax(-1)
+    if not hard:
+        return DecoderOutput(logits, alphas)
+    sampled = torch.tensor([True, False, True])
+    log_probs = torch.rand(3, 4, generator=generator).log() * sampled.unsqueeze(1)
+    entropy = -(alphas * alphas.log()).sum(-1)
+    return DecoderOutput(logits, alphas, log_probs, entropy, sampled)
+
+
+def real_tokens():
+    return CAPTIONS[:, 1:] != 0  # (N, T)
+
+
+def test_cross_entropy_is_the_mean_over_real_tokens():
+    output = random_output()
+    terms = CaptionLoss(pad_id=0)(output, CAPTIONS)
+    targets, mask = CAPTIONS[:, 1:], real_tokens()
+    log_probs = output.logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    assert_close(terms["ce"], -log_probs[mask].sum() / 9)
+    assert set(terms) == {"loss", "ce", "ds"}
+    assert_close(terms["loss"], terms["ce"] + terms["ds"])
+
+
+def test_pad_positions_never_count():
+    output = random_output()
+    loss = CaptionLoss(pad_id=0)
+    terms = loss(output, CAPTIONS)
+    pad = ~real_tokens()
+    changed = DecoderOutput(output.logits.masked_fill(pad.unsqueeze(-1), 50.0),
+                            torch.where(pad.unsqueeze(-1), torch.eye(L)[0], output.alphas))
+    for name, value in loss(changed, CAPTIONS).items():
+        assert_close(value, terms[name])
+
+
+def test_doubly_stochastic_penalty():
+    output = random_output()
+    terms = CaptionLoss(pad_id=0, ds_lambda=0.5)(output, CAPTIONS)
+    mask = real_tokens()
+    per_sample = [((1 - output.alphas[n][mask[n]].sum(0)) ** 2).sum() for n in range(3)]
+    assert_close(terms["ds"], 0.5 * torch.stack(per_sample).mean())
+
+
+def test_appending_pad_steps_changes_no_term():
+    torch.manual_seed(0)
+    decoder = ShowAttendTellDecoder(V, 5, 8, 8, 8, dropout=0.3).eval()
+    features = torch.randn(2, L, 5)
+    index = torch.tensor([0, 1, 1])
+    loss = CaptionLoss(pad_id=0)
+    padded = torch.cat([CAPTIONS, torch.zeros(3, 4, dtype=torch.long)], dim=1)
+    terms, longer = loss(decoder(features, CAPTIONS, index), CAPTIONS), loss(decoder(features, padded, index), padded)
+    for name in ("loss", "ce", "ds"):
+        assert_close(longer[name], terms[name])
+
+
+def test_reinforce_terms_and_moving_baseline():
+    output = random_output(hard=True)
+    loss = CaptionLoss(pad_id=0, reinforce_weight=0.5, entropy_weight=0.1, baseline_decay=0.9).train()
+    mask = real_tokens().float()
+    nll = -output.logits.log_softmax(-1).gather(-1, CAPTIONS[:, 1:].unsqueeze(-1)).squeeze(-1) * mask
+    reward = -nll.sum(1)  # log p(y | s) per sequence
+    sampled = output.sampled
+    location = (output.location_log_probs * mask).sum(1)
+
+    terms = loss(output, CAPTIONS)
+    assert_close(terms["reinforce"], -0.5 * (reward * location).sum() / 9)  # baseline 0 before the update
+    assert_close(terms["entropy"], (output.entropy * mask)[sampled].sum() / 9)
+    assert_close(terms["loss"], terms["ce"] + terms["ds"] - 0.1 * terms["entropy"])
+    first = 0.1 * reward[sampled].mean()  # the expectation sequence (row 1) does not count
+    assert_close(loss.baseline, first)
+
+    terms = loss(output, CAPTIONS)
+    assert_close(terms["reinforce"], -0.5 * ((reward - first) * location).sum() / 9)
+    assert_close(loss.baseline, 0.9 * first + 0.1 * reward[sampled].mean())
+
+
+def test_baseline_holds_in_eval_mode_and_without_samples():
+    output = random_output(hard=True)
+    loss = CaptionLoss(pad_id=0).eval()
+    loss(output, CAPTIONS)
+    assert loss.baseline.item() == 0.0
+    output.sampled = torch.zeros(3, dtype=torch.bool)
+    output.location_log_probs = torch.zeros(3, 4)
+    loss.train()(output, CAPTIONS)
+    assert loss.baseline.item() == 0.0
+
+
+def test_baseline_is_checkpointed():
+    loss = CaptionLoss(pad_id=0)
+    loss(random_output(hard=True), CAPTIONS)
+    restored = CaptionLoss(pad_id=0)
+    restored.load_state_dict(loss.state_dict())
+    assert "baseline" in loss.state_dict() and restored.baseline.item() == loss.baseline.item() != 0.0
+
+
+def attention_gradients(decoder: ShowAttendTellDecoder) -> list[torch.Tensor | None]:
+    return [p.grad for p in decoder.attention.parameters()]
+
+
+def test_reinforce_is_the_path_from_the_loss_to_hard_attention():
+    torch.manual_seed(0)
+    decoder = ShowAttendTellDecoder(V, 5, 8, 8, 8, mode="hard", hard_expectation_prob=0.0, dropout=0.0).train()
+    features = torch.randn(2, L, 5)
+    loss = CaptionLoss(pad_id=0, ds_lambda=0.0)
+    terms = loss(decoder(features, CAPTIONS, torch.tensor([0, 1, 1])), CAPTIONS)
+    terms["ce"].backward(retain_graph=True)  # z_t = a_{s_t}: no gradient reaches the scorer
+    assert all(g is None or not g.any() for g in attention_gradients(decoder))
+    (terms["loss"] - terms["ce"] - terms["ds"]).backward()
+    gradients = attention_gradients(decoder)
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in gradients)
+
+
+def test_soft_output_has_no_reinforce_terms():
+    terms = CaptionLoss(pad_id=0)(random_output(), CAPTIONS)
+    assert "reinforce" not in terms and "entropy" not in terms
+
+
+@pytest.mark.parametrize("option", [dict(ds_lambda=-1.0), dict(baseline_decay=1.5), dict(entropy_weight="x")])
+def test_invalid_weights_raise(option):
+    with pytest.raises(ConfigError, match=next(iter(option))):
+        CaptionLoss(pad_id=0, **option)
+
+
+def test_cross_entropy_matches_torch_with_ignore_index():
+    output = random_output(seed=3)
+    expected = F.cross_entropy(output.logits.reshape(-1, V), CAPTIONS[:, 1:].reshape(-1), ignore_index=0)
+    assert_close(CaptionLoss(pad_id=0)(output, CAPTIONS)["ce"], expected)
