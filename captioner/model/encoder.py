@@ -1,0 +1,232 @@
+"""CNN encoder: any torchvision classification model cut before its global pooling, as a (B, L, C) grid.
+
+The annotation vectors a_1..a_L of the paper are the columns of the last spatial feature map of a CNN
+(VGG conv5_4 there: 14 x 14 x 512). Here the CNN is any torchvision classifier with a convolutional
+trunk (ResNet, VGG, MobileNet, EfficientNet, ConvNeXt, RegNet, DenseNet, Inception, Swin, ...).
+An optional adaptive average pooling shrinks the map to ``grid x grid`` locations; it never upsamples,
+because a larger grid from a smaller map adds attention slots but no information.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import OrderedDict
+from urllib.parse import urlparse
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import Tensor, nn
+from torchvision.models import WeightsEnum, get_model, get_model_weights, list_models
+
+from captioner.errors import ConfigError, check_range
+
+# Top-level children at which the trunk ends: global pooling, flattening, or the classifier head.
+_HEAD_TYPES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear)
+_HEAD_NAMES = ("avgpool", "flatten", "fc", "classifier", "head", "heads")
+# Torchvision's canonical input size: every classification model accepts it.
+_PROBE_SIZE = 224
+
+
+def weight_file(weights: WeightsEnum) -> str:
+    """Where torchvision looks for ``weights`` on disk: ``$TORCH_HOME/hub/checkpoints/<file>``."""
+    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(urlparse(weights.url).path))
+
+
+def resolve_weights(name: str, weights: str | None) -> WeightsEnum | None:
+    """Turn "DEFAULT", "IMAGENET1K_V2" or "ResNet101_Weights.IMAGENET1K_V2" into the weights enum of ``name``."""
+    if weights is None:
+        return None
+    if not isinstance(weights, str):
+        raise ConfigError(f"encoder.weights={weights!r} must be a weights name such as 'DEFAULT', or null")
+    enum = get_model_weights(name)
+    valid = ["DEFAULT"] + [member.name for member in enum]
+    owner, _, member = weights.rpartition(".")
+    if owner not in ("", enum.__name__) or member not in valid:
+        choices = ", ".join(valid + [f"{enum.__name__}.{v}" for v in valid[1:]])
+        raise ConfigError(f"encoder.weights={weights!r} is not a weights name of {name}; choose one of: {choices}")
+    return enum[member]
+
+
+def _check_weight_file(name: str, weights: WeightsEnum) -> str:
+    path = weight_file(weights)
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"pretrained weights {weights} for encoder {name} are not on disk (no downloads at run time): "
+            f"download {weights.url} and save it as {path} "
+            f"(that folder is $TORCH_HOME/hub/checkpoints; set TORCH_HOME to use another cache)"
+        )
+    return path
+
+
+def _build_classifier(name: str, weights: str | None) -> nn.Module:
+    if name not in list_models(module=torchvision.models):
+        raise ConfigError(
+            f"encoder.name={name!r} is not a torchvision classification model; "
+            "see torchvision.models.list_models(module=torchvision.models) for valid names (e.g. resnet101)"
+        )
+    resolved = resolve_weights(name, weights)
+    if resolved is None:
+        return get_model(name, weights=None)
+    path = _check_weight_file(name, resolved)
+    try:
+        return get_model(name, weights=resolved)
+    except Exception as exc:  # a corrupt, truncated or wrong file fails in many ways
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"weight file {path} could not be loaded ({first}); delete it and download {resolved.url} again"
+        ) from None
+
+
+def _trunk(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Top-level children in order up to the first pooling/flatten/classifier, without auxiliary heads."""
+    kept: list[tuple[str, nn.Module]] = []
+    for child_name, child in model.named_children():
+        if child_name.lower().startswith("aux"):  # Inception AuxLogits, GoogLeNet aux1/aux2
+            continue
+        if child_name in _HEAD_NAMES or isinstance(child, _HEAD_TYPES):
+            break
+        kept.append((child_name, nn.Sequential(*child) if isinstance(child, nn.ModuleList) else child))
+    if len(kept) == 1 and isinstance(kept[0][1], nn.Sequential):  # `features` / `layers`: its blocks are the stages
+        kept = list(kept[0][1].named_children())
+    return kept
+
+
+class Encoder(nn.Module):
+    """A torchvision CNN cut before its global pooling; returns the grid of annotation vectors.
+
+    Inputs are float images (B, 3, H, W) normalised with the ImageNet statistics
+    (mean 0.485, 0.456, 0.406; std 0.229, 0.224, 0.225), as the torchvision weights expect.
+
+    Args:
+        name: a torchvision classification model (``torchvision.models.list_models``).
+        weights: a torchvision weights name ("DEFAULT", "IMAGENET1K_V2", "ResNet101_Weights.IMAGENET1K_V2")
+            or None for random initialisation. The file must already be in ``$TORCH_HOME/hub/checkpoints``;
+            nothing is downloaded.
+        grid: adaptive-average-pool the map to ``grid x grid`` locations (shrinking only); None keeps it.
+        trainable_stages: 0 freezes the whole CNN, k > 0 trains its last k stages (top-level children of
+            the trunk, or the blocks of its single ``features`` container, counting those with parameters),
+            -1 trains all of it. Frozen stages run without autograd and their BatchNorm statistics never
+            change, whatever ``train()`` is called with.
+        channels_last: run the CNN in channels-last memory format (faster convolutions on recent GPUs).
+    """
+
+    def __init__(self, name: str = "resnet101", weights: str | None = None, grid: int | None = None,
+                 trainable_stages: int = 0, channels_last: bool = False) -> None:
+        super().__init__()
+        if grid is not None:
+            check_range("encoder.grid", grid, low=1, kind=int)
+        check_range("encoder.trainable_stages", trainable_stages, low=-1, kind=int)
+        model = _build_classifier(name, weights)
+        self.name = name
+        self.grid = grid
+        self.channels_last = channels_last
+        if hasattr(model, "transform_input"):
+            # Inception/GoogLeNet ports re-normalise ImageNet inputs to (x - 0.5) / 0.5 when transform_input
+            # is set (pretrained weights). Kept as buffers so a bundle loaded without weights behaves the same.
+            mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+            std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+            on = bool(model.transform_input)
+            self.register_buffer("input_scale", std / 0.5 if on else torch.ones(1, 3, 1, 1))
+            self.register_buffer("input_shift", (mean - 0.5) / 0.5 if on else torch.zeros(1, 3, 1, 1))
+        else:
+            self.register_buffer("input_scale", None)
+            self.register_buffer("input_shift", None)
+        self.stages = nn.Sequential(OrderedDict(_trunk(model)))
+        del model
+
+        probe = self._probe_shape(_PROBE_SIZE)
+        if probe is None or len(probe) != 4:
+            raise ConfigError(
+                f"encoder.name={name!r} has no spatial convolutional feature grid (its trunk does not map "
+                "images to (B, C, H, W), e.g. a vision transformer); choose a CNN such as resnet101"
+            )
+        self.out_channels: int = probe[1]
+
+        with_params = [i for i, stage in enumerate(self.stages) if next(stage.parameters(), None) is not None]
+        if trainable_stages > len(with_params):
+            raise ConfigError(
+                f"encoder.trainable_stages={trainable_stages} but {name} has only {len(with_params)} stages "
+                "with parameters; use -1 to train all of them"
+            )
+        if trainable_stages == -1:
+            self._first_trainable = 0
+        elif trainable_stages == 0:
+            self._first_trainable = len(self.stages)
+        else:
+            self._first_trainable = with_params[-trainable_stages]
+        self.trainable_stages = trainable_stages
+        for stage in self.stages[: self._first_trainable]:
+            stage.requires_grad_(False)
+        if channels_last:
+            self.stages.to(memory_format=torch.channels_last)
+        self.train(self.training)
+
+    @property
+    def frozen(self) -> bool:
+        """True when no part of the CNN is trained (it then always runs under ``torch.no_grad``)."""
+        return self._first_trainable == len(self.stages)
+
+    def train(self, mode: bool = True) -> Encoder:
+        """Set train/eval mode; frozen stages always stay in eval mode (BatchNorm statistics never update)."""
+        super().train(mode)
+        for stage in self.stages[: self._first_trainable]:
+            stage.train(False)
+        return self
+
+    def _probe_shape(self, image_size: int) -> tuple[int, ...] | None:
+        """Output shape of the trunk for one ``image_size`` image, on the meta device (no compute)."""
+        tensors = itertools.chain(self.stages.named_parameters(), self.stages.named_buffers())
+        meta = {key: torch.empty_like(value, device="meta") for key, value in tensors}
+        dtype = next(self.stages.parameters()).dtype
+        image = torch.empty(1, 3, image_size, image_size, device="meta", dtype=dtype)
+        modes = {module: module.training for module in self.stages.modules()}
+        self.stages.eval()  # same shapes, and the meta kernels of eval-mode BatchNorm are cheaper
+        try:
+            return tuple(torch.func.functional_call(self.stages, meta, (image,)).shape)
+        except Exception:  # shape errors surface as RuntimeError, ValueError, AssertionError, ...
+            return None
+        finally:
+            for module, mode in modes.items():
+                module.training = mode
+
+    def _pooled_grid(self, height: int, width: int) -> tuple[int, int]:
+        if self.grid is None:
+            return height, width
+        if height < self.grid or width < self.grid:
+            raise ConfigError(
+                f"encoder.grid={self.grid} is larger than the {height}x{width} feature map of {self.name}; "
+                "the grid only shrinks (upsampling adds no information): use a smaller grid or larger images"
+            )
+        return self.grid, self.grid
+
+    def grid_size(self, image_size: int) -> tuple[int, int]:
+        """The (H, W) attention grid for square ``image_size`` inputs; ConfigError when it cannot be made."""
+        shape = self._probe_shape(image_size)
+        if shape is None:
+            raise ConfigError(f"image_size={image_size} is too small for encoder {self.name}")
+        return self._pooled_grid(shape[2], shape[3])
+
+    def feature_map(self, images: Tensor) -> Tensor:
+        """(B, 3, H_img, W_img) ImageNet-normalised images -> (B, C, H, W) feature map."""
+        x = images
+        if self.input_scale is not None:
+            x = x * self.input_scale + self.input_shift
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        grad = torch.is_grad_enabled()
+        for index, stage in enumerate(self.stages):
+            with torch.set_grad_enabled(grad and index >= self._first_trainable):
+                x = stage(x)
+        height, width = self._pooled_grid(x.shape[2], x.shape[3])
+        if (height, width) != tuple(x.shape[2:]):
+            x = F.adaptive_avg_pool2d(x, (height, width))  # (B, C, grid, grid)
+        return x
+
+    def forward(self, images: Tensor) -> Tensor:
+        """(B, 3, H_img, W_img) images -> (B, L = H * W, C) annotation vectors, row-major over the grid."""
+        return self.feature_map(images).flatten(2).transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}, grid={self.grid}, trainable_stages={self.trainable_stages}"
