@@ -1,0 +1,104 @@
+"""Attention overlays: valid PNGs, one titled panel per word, smooth aligned maps, hard locations."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from captioner.viz.overlay import DIM_FLOOR, MAX_SIDE, draw_overlay, overlay_figure, upsample_attention  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def gradient_image(width, height):
+    x = np.linspace(0, 255, width, dtype=np.uint8)
+    pixels = np.stack([np.tile(x, (height, 1))] * 3, axis=-1)
+    pixels[..., 2] = 200
+    return Image.fromarray(pixels)
+
+
+def test_png_is_valid_and_written_atomically(tmp_path):
+    out = tmp_path / "nested" / "overlay.png"
+    before = plt.get_fignums()
+    alphas = torch.softmax(torch.randn(4, 9, requires_grad=True), dim=1)  # (T=4, L=9), extra <end> step
+    path = draw_overlay(gradient_image(64, 48), ["a", "red", "$5"], alphas, (3, 3), out, title="soft")
+    assert path == out
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+    with Image.open(out) as png:
+        png.load()
+        assert png.format == "PNG" and png.width > png.height > 50
+    assert [p.name for p in out.parent.iterdir()] == ["overlay.png"]  # no temporary left behind
+    assert plt.get_fignums() == before  # no figure left open
+
+
+def test_one_titled_panel_per_word_wrapping_in_rows():
+    words = "a red circle left of a blue square".split()
+    fig = overlay_figure(gradient_image(40, 40), words, np.full((8, 4), 0.25), (2, 2))
+    assert len(fig.axes) == 1 + len(words)
+    assert [ax.get_title() for ax in fig.axes] == [""] + words
+    assert fig.axes[0].get_subplotspec().get_gridspec().get_geometry() == (2, 5)
+    assert len(overlay_figure(gradient_image(40, 40), [], np.zeros((0, 4)), (2, 2)).axes) == 1
+
+
+def test_wide_image_with_non_square_grid_keeps_aspect_and_dims_unattended_parts(tmp_path):
+    image = gradient_image(500, 120)
+    alphas = np.zeros((2, 14))
+    alphas[0, 6] = 1.0  # row 0, col 6: top-right cell
+    alphas[1] = 1 / 14  # uniform
+    fig = overlay_figure(image, ["orange", "circle"], alphas, (2, 7))
+    original = fig.axes[0].images[0].get_array()
+    height, width = round(120 * MAX_SIDE / 500), MAX_SIDE
+    assert original.shape == (height, width, 3)
+    peaked = fig.axes[1].images[0].get_array()
+    assert peaked.shape == original.shape
+    np.testing.assert_allclose(peaked[5, -5], original[5, -5], atol=0.02)  # attended: as is
+    np.testing.assert_allclose(peaked[-5, 5], DIM_FLOOR * original[-5, 5], atol=0.02)  # dimmed
+    np.testing.assert_allclose(fig.axes[2].images[0].get_array(), original, atol=1e-6)  # uniform: as is
+    path = draw_overlay(image, ["orange", "circle"], alphas, (2, 7), tmp_path / "wide.png")
+    with Image.open(path) as png:
+        assert png.width > 2 * png.height
+
+
+def test_upsampling_is_smooth_and_aligned_with_the_cell():
+    alpha = np.zeros(14)
+    alpha[1 * 7 + 2] = 1.0  # cell (1, 2) of a 2x7 grid
+    heat = upsample_attention(alpha, (2, 7), (500, 120))
+    assert heat.shape == (120, 500)
+    assert heat.max() == pytest.approx(1.0) and heat.min() >= 0.0
+    row, col = np.unravel_index(heat.argmax(), heat.shape)
+    assert 60 <= row < 120 and 2 * 500 / 7 <= col < 3 * 500 / 7
+    assert len(np.unique(heat.round(4))) > 100  # smooth, not 14 blocks
+    assert np.abs(np.diff(heat, axis=1)).max() < 0.05
+    assert np.abs(np.diff(heat, axis=0)).max() < 0.1
+    np.testing.assert_array_equal(upsample_attention(np.zeros(4), (2, 2), (8, 8)), np.ones((8, 8)))
+
+
+def test_hard_attention_outlines_the_chosen_cell():
+    alphas = np.full((2, 14), 1 / 14)
+    fig = overlay_figure(gradient_image(500, 120), ["a", "cat"], alphas, (2, 7), locations=[13, 0])
+    height, width = fig.axes[0].images[0].get_array().shape[:2]
+    rects = [[p for p in ax.patches if isinstance(p, Rectangle)] for ax in fig.axes[1:]]
+    assert [len(r) for r in rects] == [1, 1]
+    assert rects[0][0].get_xy() == pytest.approx((6 * width / 7 - 0.5, height / 2 - 0.5))
+    assert (rects[0][0].get_width(), rects[0][0].get_height()) == pytest.approx((width / 7, height / 2))
+    assert rects[1][0].get_xy() == pytest.approx((-0.5, -0.5))
+    assert len(fig.axes[0].patches) == 0
+
+
+def test_bad_shapes_raise(tmp_path):
+    image = gradient_image(20, 20)
+    with pytest.raises(ValueError, match=r"alphas must be \(T, 9\)"):
+        overlay_figure(image, ["a"], np.ones((1, 4)), (3, 3))
+    with pytest.raises(ValueError, match="1 steps for 2 words"):
+        overlay_figure(image, ["a", "b"], np.ones((1, 9)), (3, 3))
+    with pytest.raises(ValueError, match="outside the 3x3 grid"):
+        overlay_figure(image, ["a"], np.ones((1, 9)), (3, 3), locations=[9])
+    with pytest.raises(ValueError, match="locations has 1 entries for 2 words"):
+        overlay_figure(image, ["a", "b"], np.ones((2, 9)), (3, 3), locations=[0])
+    assert not list(tmp_path.iterdir())
