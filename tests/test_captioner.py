@@ -66,7 +66,7 @@ def test_build_captioner_wires_the_parts(model, vocab):
 
 
 @pytest.mark.parametrize("config, message", [
-    ({**CONFIG, "optimizer": {}}, r"key 'optimizer'; valid keys: encoder, self_attention, decoder"),
+    ({**CONFIG, "optimizer": {}}, r"key 'optimizer'; valid keys: encoder, feature_norm, self_attention, decoder"),
     ({**CONFIG, "encoder": {"nmae": "resnet18"}}, r"encoder.nmae; valid keys: name, weights, grid"),
     ({**CONFIG, "decoder": {"vocab_size": 5}}, r"decoder.vocab_size; valid keys: embed_dim"),
     ({**CONFIG, "self_attention": {"layers": 2}}, r"self_attention.layers; valid keys: blocks, heads, positional"),
@@ -246,3 +246,22 @@ def test_save_bundle_checks_what_it_writes(model, vocab, tmp_path):
     config = {**CONFIG, "decoder": MappingProxyType(CONFIG["decoder"])}
     save_bundle(tmp_path / "d.pt", model, vocab, config)
     assert torch.load(tmp_path / "d.pt", weights_only=True)["config"] == CONFIG
+
+
+def test_feature_norm_standardises_each_channel_in_training_and_travels_in_the_bundle(tmp_path) -> None:
+
+    torch.manual_seed(0)
+    config = {"encoder": {"name": "resnet18"}, "feature_norm": True,
+              "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8}}
+    vocab = Vocabulary(["a", "b"])
+    model = build_captioner(config, len(vocab)).train()
+    features = torch.randn(4, 9, 512) * 7.0 + 3.0  # (B, L, C) far from unit scale
+    normed = model.attend_grid(features)
+    assert torch.allclose(normed.mean(dim=(0, 1)), torch.zeros(512), atol=1e-5)
+    assert torch.allclose(normed.std(dim=(0, 1), unbiased=False), torch.ones(512), atol=1e-3)
+    save_bundle(tmp_path / "b.pt", model, vocab, config)
+    loaded, _, _ = load_bundle(tmp_path / "b.pt")
+    assert torch.equal(loaded.feature_norm.running_mean, model.feature_norm.running_mean)
+    assert torch.allclose(loaded.attend_grid(features), model.eval().attend_grid(features))
+    with pytest.raises(ConfigError, match="feature_norm='yes' must be true or false"):
+        build_captioner({**config, "feature_norm": "yes"}, len(vocab))

@@ -26,7 +26,7 @@ from captioner.model.self_attention import SelfAttentionStack
 BUNDLE_FORMAT = "captioner-bundle"
 BUNDLE_VERSION = 1
 METHODS = ("greedy", "sample", "beam")
-_SECTIONS = ("encoder", "self_attention", "decoder")
+_SECTIONS = ("encoder", "feature_norm", "self_attention", "decoder")
 _SELF_ATTENTION_KEYS = ("blocks", "heads", "positional")
 _BUNDLE_KEYS = ("format", "version", "config", "vocab", "vocab_fingerprint", "state_dict")
 
@@ -49,9 +49,12 @@ class Captioner(nn.Module):
     """
 
     def __init__(self, encoder: Encoder, decoder: ShowAttendTellDecoder,
-                 self_attention: SelfAttentionStack | None = None) -> None:
+                 self_attention: SelfAttentionStack | None = None, feature_norm: bool = False) -> None:
         super().__init__()
         self.encoder = encoder
+        # Standardises each feature channel with statistics learned in training: a frozen CNN's
+        # features (above all an untrained one's) can sit far from the scale the decoder's tanh expects.
+        self.feature_norm = nn.BatchNorm1d(encoder.out_channels) if feature_norm else None
         self.self_attention = self_attention
         self.decoder = decoder
 
@@ -62,10 +65,12 @@ class Captioner(nn.Module):
         return feature_map.flatten(2).transpose(1, 2), grid  # (B, L, C)
 
     def attend_grid(self, features: Tensor, grid: Grid | None = None) -> Tensor:
-        """Apply the self-attention blocks (if any) to encoder features (B, L, C) -> (B, L, C).
+        """Feature normalisation and self-attention blocks (each if configured): (B, L, C) -> (B, L, C).
 
         ``grid`` defaults to the square grid of L locations.
         """
+        if self.feature_norm is not None:
+            features = self.feature_norm(features.transpose(1, 2)).transpose(1, 2)  # per channel over B*L
         if self.self_attention is None:
             return features
         return self.self_attention(features, grid or _square_grid(features.size(1)))
@@ -147,7 +152,8 @@ def _split_config(config: Mapping) -> tuple[dict, dict, dict]:
 
 
 def build_captioner(config: Mapping, vocab_size: int) -> Captioner:
-    """Build a Captioner from ``{"encoder": {...}, "self_attention": {...} | None, "decoder": {...}}``.
+    """Build a Captioner from ``{"encoder": {...}, "feature_norm": bool, "self_attention": {...} | None,
+    "decoder": {...}}``.
 
     ``encoder`` holds Encoder arguments; ``self_attention`` (None or absent: none) holds ``blocks``
     (default 1; 0: none), ``heads`` and ``positional``; ``decoder`` holds ShowAttendTellDecoder
@@ -155,12 +161,15 @@ def build_captioner(config: Mapping, vocab_size: int) -> Captioner:
     Unknown keys raise ConfigError.
     """
     encoder_args, attention_args, decoder_args = _split_config(config)
+    feature_norm = config.get("feature_norm", False)
+    if not isinstance(feature_norm, bool):
+        raise ConfigError(f"model config feature_norm={feature_norm!r} must be true or false")
     encoder = Encoder(**encoder_args)
     self_attention = None
     if config.get("self_attention") is not None and attention_args.get("blocks", 1) != 0:
         self_attention = SelfAttentionStack(encoder.out_channels, **attention_args)
     decoder = ShowAttendTellDecoder(vocab_size=vocab_size, feature_dim=encoder.out_channels, **decoder_args)
-    return Captioner(encoder, decoder, self_attention)
+    return Captioner(encoder, decoder, self_attention, feature_norm=feature_norm)
 
 
 def _plain(value: object, where: str = "config") -> object:

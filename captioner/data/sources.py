@@ -1,0 +1,109 @@
+"""Dataset sources: where each split's records come from (COCO files, a Karpathy split file, built-in shapes).
+
+A source is a small object with ``prepare()`` (make sure the files exist) and ``records(split)``. The
+configs in ``conf/data`` pick one with ``_target_``; nothing else in the project needs to know which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Protocol
+
+from captioner.data.readers import Record, read_coco, read_karpathy
+from captioner.data.shapes import generate_shapes, shapes_records
+from captioner.errors import ConfigError, DataError, check_choice
+
+SPLITS = ("train", "val", "test")
+
+
+class Source(Protocol):
+    """What the data module needs from a dataset."""
+
+    def prepare(self) -> None:
+        """Check (or create) the files; raise DataError naming what is missing."""
+
+    def records(self, split: str) -> list[Record]:
+        """The records of ``split`` (one of ``SPLITS``)."""
+
+
+def _require(path: str | Path, what: str) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{what} not found: {path} (see data/README.md for where dataset files go)")
+    return path
+
+
+@dataclass
+class CocoSource:
+    """COCO caption annotations (2014 or 2017), one captions file and image folder per split.
+
+    ``splits`` maps a split name to ``{"captions": ..., "images": ..., "instances": ... (optional)}``.
+    A split that is absent (COCO has no public test captions) falls back to ``fallback[split]``.
+    """
+
+    splits: Mapping[str, Mapping[str, str | None]]
+    fallback: Mapping[str, str] = field(default_factory=lambda: {"test": "val"})
+
+    def _entry(self, split: str) -> Mapping[str, str | None]:
+        check_choice("split", split, SPLITS)
+        if split in self.splits:
+            return self.splits[split]
+        if split in self.fallback and self.fallback[split] in self.splits:
+            return self.splits[self.fallback[split]]
+        raise ConfigError(f"data.source.splits has no '{split}' entry; give one of: {', '.join(SPLITS)}")
+
+    def prepare(self) -> None:
+        """Check every configured annotation file and image folder exists."""
+        for split, entry in self.splits.items():
+            _require(entry["captions"], f"COCO captions file for '{split}'")
+            _require(entry["images"], f"COCO image folder for '{split}'")
+            if entry.get("instances"):
+                _require(entry["instances"], f"COCO instances file for '{split}'")
+
+    def records(self, split: str) -> list[Record]:
+        """Read ``split`` through pycocotools."""
+        entry = self._entry(split)
+        return read_coco(entry["captions"], entry["images"], split, instances_file=entry.get("instances"))
+
+
+@dataclass
+class KarpathySource:
+    """Karpathy's split file (``dataset_coco.json``, ``dataset_flickr8k.json``, ``dataset_flickr30k.json``)."""
+
+    split_file: str
+    image_root: str
+    restval_as_train: bool = True
+
+    def prepare(self) -> None:
+        """Check the split file and the image root exist."""
+        _require(self.split_file, "Karpathy split file")
+        _require(self.image_root, "image root")
+
+    def records(self, split: str) -> list[Record]:
+        """Read ``split`` (restval joins train unless ``restval_as_train`` is off)."""
+        check_choice("split", split, SPLITS)
+        return read_karpathy(self.split_file, self.image_root, splits=(split,),
+                             restval_as_train=self.restval_as_train)
+
+
+@dataclass
+class ShapesSource:
+    """The built-in synthetic dataset, generated under ``root`` on first use (never overwritten)."""
+
+    root: str
+    n_train: int = 3000
+    n_val: int = 250
+    n_test: int = 250
+    image_size: int = 96
+    seed: int = 0
+
+    def prepare(self) -> None:
+        """Generate the dataset if it is not there yet (a no-op when it is)."""
+        generate_shapes(self.root, n_train=self.n_train, n_val=self.n_val, n_test=self.n_test,
+                        image_size=self.image_size, seed=self.seed)
+
+    def records(self, split: str) -> list[Record]:
+        """Read ``split`` of the generated COCO-format files (with boxes)."""
+        check_choice("split", split, SPLITS)
+        return shapes_records(self.root, split)

@@ -1,0 +1,152 @@
+"""LightningDataModule: records from a source, the vocabulary, datasets, loaders and the feature cache."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from captioner.data.dataset import CaptionDataset, build_transform, collate
+from captioner.data.features import FeatureCache, FeatureCaptionDataset, cache_key
+from captioner.data.readers import Box, Record
+from captioner.data.sources import Source
+from captioner.data.vocab import Vocabulary, tokenize
+from captioner.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+class CaptionDataModule(L.LightningDataModule):
+    """Train/val/test loaders over one ``Source``.
+
+    Training batches hold each image once with all its captions (``per_caption=False``), so the CNN runs
+    once per image. With ``feature_cache`` set and a frozen encoder, the grid features are computed once
+    (by the rank-0 process of each node) and the loaders yield ``features`` instead of ``images``.
+    """
+
+    def __init__(self, source: Source, image_size: int = 224, batch_size: int = 32,
+                 eval_batch_size: int | None = None, num_workers: int = 2, min_word_count: int = 5,
+                 max_vocab: int | None = None, max_len: int = 20, per_caption: bool = False,
+                 augment: bool = False, feature_cache: str | None = None,
+                 feature_dtype: str = "float16", vocab_file: str | None = None) -> None:
+        super().__init__()
+        self.source = source
+        self.image_size = image_size
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.min_word_count = min_word_count
+        self.max_vocab = max_vocab
+        self.max_len = max_len
+        self.per_caption = per_caption
+        self.augment = augment
+        self.feature_cache = feature_cache
+        self.feature_dtype = feature_dtype
+        self.vocab_file = vocab_file
+        self.vocab: Vocabulary | None = None
+        self.splits: dict[str, list[Record]] = {}
+
+    def prepare_data(self) -> None:
+        """Check the files exist, generating the built-in dataset on first use."""
+        self.source.prepare()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read the records and build (or load) the vocabulary from the training captions only."""
+        if self.vocab is not None:
+            return
+        self.source.prepare()
+        for split in ("train", "val", "test"):
+            self.splits[split] = self.source.records(split)
+        if not self.splits["train"]:
+            raise DataError("the training split has no images")
+        if self.vocab_file and Path(self.vocab_file).is_file():
+            self.vocab = Vocabulary.load(self.vocab_file)
+        else:
+            captions = (c for r in self.splits["train"] for c in r.captions)
+            self.vocab = Vocabulary.build(captions, min_count=self.min_word_count, max_size=self.max_vocab)
+
+    def references(self, split: str) -> dict[int, list[list[str]]]:
+        """Tokenised reference captions per image id, for BLEU."""
+        return {r.image_id: [tokenize(c) for c in r.captions] for r in self.splits[split]}
+
+    def raw_references(self, split: str) -> dict[int, list[str]]:
+        """Raw reference captions per image id, for the coco-caption suite."""
+        return {r.image_id: list(r.captions) for r in self.splits[split]}
+
+    def boxes(self, split: str) -> dict[int, tuple[Box, ...]]:
+        """Object boxes per image id (empty for datasets without instances)."""
+        return {r.image_id: r.boxes for r in self.splits[split] if r.boxes}
+
+    def image_dataset(self, split: str, train: bool = False, per_caption: bool = False) -> CaptionDataset:
+        """The image-decoding dataset of ``split``."""
+        transform = build_transform(self.image_size, train=train, augment=self.augment and train)
+        return CaptionDataset(self.splits[split], self.vocab, transform, max_len=self.max_len,
+                              per_caption=per_caption)
+
+    def _dataset(self, split: str, train: bool) -> Dataset:
+        per_caption = self.per_caption and train
+        if self.feature_cache is None:
+            return self.image_dataset(split, train=train, per_caption=per_caption)
+        cache = self._ensure_cache(split)
+        return FeatureCaptionDataset(self.splits[split], self.vocab, cache, max_len=self.max_len,
+                                     per_caption=per_caption)
+
+    def _ensure_cache(self, split: str) -> FeatureCache:
+        module = self.trainer.lightning_module
+        encoder = module.model.encoder
+        if not encoder.frozen:
+            raise DataError("data.feature_cache needs a frozen encoder (model.encoder.trainable_stages=0)")
+        key = cache_key(module.net_config["encoder"], self.image_size, self.splits[split], self.feature_dtype)
+        cache = FeatureCache(Path(self.feature_cache) / f"{split}-{key}")
+        if self.trainer.local_rank == 0 and not cache.exists():
+            log.info("computing the %s feature cache in %s", split, cache.folder)
+            loader = self._loader(self.image_dataset(split), self.eval_batch_size, shuffle=False)
+            was_training = encoder.training
+            encoder.eval()
+            cache.build(_encoder_grid(encoder), loader, module.device, self.feature_dtype)
+            encoder.train(was_training)
+        self.trainer.strategy.barrier("feature_cache")
+        return cache
+
+    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=collate,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                          pin_memory=torch.cuda.is_available())
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches (Lightning adds the distributed sampler under DDP)."""
+        return self._loader(self._dataset("train", train=True), self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation images in order, each with all its captions."""
+        return self._loader(self._dataset("val", train=False), self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """Test images in order, each with all its captions."""
+        return self._loader(self._dataset("test", train=False), self.eval_batch_size, shuffle=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The vocabulary travels in Lightning checkpoints, so a resumed run uses the same ids."""
+        return {"vocab": self.vocab.to_dict()} if self.vocab is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the vocabulary of the checkpoint; it must match the one rebuilt from the data."""
+        if "vocab" in state_dict and self.vocab is not None:
+            saved = Vocabulary.from_dict(state_dict["vocab"])
+            if saved.itos != self.vocab.itos:
+                raise DataError("the checkpoint's vocabulary differs from the one built from this dataset; "
+                                "resume with the same data configuration")
+
+
+def _encoder_grid(encoder: torch.nn.Module):
+    """``images -> (features (B, L, C), grid)`` from the CNN alone (self-attention trains on top)."""
+
+    def encode(images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        fmap = encoder.feature_map(images)  # (B, C, H, W)
+        return fmap.flatten(2).transpose(1, 2), tuple(fmap.shape[-2:])
+
+    return encode

@@ -1,0 +1,234 @@
+"""LightningModule: the captioning losses, optimisers and a validation that really decodes.
+
+Validation never teacher-forces BLEU: it decodes (greedy or beam), gathers the captions of every rank,
+counts each image once and scores them against all references with nltk's corpus BLEU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from captioner.data.dataset import SkipCounter
+from captioner.data.vocab import Vocabulary
+from captioner.errors import CaptionerError, check_choice, check_range
+from captioner.evaluation.bleu import corpus_bleu_scores
+from captioner.evaluation.correctness import AttentionCorrectness
+from captioner.model.captioner import Captioner, build_captioner, save_bundle
+from captioner.model.decoding import Generation
+from captioner.model.losses import CaptionLoss
+
+log = logging.getLogger(__name__)
+
+DECODE_METHODS = ("greedy", "beam", "sample")
+SCHEDULERS = ("cosine", "step", "none")
+NONFINITE = ("stop", "skip")
+
+
+class NonFiniteLossError(CaptionerError):
+    """The training loss became NaN or infinite."""
+
+
+class CaptionerModule(L.LightningModule):
+    """Show, Attend and Tell training: masked cross-entropy + doubly stochastic (+ REINFORCE for hard)."""
+
+    def __init__(self, vocab: Vocabulary, attention: str = "soft", scorer: str = "additive",
+                 encoder: dict | None = None, feature_norm: bool = False, self_attention: dict | None = None,
+                 decoder: dict | None = None, loss: dict | None = None, optimizer: dict | None = None,
+                 scheduler: dict | None = None, decoding: dict | None = None, compile: bool = False,
+                 nonfinite: str = "stop") -> None:
+        super().__init__()
+        check_choice("model.attention", attention, ("soft", "hard"))
+        check_choice("model.nonfinite", nonfinite, NONFINITE)
+        self.save_hyperparameters(ignore=["vocab"])
+        self.vocab = vocab
+        self.net_config = {
+            "encoder": dict(encoder or {}),
+            "feature_norm": feature_norm,
+            "self_attention": dict(self_attention or {}),
+            "decoder": {**(decoder or {}), "mode": attention, "attention": scorer},
+        }
+        self.model: Captioner = build_captioner(self.net_config, len(vocab))
+        self.criterion = CaptionLoss(pad_id=vocab.pad_id, **(loss or {}))
+        self.optim_cfg = {"lr": 4e-4, "encoder_lr": 1e-4, "weight_decay": 0.0, **(optimizer or {})}
+        self.sched_cfg = {"name": "cosine", "warmup_steps": 0, "step_size": 10, "gamma": 0.5,
+                          **(scheduler or {})}
+        self.decode_cfg = {"method": "greedy", "beam_size": 3, "max_len": 20, "length_penalty": 0.0,
+                           "temperature": 1.0, **(decoding or {})}
+        check_choice("model.scheduler.name", self.sched_cfg["name"], SCHEDULERS)
+        check_choice("model.decoding.method", self.decode_cfg["method"], DECODE_METHODS)
+        check_range("model.decoding.beam_size", self.decode_cfg["beam_size"], 1, kind=int)
+        check_range("model.decoding.max_len", self.decode_cfg["max_len"], 1, kind=int)
+        self.compile_decoder = compile
+        self.nonfinite = nonfinite
+        self.skips = SkipCounter()
+        self._skips_reported = 0
+        self._predictions: dict[int, list[str]] = {}
+        self.predictions: dict[str, dict[int, list[str]]] = {}  # split -> image id -> words, all ranks
+        self._correctness = AttentionCorrectness()
+
+    # ----------------------------------------------------------------- training
+    def setup(self, stage: str) -> None:
+        """Compile the decoder step when asked (``model.compile=true``)."""
+        if self.compile_decoder and stage == "fit":
+            self.model.decoder = torch.compile(self.model.decoder)
+
+    def _forward(self, batch: dict) -> Any:
+        captions, index = batch["captions"], batch["image_index"]
+        if "features" in batch:
+            return self.model.forward_features(batch["features"], captions, index)
+        return self.model(batch["images"], captions, index)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
+        """One step over a batch of images with all their captions."""
+        self.skips.add(batch["skipped"])
+        if batch["captions"].numel() == 0:
+            return None
+        terms = self.criterion(self._forward(batch), batch["captions"])
+        loss = terms["loss"]
+        if not torch.isfinite(loss):
+            if self.nonfinite == "skip":
+                log.warning("non-finite loss at step %d: batch skipped", self.global_step)
+                return None
+            raise NonFiniteLossError(
+                f"non-finite loss ({loss.item()}) at epoch {self.current_epoch}, step {self.global_step}; "
+                "training stopped, the last good checkpoint is kept (set model.nonfinite=skip to skip such batches)")
+        size = batch["captions"].shape[0]
+        self.log_dict({f"train/{k}": v.detach() for k, v in terms.items() if k != "loss"}, batch_size=size)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=size)
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        """Report unreadable images once, with the first few names."""
+        if self.skips.count > self._skips_reported:
+            log.warning(self.skips.report())
+            self._skips_reported = self.skips.count
+
+    def configure_optimizers(self) -> dict:
+        """Adam with its own learning rate for the fine-tuned encoder, plus a schedule."""
+        encoder = [p for p in self.model.encoder.parameters() if p.requires_grad]
+        encoder_ids = {id(p) for p in encoder}
+        rest = [p for p in self.parameters() if p.requires_grad and id(p) not in encoder_ids]
+        groups = [{"params": rest, "lr": self.optim_cfg["lr"]}]
+        if encoder:
+            groups.append({"params": encoder, "lr": self.optim_cfg["encoder_lr"]})
+        optimizer = torch.optim.Adam(groups, weight_decay=self.optim_cfg["weight_decay"])
+        scheduler = self._scheduler(optimizer)
+        if scheduler is None:
+            return {"optimizer": optimizer}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        cfg = self.sched_cfg
+        if cfg["name"] == "none":
+            return None
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        if cfg["name"] == "step":
+            steps_per_epoch = max(1, total // max(1, self.trainer.max_epochs or 1))
+            return torch.optim.lr_scheduler.StepLR(optimizer, cfg["step_size"] * steps_per_epoch, cfg["gamma"])
+        warmup = min(int(cfg["warmup_steps"]), total - 1)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup))
+        if warmup <= 0:
+            return cosine
+        ramp = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1e-3, total_iters=warmup)
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [ramp, cosine], milestones=[warmup])
+
+    # --------------------------------------------------------------- evaluation
+    def generate(self, batch: dict) -> tuple[Generation, tuple[int, int]]:
+        """Decode a batch with the configured method (never teacher-forced)."""
+        cfg = self.decode_cfg
+        kwargs = dict(method=cfg["method"], beam_size=cfg["beam_size"], max_len=cfg["max_len"],
+                      temperature=cfg["temperature"], length_penalty=cfg["length_penalty"],
+                      start_id=self.vocab.start_id, end_id=self.vocab.end_id)
+        if "features" in batch:
+            return self.model.generate_from_features(batch["features"], **kwargs)
+        return self.model.generate(batch["images"], **kwargs)
+
+    def _eval_step(self, batch: dict, split: str) -> None:
+        if batch["image_ids"].numel() == 0:
+            return
+        terms = self.criterion(self._forward(batch), batch["captions"])
+        self.log(f"{split}/loss", terms["ce"], batch_size=batch["captions"].shape[0], sync_dist=True)
+        generation, grid = self.generate(batch)
+        boxes = self._boxes.get(split, {})
+        tokens = generation.tokens.cpu()
+        alphas = generation.alphas.float().cpu()
+        for row, image_id in enumerate(batch["image_ids"].tolist()):
+            words = self.vocab.decode(tokens[row].tolist())
+            self._predictions[image_id] = words
+            if image_id in boxes:
+                self._correctness.update(words, alphas[row, : len(words)], grid, boxes[image_id])
+
+    def on_validation_epoch_start(self) -> None:
+        self._start_eval("val")
+
+    def on_test_epoch_start(self) -> None:
+        self._start_eval("test")
+
+    def _start_eval(self, split: str) -> None:
+        self._predictions = {}
+        self._correctness = AttentionCorrectness()
+        datamodule = self.trainer.datamodule
+        self._references = {split: datamodule.references(split)}
+        self._boxes = {split: datamodule.boxes(split)}
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        """Decode the validation images and keep their captions for BLEU."""
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        """Decode the test images and keep their captions for BLEU."""
+        self._eval_step(batch, "test")
+
+    def on_validation_epoch_end(self) -> None:
+        self._finish_eval("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._finish_eval("test")
+
+    def _finish_eval(self, split: str) -> None:
+        predictions = _gather(self._predictions)
+        self.predictions[split] = predictions
+        correctness = _gather_list([self._correctness.state()])
+        references = self._references[split]
+        hypotheses = {i: words for i, words in predictions.items() if i in references}
+        if not hypotheses:
+            log.warning("no %s image could be decoded: BLEU not computed", split)
+            return
+        for name, value in corpus_bleu_scores(references, hypotheses).items():
+            self.log(f"{split}/{name}", value)
+        merged = AttentionCorrectness.merge(correctness)
+        if merged.words:
+            self.log(f"{split}/attention_correctness", merged.compute()["mean_mass"])
+
+    # ------------------------------------------------------------------ export
+    def export_bundle(self, path: str) -> None:
+        """Write the inference bundle (weights, vocabulary, model config); no Lightning needed to load it."""
+        model = getattr(self.model.decoder, "_orig_mod", None)
+        if model is not None:
+            self.model.decoder = model
+        save_bundle(path, self.model, self.vocab, self.net_config)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Checkpoints carry the vocabulary as plain data (they load with ``weights_only=True``)."""
+        checkpoint["vocab"] = self.vocab.to_dict()
+
+
+def _gather(predictions: dict[int, list[str]]) -> dict[int, list[str]]:
+    """Merge the per-rank predictions; an image the sampler padded in twice is kept once."""
+    merged: dict[int, list[str]] = {}
+    for part in _gather_list([predictions]):
+        merged.update(part)
+    return merged
+
+
+def _gather_list(items: list[Any]) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return items
+    gathered: list[list[Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]

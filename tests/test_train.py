@@ -1,0 +1,161 @@
+"""train.py + conf/: composition, validation, fast dev runs, learning, resume and DDP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import OmegaConf, open_dict
+
+from captioner.errors import ConfigError
+from captioner.training.validate import validate_config
+from conftest import ROOT, run_train, tiny_overrides
+
+CONF = ROOT / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def compose_cfg(overrides: list[str], tmp_path: Path):
+    """Compose conf/config.yaml as train.py would, with paths pointing into ``tmp_path``."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.paths.root_dir = str(ROOT)
+        cfg.paths.output_dir = str(tmp_path / "out")
+        cfg.hydra.runtime.output_dir = str(tmp_path / "out")
+    HydraConfig().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]  # train.py sees the config without the hydra node, as under @hydra.main
+    return cfg
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_validates_and_instantiates(experiment: str, tmp_path: Path) -> None:
+    # The ImageNet weight file cannot be downloaded here; the offline message is tested in test_encoder.
+    cfg = compose_cfg([f"experiment={experiment}", "model.encoder.weights=null"], tmp_path)
+    validate_config(OmegaConf.to_container(cfg, resolve=True))
+    datamodule = instantiate(cfg.data, _convert_="all")
+    assert datamodule.batch_size == cfg.data.batch_size
+    from captioner.data.vocab import Vocabulary
+
+    vocab = Vocabulary([f"w{i}" for i in range(20)])
+    module = instantiate(cfg.model, vocab=vocab, _convert_="all")
+    assert module.net_config["decoder"]["mode"] == cfg.model.attention
+    if cfg.trainer.accelerator == "cpu":
+        assert instantiate(cfg.trainer).max_epochs == cfg.trainer.max_epochs
+
+
+@pytest.mark.parametrize("group,options", [
+    ("data", ["shapes", "coco", "coco_karpathy", "flickr8k", "flickr30k"]),
+    ("model", ["soft", "hard"]),
+    ("trainer", ["cpu", "gpu", "ddp", "ddp_cpu", "multi_node"]),
+    ("logger", ["csv", "tensorboard", "none"]),
+])
+def test_every_group_option_composes_and_validates(group: str, options: list[str], tmp_path: Path) -> None:
+    for option in options:
+        cfg = compose_cfg([f"{group}={option}"], tmp_path)
+        validate_config(OmegaConf.to_container(cfg, resolve=True))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
+    ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
+    ("model.attention=medium", "choose one of: soft, hard"),
+    ("data.batch_size=-3", "data.batch_size=-3 must be >= 1"),
+    ("model.decoder.dropout=1.5", "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
+    ("model.encoder.name=resnet1001", "model.encoder.name='resnet1001' is not a torchvision classification model"),
+    ("+model.decoder.hiden_dim=3", "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
+    ("model.encoder.trainable_stages=2", "data.feature_cache needs a frozen encoder"),
+])
+def test_invalid_values_are_refused_with_the_valid_choices(override: str, message: str, tmp_path: Path) -> None:
+    cfg = compose_cfg([override], tmp_path)
+    with pytest.raises(ConfigError) as info:
+        validate_config(OmegaConf.to_container(cfg, resolve=True))
+    assert message in str(info.value)
+
+
+def test_a_user_error_is_one_line_on_stderr_and_exit_2(tmp_path: Path) -> None:
+    proc = run_train(["model.decoding.beam_size=0", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: model.decoding.beam_size=0 must be >= 1"]
+    proc = run_train([f"ckpt_path={tmp_path / 'missing.ckpt'}", f"paths.log_dir={tmp_path}"], check=False,
+                     timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("extra", [
+    ["model=soft"],
+    ["model=hard"],
+    ["model=soft", "model.self_attention.blocks=1", "model.self_attention.heads=2",
+     "model.self_attention.positional=true", "model.scorer=multihead", "model.decoder.attention_heads=2"],
+])
+def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path) -> None:
+    import train
+
+    cfg = compose_cfg([*tiny_overrides(tiny_shapes, tmp_path), "debug=fast", *extra], tmp_path)
+    train.train(cfg)
+    out = Path(cfg.paths.output_dir)
+    assert (out / "bundle.pt").is_file()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0.0 <= metrics["val/bleu1"] <= 1.0
+
+
+@pytest.mark.slow
+def test_training_improves_bleu_far_above_an_untrained_model(tiny_shapes: Path, tmp_path: Path) -> None:
+    base = tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache")
+    untrained = run_train([*base, "train=false", "test=false", "hydra.run.dir=" + str(tmp_path / "untrained")])
+    trained = run_train([*base, "trainer.max_epochs=12", "test=false", "callbacks.early_stopping=null"])
+    before = json.loads((tmp_path / "untrained" / "metrics.json").read_text())
+    after = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert before["val/bleu4"] < 0.05
+    assert after["val/bleu4"] > 0.3, trained.stdout[-2000:]
+    assert after["val/bleu1"] > before["val/bleu1"] + 0.3
+    assert "inference bundle:" in trained.stdout and "BLEU-4" in trained.stdout
+    assert after["val/attention_correctness"] > 0.0
+
+
+@pytest.mark.slow
+def test_resume_continues_epoch_step_optimiser_and_schedule(tiny_shapes: Path, tmp_path: Path) -> None:
+    base = tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache")
+    run_train([*base, "trainer.max_epochs=2", "test=false", "callbacks.early_stopping=null",
+               f"hydra.run.dir={tmp_path / 'first'}"])
+    first = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)
+    run_train([*base, "trainer.max_epochs=3", "test=false", "callbacks.early_stopping=null",
+               f"ckpt_path={tmp_path / 'first'}", f"hydra.run.dir={tmp_path / 'second'}"])
+    second = torch.load(tmp_path / "second" / "checkpoints" / "last.ckpt", weights_only=True)
+    steps_per_epoch = first["global_step"] // 2
+    assert first["epoch"] == 1 and second["epoch"] == 2
+    assert second["global_step"] == first["global_step"] + steps_per_epoch
+    first_sched = first["lr_schedulers"][0]
+    second_sched = second["lr_schedulers"][0]
+    assert second_sched["last_epoch"] == first_sched["last_epoch"] + steps_per_epoch
+    first_adam = first["optimizer_states"][0]["state"][0]["step"]
+    second_adam = second["optimizer_states"][0]["state"][0]["step"]
+    assert float(second_adam) == float(first_adam) + steps_per_epoch
+    assert (tmp_path / "first" / "checkpoints" / "last.ckpt").is_file()  # the earlier run is untouched
+
+
+@pytest.mark.slow
+def test_ddp_with_two_cpu_processes_gives_the_single_process_bleu(tiny_shapes: Path, tmp_path: Path) -> None:
+    base = tiny_overrides(tiny_shapes, tmp_path)
+    run_train([*base, "trainer.max_epochs=2", "test=false", "data.feature_cache=null",
+               f"hydra.run.dir={tmp_path / 'fit'}"])
+    ckpt = tmp_path / "fit" / "checkpoints" / "last.ckpt"
+    # 24 validation images over 2 ranks with an eval batch of 5: uneven shards, padded by the sampler.
+    common = [*base, "train=false", "test=false", f"ckpt_path={ckpt}", "data.eval_batch_size=5"]
+    run_train([*common, "trainer=cpu", f"hydra.run.dir={tmp_path / 'single'}"])
+    run_train([*common, "trainer=ddp_cpu", "trainer.devices=2", f"hydra.run.dir={tmp_path / 'ddp'}"])
+    single = json.loads((tmp_path / "single" / "metrics.json").read_text())
+    ddp = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    for n in range(1, 5):
+        assert ddp[f"val/bleu{n}"] == pytest.approx(single[f"val/bleu{n}"], abs=1e-9)
+    assert single["val/bleu1"] > 0.0
+    single_caps = json.loads((tmp_path / "single" / "val_captions.json").read_text())
+    ddp_caps = json.loads((tmp_path / "ddp" / "val_captions.json").read_text())
+    assert len(ddp_caps) == 24 and ddp_caps == single_caps
