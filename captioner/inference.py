@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
 
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb
-from captioner.data.vocab import Vocabulary
+from captioner.model.captioner import LoadedModel
 
 
 class ImageFiles(Dataset):
@@ -24,15 +26,17 @@ class ImageFiles(Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> tuple[str, torch.Tensor] | Skipped:
+    def __getitem__(self, index: int) -> torch.Tensor | Skipped:
+        """The image as a normalised tensor (3, S, S), or ``Skipped(path as given, reason)``."""
         path = self.paths[index]
         try:
-            return path, self.transform(load_rgb(path))
+            return self.transform(load_rgb(path))
         except ImageError as exc:
-            return Skipped(path, str(exc).removeprefix(f"{path}: "))
+            return Skipped(path, exc.reason)
 
 
-def _as_list(items: list) -> list:
+def _keep_list(items: list) -> list:
+    """DataLoader collate function that leaves the batch a list (good images and Skipped mixed)."""
     return items
 
 
@@ -42,36 +46,38 @@ class Captioned:
 
     path: str
     words: list[str]
-    score: float
-    alphas: torch.Tensor  # (T, L)
-    grid: tuple[int, int]
+    score: float  # the decoder's score: summed log-probability (beam: with its length penalty)
+    alphas: torch.Tensor  # (T, L): the attention used for each word, T = len(words)
+    grid: tuple[int, int]  # (H, W) with H * W = L
 
 
-def caption_files(model: torch.nn.Module, vocab: Vocabulary, image_size: int, paths: Sequence[str], device: torch.device,
-                  batch_size: int, workers: int, progress: bool, **decode) -> Iterator[Captioned | Skipped]:
-    """Caption ``paths`` in batches (decoding in worker processes), yielding results in input order."""
-    loader = DataLoader(ImageFiles(paths, image_size), batch_size=batch_size, num_workers=workers,
-                        collate_fn=_as_list)
-    bar = None
-    if progress:
-        from tqdm import tqdm
+def caption_files(loaded: LoadedModel, paths: Sequence[str], batch_size: int = 32, workers: int = 0,
+                  progress: bool = False, **decode) -> Iterator[Captioned | Skipped]:
+    """Caption ``paths`` a batch at a time, yielding one result per path in input order.
 
-        bar = tqdm(total=len(paths), unit="img", file=sys.stderr, desc="captioning")
-    for items in loader:
-        good = [x for x in items if not isinstance(x, Skipped)]
-        results: dict[str, Captioned] = {}
-        if good:
-            images = torch.stack([tensor for _, tensor in good]).to(device)
-            with torch.inference_mode():
-                generation, grid = model.generate(images, start_id=vocab.start_id, end_id=vocab.end_id,
-                                                  **decode)
-            tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
-            for row, (path, _) in enumerate(good):
-                words = vocab.decode(tokens[row].tolist())
-                results[path] = Captioned(path, words, float(scores[row]), alphas[row, : len(words)].float(), grid)
-        for item in items:
-            yield item if isinstance(item, Skipped) else results[item[0]]
-        if bar is not None:
+    Images are decoded in ``workers`` processes and resized to the model's ``image_size``; each batch
+    runs the encoder and the decoder once on the model's device. An unreadable file yields
+    ``Skipped(path, reason)``. ``decode`` holds ``Captioner.generate`` options (method, beam_size,
+    max_len, temperature, length_penalty). ``progress`` shows a bar on stderr.
+    """
+    model, vocab = loaded.model, loaded.vocab
+    device = next(model.parameters()).device
+    batches = math.ceil(len(paths) / batch_size)
+    loader = DataLoader(ImageFiles(paths, loaded.image_size), batch_size=batch_size,
+                        num_workers=min(workers, batches), collate_fn=_keep_list)
+    with tqdm(total=len(paths), unit="img", file=sys.stderr, desc="captioning", disable=not progress) as bar:
+        for number, items in enumerate(loader):
+            first = number * batch_size  # index in ``paths`` of the batch's first item
+            good = [i for i, item in enumerate(items) if not isinstance(item, Skipped)]
+            captioned: dict[int, Captioned] = {}
+            if good:
+                images = torch.stack([items[i] for i in good]).to(device)  # (B, 3, S, S)
+                generation, grid = model.generate(images, start_id=vocab.start_id, end_id=vocab.end_id, **decode)
+                tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
+                for row, i in enumerate(good):
+                    words = vocab.decode(tokens[row].tolist())
+                    captioned[i] = Captioned(paths[first + i], words, float(scores[row]),
+                                             alphas[row, : len(words)].float(), grid)
+            for i, item in enumerate(items):
+                yield captioned.get(i, item)
             bar.update(len(items))
-    if bar is not None:
-        bar.close()

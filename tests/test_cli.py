@@ -1,0 +1,477 @@
+"""The ``captioner`` command: caption, attend and evaluate. Every bad input, model file and argument is
+one line on stderr with the documented exit status (1: some image failed, 2: unusable model or
+argument), never a traceback; the good images are still captioned."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Callable
+from urllib.parse import unquote
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.patches import Rectangle
+from PIL import Image
+
+from captioner import cli
+from captioner.data.shapes import generate_shapes
+from captioner.data.vocab import Vocabulary
+from captioner.evaluation.cococaption import java_available
+from captioner.model.captioner import build_captioner, load_model, save_bundle
+from captioner.viz import overlay
+from conftest import run_train
+
+CONFIG = {"encoder": {"name": "resnet18"},
+          "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
+IMAGE_SIZE = 96  # resnet18: a 3x3 attention grid
+WORDS = ["a", "red", "blue", "green", "circle", "square", "triangle", "left", "of", "above"]
+SHAPE_WORDS = ("circle", "square", "triangle")
+MAX_LEN = "3"
+
+
+def _bundle(path: Path, mode: str) -> Path:
+    """An untrained bundle whose captions never end and only name shapes: exactly --max-len words, and
+    object words for attention correctness."""
+    torch.manual_seed(0)
+    vocab = Vocabulary(WORDS)
+    config = {**CONFIG, "decoder": {**CONFIG["decoder"], "mode": mode}}
+    model = build_captioner(config, len(vocab)).eval()
+    with torch.no_grad():
+        model.decoder.classifier.bias[vocab.end_id] = -1e4
+        for word in SHAPE_WORDS:
+            model.decoder.classifier.bias[vocab.stoi[word]] += 20.0
+    save_bundle(path, model, vocab, config, preprocess={"image_size": IMAGE_SIZE})
+    return path
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("bundles")
+    return {mode: str(_bundle(folder / f"{mode}.pt", mode)) for mode in ("soft", "hard")}
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def _noise(size: tuple[int, int], mode: str = "RGB") -> Image.Image:
+    return Image.effect_noise(size, 60).convert(mode)
+
+
+def _saver(size: tuple[int, int], mode: str = "RGB", **options) -> Callable[[Path], None]:
+    return lambda path: _noise(size, mode).save(path, **options)
+
+
+def _array(values: np.ndarray) -> Callable[[Path], None]:
+    return lambda path: Image.fromarray(values).save(path)
+
+
+def _two_frames(path: Path) -> None:
+    _noise((30, 20)).save(path, save_all=True, append_images=[Image.new("RGB", (30, 20), (255, 0, 0))])
+
+
+def _exif_rotated(path: Path) -> None:
+    image = _noise((40, 20))
+    exif = image.getexif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees to display
+    image.save(path, exif=exif.tobytes())
+
+
+def _transparent_palette(path: Path) -> None:
+    _noise((16, 16)).convert("P").save(path, transparency=0)
+
+
+def _truncated_jpeg(path: Path) -> None:
+    buffer = io.BytesIO()
+    _noise((64, 64)).save(buffer, "JPEG")
+    path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+
+
+def _bomb(path: Path) -> None:
+    """A 60-byte PNG that claims 30000 x 30000 pixels."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b""))
+                     + chunk(b"IEND", b""))
+
+
+# Every mode and format Pillow reads, odd sizes; bad files interleaved (name -> maker, or (maker, reason)).
+GOOD: dict[str, Callable[[Path], None]] = {
+    "01_grey.png": _saver((32, 24), "L"),
+    "02_bilevel.png": _saver((32, 24), "1"),
+    "04_grey_alpha.png": _saver((32, 24), "LA"),
+    "05_palette.png": _saver((32, 24), "P"),
+    "07_palette_transparent.png": _transparent_palette,
+    "08_rgba.png": _saver((32, 24), "RGBA"),
+    "10_cmyk.jpg": _saver((32, 24), "CMYK"),
+    "11_16bit.png": _array(np.arange(600, dtype=np.uint16).reshape(20, 30) * 100),
+    "13_int32.tif": _array(np.arange(600, dtype=np.int32).reshape(20, 30) * 1000),
+    "14_float.tif": _array(np.linspace(0, 1, 600, dtype=np.float32).reshape(20, 30)),
+    "16_progressive.jpg": _saver((64, 48), progressive=True, quality=80),
+    "17_photo.webp": _saver((48, 32)),
+    "18_animated.gif": _two_frames,
+    "19_pages.tif": _two_frames,
+    "20_exif_rotated.jpg": _exif_rotated,
+    "21_one_pixel.png": _saver((1, 1)),
+    "22_thin.png": _saver((3, 500)),
+    "23_very_wide.jpg": _saver((2000, 6)),
+    "24_wide.PNG": _saver((120, 40)),
+    "25_bitmap.bmp": _saver((20, 20)),
+}
+BAD: dict[str, tuple[Callable[[Path], None], str]] = {
+    "03_text.jpg": (lambda path: path.write_text("these are not the pixels you are looking for"),
+                    "not an image file"),
+    "06_empty.png": (lambda path: path.write_bytes(b""), "file is empty"),
+    "09_truncated.jpg": (_truncated_jpeg, "truncated or corrupt image data"),
+    "12_folder.png": (lambda path: path.mkdir(), "is a directory, not an image file"),
+    "15_bomb.png": (_bomb, "decompression bomb"),
+}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> tuple[Path, list[str], dict[str, str]]:
+    """A folder of good and bad images (and a text file a folder scan skips): (folder, good paths in
+    order, bad path -> reason)."""
+    folder = tmp_path_factory.mktemp("inputs") / "photos"
+    folder.mkdir()
+    for name, make in GOOD.items():
+        make(folder / name)
+    for name, (make, _) in BAD.items():
+        make(folder / name)
+    (folder / "notes.txt").write_text("not an image, and not named like one")
+    return folder, [str(folder / name) for name in sorted(GOOD)], {str(folder / n): r for n, (_, r) in BAD.items()}
+
+
+def _one_error_line(err: str, path: object, reason: str) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("error: ") and str(path) in lines[0] and reason in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------------------------------ caption
+def test_caption_a_folder_of_every_kind_of_file(bundles, inputs, tmp_path, capsys):
+    folder, good, bad = inputs
+    missing = str(tmp_path / "missing.jpg")
+    code = cli.main(["caption", str(folder), missing, "--model", bundles["soft"], "--max-len", MAX_LEN,
+                     "--batch-size", "4"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    rows = [line.split("\t") for line in out.splitlines()]
+    assert [row[0] for row in rows] == good  # every good file once, in order; the text file is not an image name
+    assert all(len(row[1].split()) == 3 and set(row[1].split()) <= set(SHAPE_WORDS) for row in rows)
+    lines = err.splitlines()
+    assert "Traceback" not in err and len(lines) == len(bad) + 1
+    for path, reason in {**bad, missing: "file not found"}.items():
+        named = [line for line in lines if line.startswith(f"error: {path}: ")]
+        assert len(named) == 1 and reason in named[0], (path, lines)
+
+
+def test_json_lines_and_decoding_options(bundles, inputs, capsys):
+    good = inputs[1][:4]
+    common = ["caption", *good, "--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0", "--json"]
+    assert cli.main([*common, "--method", "greedy"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["path"] for row in rows] == good
+    for row in rows:
+        assert set(row) == {"path", "caption", "score", "tokens"}
+        assert row["caption"] == " ".join(row["tokens"]) and len(row["tokens"]) == 3
+        assert isinstance(row["score"], float) and row["score"] < 0  # a summed log-probability
+    assert cli.main([*common, "--method", "beam", "--beam-size", "1"]) == 0
+    beam = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["tokens"] for row in beam] == [row["tokens"] for row in rows]  # a beam of one is greedy
+    assert [row["score"] for row in beam] == pytest.approx([row["score"] for row in rows], abs=1e-3)
+
+
+def test_globs_and_a_progress_bar_for_many_images(bundles, inputs, monkeypatch, capsys):
+    folder = inputs[0]
+    args = ["caption", str(folder / "0*.png"), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]
+    monkeypatch.setattr(cli, "PROGRESS_MIN_IMAGES", 3)
+    assert cli.main(args) == 1  # 06_empty.png matches the pattern too
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [
+        str(folder / name) for name in ("01_grey.png", "02_bilevel.png", "04_grey_alpha.png", "05_palette.png",
+                                        "07_palette_transparent.png", "08_rgba.png")]
+    assert "captioning" in err and "7/7" in err
+    assert cli.main([*args, "--no-progress"]) == 1
+    assert "captioning" not in capsys.readouterr().err
+    assert cli.main(["caption", str(folder / "*.jpeg"), "--model", bundles["soft"]]) == 1
+    _one_error_line(capsys.readouterr().err, folder / "*.jpeg", "no file matches this pattern")
+
+
+def test_expand_inputs(tmp_path):
+    (tmp_path / "a" / "deep").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for name in ("a/2.jpg", "a/deep/1.PNG", "a/readme.md", "b.gif"):
+        (tmp_path / name).write_bytes(b"x")
+    paths, errors = cli.expand_inputs([str(tmp_path / "a"), str(tmp_path / "*.gif"), str(tmp_path / "empty"),
+                                       str(tmp_path / "gone.jpg")])
+    assert paths == [str(tmp_path / "a/2.jpg"), str(tmp_path / "a/deep/1.PNG"), str(tmp_path / "b.gif"),
+                     str(tmp_path / "gone.jpg")]  # a named file is kept: loading it says what is wrong
+    assert [(e.path, e.reason) for e in errors] == [(str(tmp_path / "empty"), "folder holds no image files")]
+
+
+def test_console_script_streams_and_exit_status(bundles, inputs, tmp_path):
+    good, missing = inputs[1][0], str(tmp_path / "missing.png")
+    script = Path(sys.executable).parent / "captioner"
+    proc = subprocess.run([str(script), "caption", good, missing, "--model", bundles["soft"], "--max-len", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert [line.split("\t")[0] for line in proc.stdout.splitlines()] == [good]
+    assert proc.stderr.splitlines() == [f"error: {missing}: file not found"]
+
+
+# ------------------------------------------------------------------------------------------- attend
+@pytest.fixture
+def figures(monkeypatch) -> list:
+    """Every figure ``draw_overlay`` builds, to count its panels and marks."""
+    built = []
+    build = overlay.overlay_figure
+
+    def spy(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(overlay, "overlay_figure", spy)
+    return built
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_attend_draws_one_panel_per_word(mode, bundles, inputs, figures, tmp_path, capsys):
+    image = str(inputs[0] / "24_wide.PNG")
+    out = tmp_path / "overlay.png"
+    assert cli.main(["attend", image, "--model", bundles[mode], "--out", str(out), "--max-len", MAX_LEN,
+                     "--workers", "0"]) == 0
+    path, caption, target = capsys.readouterr().out.strip().split("\t")
+    assert (path, target) == (image, str(out))
+    with Image.open(out) as png:
+        png.load()
+        assert png.format == "PNG" and png.width > png.height  # the wide image's aspect ratio
+    (figure,) = figures
+    words = caption.split()
+    assert len(figure.axes) == 1 + len(words) == 4
+    assert [ax.get_title() for ax in figure.axes[1:]] == words
+    marks = [sum(isinstance(p, Rectangle) for p in ax.patches) for ax in figure.axes]
+    assert marks == [0] + [1 if mode == "hard" else 0] * 3  # hard attention: the attended cell is outlined
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.links += [unquote(value) for name, value in attrs if name in ("src", "href") and value]
+
+
+def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path, capsys):
+    folder, good, bad = inputs
+    images = [good[0], str(folder / "03_text.jpg"), good[-1], good[-2]]
+    out = tmp_path / "gallery"
+    assert cli.main(["attend", *images, "--model", bundles["soft"], "--out", str(out), "--max-len", MAX_LEN,
+                     "--batch-size", "2"]) == 1
+    stdout, err = capsys.readouterr()
+    rows = [line.split("\t") for line in stdout.splitlines()]
+    assert [row[0] for row in rows] == [good[0], good[-1], good[-2]]
+    assert sorted(out.glob("*.png")) == sorted(Path(row[2]) for row in rows)
+    assert err.splitlines()[0].startswith(f"error: {folder / '03_text.jpg'}: not an image file")
+    page = (out / "index.html").read_text()
+    parser = _Links()
+    parser.feed(page)
+    linked = {(out / link).resolve() for link in parser.links}
+    assert linked == {Path(p).resolve() for row in rows for p in (row[0], row[2])}
+    assert all(row[1] in page for row in rows)
+
+
+def test_out_is_never_overwritten_without_force(bundles, inputs, tmp_path, capsys):
+    out = tmp_path / "overlay.png"
+    args = ["attend", inputs[1][0], "--model", bundles["soft"], "--out", str(out), "--max-len", "1", "--workers", "0"]
+    assert cli.main(args) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --out {out}: {out} already exists; pass --force to overwrite it"]
+    assert out.read_bytes() == before
+    assert cli.main([*args, "--force"]) == 0
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "keep.txt").write_text("mine")
+    assert cli.main([*args[:4], "--out", str(tmp_path / "used")]) == 2
+    assert "pass --force" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------- bad model files
+class _RunsCode:
+    """Unpickling this would call os.makedirs: a stand-in for a pickle that runs code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.makedirs, (str(self.marker),)
+
+
+def _tampered(bundle: str, path: Path, change: Callable[[dict], None]) -> None:
+    raw = torch.load(bundle, weights_only=True)
+    change(raw)
+    torch.save(raw, path)
+
+
+def _swap_two_words(raw: dict) -> None:
+    words = raw["vocab"]["words"]
+    words[-1], words[-2] = words[-2], words[-1]
+
+
+def _other_vocabulary(raw: dict) -> None:
+    bigger = Vocabulary([*WORDS, "purple"])
+    raw["vocab"], raw["vocab_fingerprint"] = bigger.to_dict(), bigger.fingerprint()
+
+
+BAD_MODELS: dict[str, tuple[Callable[[str, Path], None] | None, str]] = {
+    "missing": (None, "model file not found"),
+    "directory": (lambda bundle, path: path.mkdir(), "is not a file"),
+    "garbage bytes": (lambda bundle, path: path.write_bytes(os.urandom(4096)), "truncated or corrupt"),
+    "text": (lambda bundle, path: path.write_text("hello"), "truncated or corrupt"),
+    "truncated": (lambda bundle, path: path.write_bytes(Path(bundle).read_bytes()[:50_000]), "truncated or corrupt"),
+    "pickle that runs code": (lambda bundle, path: torch.save({"x": _RunsCode(path.with_suffix(".ran"))}, path),
+                              "refused"),
+    "a tensor": (lambda bundle, path: torch.save(torch.zeros(3), path),
+                 "neither a captioner bundle nor a training checkpoint"),
+    "newer bundle": (lambda bundle, path: _tampered(bundle, path, lambda raw: raw.update(version=99)),
+                     "bundle version 99 is newer"),
+    "altered vocabulary": (lambda bundle, path: _tampered(bundle, path, _swap_two_words), "the vocabulary was altered"),
+    "other vocabulary": (lambda bundle, path: _tampered(bundle, path, _other_vocabulary),
+                         "the vocabulary has 15 words but the decoder.embedding weights have 14 rows"),
+    "other config": (lambda bundle, path: _tampered(bundle, path, lambda raw: raw["config"]["decoder"].update(
+        hidden_dim=32)), "shape mismatch"),
+    "no image size": (lambda bundle, path: _tampered(bundle, path, lambda raw: raw.pop("preprocess")),
+                      "has no preprocessing settings"),
+    "foreign checkpoint": (lambda bundle, path: torch.save({"pytorch-lightning_version": "2.4.0", "state_dict": {}},
+                                                           path), 'has no "captioner" entry'),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_MODELS))
+def test_a_bad_model_file_is_one_line_and_exit_2(kind, bundles, inputs, tmp_path, capsys):
+    make, reason = BAD_MODELS[kind]
+    path = tmp_path / "model.pt"
+    if make is not None:
+        make(bundles["soft"], path)
+    assert cli.main(["caption", inputs[1][0], "--model", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    _one_error_line(err, path, reason)
+    assert not path.with_suffix(".ran").exists()  # the pickled call never ran
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--beam-size", "0"], "--beam-size=0 must be >= 1"),
+    (["--max-len", "0"], "--max-len=0 must be >= 1"),
+    (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
+    (["--workers", "-1"], "--workers=-1 must be >= 0"),
+    (["--temperature", "0"], "--temperature=0.0 must be >= 1e-06"),
+    pytest.param(["--device", "cuda"], "--device cuda: CUDA is not available on this machine; use --device cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+    (["--device", "gpu7"], "--device 'gpu7' is not a device; use auto, cpu, cuda or cuda:N"),
+])
+def test_a_bad_argument_is_one_line_and_exit_2(option, message, bundles, inputs, capsys):
+    assert cli.main(["caption", inputs[1][0], "--model", bundles["soft"], *option]) == 2
+    assert capsys.readouterr() == ("", f"error: {message}\n")
+
+
+# ----------------------------------------------------------------------------------------- evaluate
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> Path:
+    return generate_shapes(tmp_path_factory.mktemp("data") / "shapes", n_train=20, n_val=6, n_test=6)
+
+
+def _load_results(annotations: Path, results: Path):
+    """pycocotools' own check of a results file (its prints silenced)."""
+    from pycocotools.coco import COCO
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return COCO(str(annotations)).loadRes(str(results))
+
+
+def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_path, monkeypatch, capsys):
+    data = tmp_path / "shapes"
+    shutil.copytree(shapes, data)
+    broken = sorted((data / "images" / "test").glob("*.png"))[0]
+    broken.write_bytes(broken.read_bytes()[:200])
+    monkeypatch.setattr("captioner.evaluation.report.java_available", lambda: False)
+    out = tmp_path / "eval"
+    args = ["evaluate", "--model", bundles["soft"], "--shapes", str(data), "--split", "test", "--out", str(out),
+            "--method", "greedy", "--max-len", MAX_LEN, "--workers", "0"]
+    assert cli.main(args) == 1  # an unreadable test image: reported, the others evaluated
+    stdout, err = capsys.readouterr()
+    _one_error_line(err, broken, "truncated or corrupt")
+    results = _load_results(data / "annotations" / "captions_test.json", out / "results.json")
+    expected_ids = {int(p.stem) for p in (data / "images" / "test").glob("*.png")} - {int(broken.stem)}
+    assert set(results.getImgIds()) == expected_ids
+    assert all(set(ann["caption"].split()) <= set(SHAPE_WORDS) for ann in results.dataset["annotations"])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["scale"].startswith("0-1") and metrics["images"] == 5 and metrics["skipped_images"] == 1
+    assert sorted(metrics["bleu"]) == ["bleu1", "bleu2", "bleu3", "bleu4"]
+    assert 0.0 < metrics["bleu"]["bleu1"] <= 1.0  # shape names are in the references
+    assert metrics["coco_caption"].startswith("skipped: Java was not found")
+    correctness = metrics["attention_correctness"]
+    assert correctness["words"] > 0 and 0.0 <= correctness["mean_mass"] <= 1.0
+    assert "0-1 scale" in stdout and "nltk BLEU4" in stdout and "attention correctness" in stdout
+    assert cli.main(args) == 2 and "pass --force" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dataset, message", [
+    ([], "give exactly one dataset"),
+    (["--karpathy", "split.json"], "--images is required with --karpathy and --coco-captions"),
+    (["--shapes", "nowhere"], "nowhere holds no generated shapes dataset"),
+    (["--coco-captions", "captions.json", "--images", "nowhere"], "COCO captions file for 'test' not found"),
+])
+def test_evaluate_refuses_a_missing_dataset(dataset, message, bundles, tmp_path, capsys):
+    assert cli.main(["evaluate", "--model", bundles["soft"], *dataset, "--out", str(tmp_path)]) == 2
+    _one_error_line(capsys.readouterr().err, "", message)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not java_available(), reason="the coco-caption suite needs java")
+def test_evaluate_runs_the_coco_caption_suite(bundles, shapes, tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert cli.main(["evaluate", "--model", bundles["soft"], "--shapes", str(shapes), "--out", str(out),
+                     "--method", "greedy", "--max-len", MAX_LEN, "--workers", "0"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    suite = metrics["coco_caption"]
+    assert sorted(suite) == ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr", "METEOR", "ROUGE-L"]
+    assert suite["BLEU-1"] == pytest.approx(metrics["bleu"]["bleu1"], abs=0.01)  # same words, PTB-tokenised
+    assert "SPICE is not computed" in metrics["spice"]
+    assert "coco METEOR" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_evaluate_a_training_checkpoint_like_its_bundle(shapes, tmp_path, capsys):
+    overrides = [f"data.source.root={shapes}", "data.source.n_train=20", "data.source.n_val=6",
+                 "data.source.n_test=6", "data.image_size=64", "data.feature_cache=null", "data.num_workers=0",
+                 "data.batch_size=10", "data.eval_batch_size=6", "model.decoder.embed_dim=16",
+                 "model.decoder.hidden_dim=16", "model.decoder.attention_dim=16", "trainer.max_epochs=1",
+                 "test=false", f"paths.log_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}", "logger=csv",
+                 "trainer.enable_progress_bar=false"]
+    proc = run_train(overrides)
+    bundle = Path(re.search(r"^inference bundle: +(.+)$", proc.stdout, re.MULTILINE).group(1))
+    checkpoint = bundle.parent / "checkpoints" / "last.ckpt"
+    from_checkpoint, from_bundle = load_model(checkpoint), load_model(bundle)
+    assert from_checkpoint.image_size == from_bundle.image_size == 64  # data.image_size travels with the model
+    assert from_checkpoint.vocab == from_bundle.vocab and from_checkpoint.config == from_bundle.config
+    for name, model in (("checkpoint", checkpoint), ("bundle", bundle)):
+        assert cli.main(["evaluate", "--model", str(model), "--shapes", str(shapes), "--out", str(tmp_path / name),
+                         "--no-coco", "--method", "greedy", "--workers", "0"]) == 0
+    capsys.readouterr()
+    results = [(tmp_path / name / "results.json").read_text() for name in ("checkpoint", "bundle")]
+    assert results[0] == results[1] and len(json.loads(results[0])) == 6

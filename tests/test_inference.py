@@ -1,0 +1,90 @@
+"""Batched captioning of files: one result per path in input order, bad files in place, any image size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from captioner.data.dataset import Skipped
+from captioner.data.vocab import Vocabulary
+from captioner.inference import Captioned, ImageFiles, caption_files
+from captioner.model.captioner import LoadedModel, build_captioner
+
+CONFIG = {"encoder": {"name": "resnet18"},
+          "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
+IMAGE_SIZE = 64  # resnet18: a 2x2 grid
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    """An untrained captioner whose captions never end (always max_len words)."""
+    torch.manual_seed(0)
+    vocab = Vocabulary(["a", "red", "blue", "circle", "square"])
+    model = build_captioner(CONFIG, len(vocab)).eval()
+    with torch.no_grad():
+        model.decoder.classifier.bias[vocab.end_id] = -1e4
+    return LoadedModel(model, vocab, CONFIG, IMAGE_SIZE)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> list[str]:
+    """Five different images of odd sizes and a broken file in the middle: paths as a user gives them."""
+    folder = tmp_path_factory.mktemp("images")
+    sizes = [(40, 30), (1, 1), (3, 500), (2000, 4), (7, 9)]
+    paths = []
+    for i, size in enumerate(sizes):
+        image = Image.effect_noise(size, 40 + 20 * i).convert("RGB")
+        image.save(folder / f"{i}.png")
+        paths.append(str(folder / f"{i}.png"))
+    (folder / "broken.png").write_bytes(b"not an image")
+    return [*paths[:2], str(folder / "broken.png"), *paths[2:]]
+
+
+def test_any_size_is_resized_to_the_model_input(files):
+    dataset = ImageFiles(files, IMAGE_SIZE)
+    for index in (0, 1, 3, 4):  # 40x30, 1x1, 3x500, 2000x4
+        image = dataset[index]
+        assert image.shape == (3, IMAGE_SIZE, IMAGE_SIZE) and torch.isfinite(image).all()
+
+
+def test_an_unreadable_file_is_skipped_with_the_path_as_given_and_its_reason(files, tmp_path):
+    dataset = ImageFiles([files[2], "./no/such.png", str(tmp_path)], IMAGE_SIZE)
+    assert dataset[0] == Skipped(files[2], "not an image file (Pillow cannot identify its format)")
+    assert dataset[1] == Skipped("./no/such.png", "file not found")
+    assert dataset[2] == Skipped(str(tmp_path), "is a directory, not an image file")
+
+
+def test_batches_give_the_captions_of_one_by_one_in_input_order(loaded, files, monkeypatch):
+    batch_sizes = []
+    generate = loaded.model.generate
+
+    def spy(images, **kwargs):
+        batch_sizes.append(images.shape[0])
+        return generate(images, **kwargs)
+
+    monkeypatch.setattr(loaded.model, "generate", spy)
+    alone = list(caption_files(loaded, files, batch_size=1, method="beam", beam_size=2, max_len=3))
+    assert batch_sizes == [1] * 5
+    batch_sizes.clear()
+    batched = list(caption_files(loaded, files, batch_size=4, workers=2, method="beam", beam_size=2, max_len=3))
+    assert batch_sizes == [3, 2]  # the encoder and decoder run once per batch, on its readable images
+    assert [r.path for r in batched] == files
+    assert isinstance(batched[2], Skipped) and batched[2].path == files[2]
+    for one, many in zip(alone, batched):
+        if isinstance(one, Skipped):
+            assert one == many
+            continue
+        assert isinstance(many, Captioned) and len(one.words) == 3 and one.words == many.words
+        assert one.score == pytest.approx(many.score, abs=1e-4)
+        assert one.grid == many.grid == (2, 2) and one.alphas.shape == (3, 4)
+        assert torch.allclose(one.alphas, many.alphas, atol=1e-5)
+        assert torch.allclose(one.alphas.sum(dim=1), torch.ones(3), atol=1e-5)
+    scores = [r.score for r in batched if isinstance(r, Captioned)]
+    assert len(set(scores)) == len(scores)  # each image its own result, not a neighbour's
+
+
+def test_progress_bar_on_stderr(loaded, files, capsys):
+    list(caption_files(loaded, files[:2], progress=True, method="greedy", max_len=2))
+    err = capsys.readouterr().err
+    assert "captioning" in err and "2/2" in err
