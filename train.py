@@ -7,30 +7,33 @@
     python train.py ckpt_path=outputs/train/runs/<run>  # resume a run from its last checkpoint
     python train.py train=false ckpt_path=<.ckpt>     # validate a checkpoint only
 
-Everything is composed from conf/ by Hydra; this file only wires the pieces together.
+Everything is composed from conf/ by Hydra; this file only wires the pieces together. Every run writes
+into a new folder, checkpoints are written atomically, and a user error (a config value, an override,
+a file) prints one line ``error: ...`` on stderr and exits with status 2.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
-import lightning as L
-from hydra.utils import instantiate
+from hydra.errors import CompactHydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from captioner.errors import CaptionerError, ConfigError
-from captioner.evaluation.results import write_metrics, write_results
-from captioner.fileio import load_torch
-from captioner.training.validate import validate_config
 
 log = logging.getLogger("train")
 
 
 def resolve_checkpoint(path: str | None) -> str | None:
     """A checkpoint file, or a run folder whose ``checkpoints/last.ckpt`` is used; checked loadable."""
+    from captioner.fileio import load_torch
+
     if path is None:
         return None
     ckpt = Path(path)
@@ -42,11 +45,34 @@ def resolve_checkpoint(path: str | None) -> str | None:
     return str(ckpt)
 
 
+def log_lightning_to_the_run_log() -> None:
+    """Send Lightning's messages where the run's own go (stdout and ``train.log``), not to stderr.
+
+    On import Lightning gives its loggers stderr handlers of their own, so stderr would mix its progress
+    messages with the errors.
+    """
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+
+
 def train(cfg: DictConfig) -> float | None:
     """Build data, model, callbacks, loggers and trainer from ``cfg``; fit; validate the best; export."""
-    validate_config(OmegaConf.to_container(cfg, resolve=True))
-    L.seed_everything(cfg.seed, workers=True)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    # Imported here, not at the top: Hydra's own errors (an unknown key or option) are reported at once.
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from captioner.evaluation.results import write_metrics, write_results
+    from captioner.training.checkpoint_io import AtomicCheckpointIO
+    from captioner.training.validate import check_environment, validate_config
+
+    log_lightning_to_the_run_log()
+    validate_config(plain)
+    check_environment(plain)
     ckpt_path = resolve_checkpoint(cfg.ckpt_path)
+    L.seed_everything(cfg.seed, workers=True)
     output_dir = Path(cfg.paths.output_dir)
 
     datamodule = instantiate(cfg.data, _convert_="all")
@@ -54,7 +80,8 @@ def train(cfg: DictConfig) -> float | None:
     module = instantiate(cfg.model, vocab=datamodule.vocab, _convert_="all")
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
+                          plugins=[AtomicCheckpointIO()])
 
     if cfg.train:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
@@ -94,21 +121,59 @@ def summary(metrics: dict, ckpt_path: str | None, bundle: Path, output_dir: Path
     return "\n".join(lines)
 
 
+def one_line(exc: BaseException) -> str:
+    """A Hydra or OmegaConf error (an unknown key or option, a bad override) as one line."""
+    if isinstance(exc, OmegaConfBaseException):
+        message = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
+        key = getattr(exc, "full_key", None)
+        return f"{key}: {message}" if key else message
+    text = str(exc).split("Config search path:")[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("See https")]
+    if isinstance(exc, MissingConfigException) and exc.options:
+        return f"{lines[0]}; choose one of: {', '.join(exc.options)}"
+    message = " ".join(lines)
+    if isinstance(exc.__cause__, OmegaConfBaseException):
+        message += f" ({one_line(exc.__cause__)})"
+    return message
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: <message>`` on stderr and exit with status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    """Hydra entry point: user errors become one line on stderr and exit status 2."""
+    """Hydra entry point: user errors become one line on stderr and exit status 2.
+
+    Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only.
+    """
+    logging.captureWarnings(True)
     try:
         return train(cfg)
     except CaptionerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    except hydra.errors.InstantiationException as exc:
+        fail(str(exc))
+    except (CompactHydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
-        if isinstance(cause, CaptionerError):
-            print(f"error: {cause}", file=sys.stderr)
-            sys.exit(2)
-        raise
+        fail(str(cause) if isinstance(cause, CaptionerError) else one_line(exc))
+
+
+def cli() -> None:
+    """``python train.py``: Hydra's composition errors (before ``main`` runs) also become one line, exit 2.
+
+    Hydra prints those over several lines and exits with status 1; with ``HYDRA_FULL_ERROR=1`` it raises
+    them instead, so they are caught here. A user who sets ``HYDRA_FULL_ERROR=1`` gets Hydra's full report.
+    """
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        main()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (CompactHydraException, OmegaConfBaseException) as exc:
+        fail(one_line(exc))
 
 
 if __name__ == "__main__":
-    main()
+    cli()

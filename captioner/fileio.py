@@ -2,6 +2,7 @@
 
 Every file is written to a temporary sibling and renamed into place, so an interrupted write never
 leaves a truncated file where a good one was. Torch files load with ``weights_only=True`` only.
+A run folder is always a new one (``new_folder``): an earlier run's folder is never written into.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -18,17 +21,22 @@ import torch
 
 from captioner.errors import BundleError, DataError
 
+_UMASK = os.umask(0o022)  # read once, while importing (os.umask can only be read by setting it)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary file next to ``path``; on success fsync it and rename it over ``path``.
 
-    On any exception the temporary file is removed and ``path`` is left untouched.
+    On any exception the temporary file is removed and ``path`` is left untouched. The file gets the
+    permissions a plain ``open`` would give it (``mkstemp`` alone makes it private to its owner).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, mode) as handle:
             yield handle
             handle.flush()
@@ -38,6 +46,25 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def new_folder(path: str | os.PathLike) -> Path:
+    """Create and return a new folder at ``path``, or at ``path_1``, ``path_2``, ... when it exists.
+
+    A folder is claimed only by creating it (``mkdir`` is atomic), so two processes that ask for the same
+    path at once (two runs started in the same second) get different folders, and an existing folder,
+    even an empty one, is never reused.
+    """
+    path = Path(path).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    candidate, n = path, 0
+    while True:
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            n += 1
+            candidate = path.with_name(f"{path.name}_{n}")
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
@@ -77,15 +104,17 @@ def load_torch(path: str | os.PathLike, what: str = "file", map_location: Any = 
     if path.stat().st_size == 0:
         raise BundleError(f"{what} {path} is empty")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then refuses
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        if "weights_only" in str(exc) or "Weights only load failed" in str(exc):
+        code = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if code:
             raise BundleError(
-                f"{what} {path} was refused: it contains pickled Python objects other than tensors "
-                "and plain data, which could run code; only weights-only files are loaded"
+                f"{what} {path} was refused: it contains pickled Python objects ({code.group(1)}) that could "
+                "run code when loaded; only weights-only files (tensors and plain data) are loaded"
             ) from None
-        raise BundleError(f"{what} {path} is corrupt or not a torch file ({first})") from None
+        raise BundleError(f"{what} {path} is truncated or corrupt, or not a weights-only torch file") from None
     except Exception as exc:  # torch raises many types (RuntimeError, EOFError, KeyError, ...)
         first = str(exc).strip().split(". ")[0].splitlines()[0] if str(exc).strip() else ""
         raise BundleError(f"{what} {path} is truncated or corrupt ({type(exc).__name__}: {first})") from None

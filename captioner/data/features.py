@@ -1,10 +1,12 @@
 """Feature cache for a frozen encoder: grid features computed once, stored in fp16, read memory-mapped.
 
 With a frozen CNN every epoch would recompute the same (L, C) grid for every image. The cache runs the
-encoder once per image, writes ``features.npy`` (N, L, C) beside ``index.json`` (image ids, grid, key),
+encoder once per image, writes ``features.npy`` (N, L, C) beside ``index.json`` (image ids, grid, dtype),
 and later epochs train the decoder from it. A cache is keyed by everything that changes its content
 (encoder config, image size, the images), so a stale cache is never read; it is written into a temporary
-folder and renamed into place, so an interrupted build never leaves a half cache behind.
+folder and renamed into place, so an interrupted build never leaves a half cache behind, and an existing
+folder is never deleted or overwritten. Images that could not be read are listed in ``index.json`` with
+the reason, and the dataset reports them as ``Skipped`` items, as the image dataset does.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
-from captioner.fileio import read_json, write_json
+from captioner.errors import DataError
+from captioner.fileio import atomic_write, read_json, write_json
 
 
 def cache_key(encoder_config: dict, image_size: int, records: Iterable[Record], dtype: str) -> str:
@@ -40,12 +42,13 @@ def cache_key(encoder_config: dict, image_size: int, records: Iterable[Record], 
 
 
 class FeatureCache:
-    """A folder holding ``features.npy`` (N, L, C) and ``index.json`` {key, image_ids, grid}."""
+    """A folder holding ``features.npy`` (N, L, C) and ``index.json`` {image_ids, grid, dtype, skipped}."""
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
         self._features: np.ndarray | None = None
         self._row: dict[int, int] | None = None
+        self._skipped: dict[str, str] | None = None
         self.grid: tuple[int, int] | None = None
 
     def exists(self) -> bool:
@@ -55,11 +58,17 @@ class FeatureCache:
     @torch.no_grad()
     def build(self, encode: Callable[[torch.Tensor], tuple[torch.Tensor, tuple[int, int]]],
               loader: DataLoader, device: torch.device | str, dtype: str = "float16") -> None:
-        """Run ``encode`` over every image of ``loader`` once and store the features atomically."""
+        """Run ``encode`` over every image of ``loader`` once and store the features atomically.
+
+        Images the loader could not read are recorded with their reason. Another process that finished
+        the same cache first wins; a folder in the way that is not a complete cache is never deleted.
+        """
         ids: list[int] = []
         chunks: list[np.ndarray] = []
+        skipped: list[Skipped] = []
         grid: tuple[int, int] = (0, 0)
         for batch in loader:
+            skipped.extend(batch["skipped"])
             if batch["images"].numel() == 0:
                 continue
             features, grid = encode(batch["images"].to(device))  # (B, L, C)
@@ -68,18 +77,25 @@ class FeatureCache:
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.folder.name}.", dir=self.folder.parent))
         try:
-            np.save(tmp / "features.npy", np.concatenate(chunks) if chunks else np.zeros((0, 0, 0), dtype))
-            write_json(tmp / "index.json", {"image_ids": ids, "grid": list(grid), "dtype": dtype})
-            if self.folder.exists():
-                shutil.rmtree(self.folder)
-            os.replace(tmp, self.folder)
+            with atomic_write(tmp / "features.npy") as handle:
+                np.save(handle, np.concatenate(chunks) if chunks else np.zeros((0, 0, 0), dtype))
+            write_json(tmp / "index.json", {"image_ids": ids, "grid": list(grid), "dtype": dtype,
+                                            "skipped": [[s.path, s.reason] for s in skipped]})
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        try:
+            os.replace(tmp, self.folder)  # fails when the folder exists and is not empty
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not self.exists():
+                raise DataError(f"{self.folder} is in the way of the feature cache and is not a complete one; "
+                                "move it away or point data.feature_cache elsewhere") from None
 
     def _open(self) -> None:
         index = read_json(self.folder / "index.json", "feature cache index")
         self._row = {image_id: row for row, image_id in enumerate(index["image_ids"])}
+        self._skipped = {path: reason for path, reason in index.get("skipped", [])}
         self.grid = tuple(index["grid"])
         self._features = np.load(self.folder / "features.npy", mmap_mode="r")
 
@@ -87,6 +103,12 @@ class FeatureCache:
         if self._row is None:
             self._open()
         return image_id in self._row
+
+    def skip_reason(self, path: str) -> str:
+        """Why the image at ``path`` has no features (recorded when the cache was built)."""
+        if self._row is None:
+            self._open()
+        return self._skipped.get(path, "not in the feature cache")
 
     def get(self, image_id: int) -> torch.Tensor:
         """The (L, C) float32 features of one image."""
@@ -96,7 +118,7 @@ class FeatureCache:
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers re-open the memory map themselves.
-        return {"folder": self.folder, "_features": None, "_row": None, "grid": self.grid}
+        return {"folder": self.folder, "_features": None, "_row": None, "_skipped": None, "grid": self.grid}
 
 
 class FeatureCaptionDataset(Dataset):
@@ -118,7 +140,7 @@ class FeatureCaptionDataset(Dataset):
         i, k = self.items[index]
         record = self.records[i]
         if record.image_id not in self.cache:
-            return Skipped(record.image_path, "not in the feature cache (the image could not be read)")
+            return Skipped(record.image_path, self.cache.skip_reason(record.image_path))
         captions = record.captions if k is None else (record.captions[k],)
         return {
             "features": self.cache.get(record.image_id),

@@ -63,7 +63,7 @@ class CaptionDataModule(L.LightningDataModule):
             self.splits[split] = self.source.records(split)
         if not self.splits["train"]:
             raise DataError("the training split has no images")
-        if self.vocab_file and Path(self.vocab_file).is_file():
+        if self.vocab_file:
             self.vocab = Vocabulary.load(self.vocab_file)
         else:
             captions = (c for r in self.splits["train"] for c in r.captions)
@@ -128,6 +128,16 @@ class CaptionDataModule(L.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """Test images in order, each with all its captions."""
         return self._loader(self._dataset("test", train=False), self.eval_batch_size, shuffle=False)
+
+    def transfer_batch_to_device(self, batch: dict, device: torch.device, dataloader_idx: int) -> dict:
+        """Move the tensors; ``batch["skipped"]`` (the unreadable images' names) stays as it is.
+
+        Lightning refuses to walk into the frozen ``Skipped`` records, so they are set aside meanwhile.
+        """
+        skipped = batch.pop("skipped")
+        batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
+        batch["skipped"] = skipped
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The vocabulary travels in Lightning checkpoints, so a resumed run uses the same ids."""

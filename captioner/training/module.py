@@ -7,6 +7,7 @@ counts each image once and scores them against all references with nltk's corpus
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import lightning as L
@@ -18,7 +19,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError, check_choice, check_range
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.correctness import AttentionCorrectness
-from captioner.model.captioner import Captioner, build_captioner, save_bundle
+from captioner.model.captioner import CHECKPOINT_KEY, Captioner, build_captioner, bundle_metadata, save_bundle
 from captioner.model.decoding import Generation
 from captioner.model.losses import CaptionLoss
 
@@ -90,20 +91,39 @@ class CaptionerModule(L.LightningModule):
             return None
         terms = self.criterion(self._forward(batch), batch["captions"])
         loss = terms["loss"]
-        if not torch.isfinite(loss):
-            if self.nonfinite == "skip":
-                log.warning("non-finite loss at step %d: batch skipped", self.global_step)
-                return None
-            raise NonFiniteLossError(
-                f"non-finite loss ({loss.item()}) at epoch {self.current_epoch}, step {self.global_step}; "
-                "training stopped, the last good checkpoint is kept (set model.nonfinite=skip to skip such batches)")
+        # Every rank takes the same decision, so a NaN on one rank never leaves the others waiting.
+        if not self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(loss)), all=True):
+            return self._nonfinite(loss)
         size = batch["captions"].shape[0]
         self.log_dict({f"train/{k}": v.detach() for k, v in terms.items() if k != "loss"}, batch_size=size)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=size)
         return loss
 
+    def _nonfinite(self, loss: torch.Tensor) -> None:
+        """A NaN/inf loss: skip the batch (no backward, no parameter update) or stop with its step.
+
+        Returning None makes Lightning skip the backward pass and the optimiser's parameter update; the
+        step counter and the schedule still advance. Stopping raises before any update, so the weights and
+        the last checkpoint written (``last.ckpt``) are those of the last good step.
+        """
+        where = f"epoch {self.current_epoch}, step {self.global_step}"
+        if self.nonfinite == "skip":
+            log.warning("non-finite loss (%s) at %s: batch skipped, no parameter update", loss.item(), where)
+            return None
+        saved = [path for c in self.trainer.checkpoint_callbacks for path in (c.last_model_path, c.best_model_path)
+                 if path and os.path.isfile(path)]
+        kept = (f"the last good checkpoint is {max(saved, key=os.path.getmtime)}" if saved
+                else "no checkpoint had been saved yet")
+        raise NonFiniteLossError(
+            f"non-finite loss ({loss.item()}) at {where}; training stopped, {kept} "
+            "(model.nonfinite=skip skips such batches instead)")
+
     def on_train_epoch_end(self) -> None:
-        """Report unreadable images once, with the first few names."""
+        """Report unreadable training images once, with the first few names."""
+        self._report_skips()
+
+    def _report_skips(self) -> None:
+        """Log one line for images that could not be read since the last report (count and first names)."""
         if self.skips.count > self._skips_reported:
             log.warning(self.skips.report())
             self._skips_reported = self.skips.count
@@ -149,6 +169,7 @@ class CaptionerModule(L.LightningModule):
         return self.model.generate(batch["images"], **kwargs)
 
     def _eval_step(self, batch: dict, split: str) -> None:
+        self.skips.add(batch["skipped"])
         if batch["image_ids"].numel() == 0:
             return
         terms = self.criterion(self._forward(batch), batch["captions"])
@@ -191,6 +212,7 @@ class CaptionerModule(L.LightningModule):
         self._finish_eval("test")
 
     def _finish_eval(self, split: str) -> None:
+        self._report_skips()
         predictions = _gather(self._predictions)
         self.predictions[split] = predictions
         correctness = _gather_list([self._correctness.state()])
@@ -207,15 +229,16 @@ class CaptionerModule(L.LightningModule):
 
     # ------------------------------------------------------------------ export
     def export_bundle(self, path: str) -> None:
-        """Write the inference bundle (weights, vocabulary, model config); no Lightning needed to load it."""
-        model = getattr(self.model.decoder, "_orig_mod", None)
-        if model is not None:
-            self.model.decoder = model
-        save_bundle(path, self.model, self.vocab, self.net_config)
+        """Write the inference bundle (weights, vocabulary, model config, the data module's image size);
+        no Lightning needed to load it."""
+        save_bundle(path, self.model, self.vocab, self.net_config,
+                    preprocess={"image_size": self.trainer.datamodule.image_size})
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Checkpoints carry the vocabulary as plain data (they load with ``weights_only=True``)."""
-        checkpoint["vocab"] = self.vocab.to_dict()
+        """Checkpoints carry the bundle metadata as plain data (model config, vocabulary, image size), so
+        ``captioner.model.captioner.load_model`` reads them with ``weights_only=True``."""
+        checkpoint[CHECKPOINT_KEY] = bundle_metadata(self.net_config, self.vocab,
+                                                     {"image_size": self.trainer.datamodule.image_size})
 
 
 def _gather(predictions: dict[int, list[str]]) -> dict[int, list[str]]:

@@ -1,0 +1,418 @@
+"""Reliability: crash and resume, atomic writes, safe loading, bad data, bad configs, NaN losses, determinism."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from captioner.data.dataset import Skipped, collate
+from captioner.data.features import FeatureCache
+from captioner.errors import BundleError, ConfigError, DataError
+from captioner.fileio import new_folder, save_torch, write_json
+from captioner.model.losses import CaptionLoss
+from captioner.training.checkpoint_io import AtomicCheckpointIO
+from captioner.training.validate import check_environment, validate_config
+from conftest import ROOT, TINY, run_train, tiny_overrides
+from test_train import compose_cfg
+
+STEPS_PER_EPOCH = TINY["n_train"] // 16  # tiny_overrides: data.batch_size=16
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` with the sha256 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The single ``error: ...`` line a failed train.py printed; fails when stderr holds anything else."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
+def train_losses(run: Path) -> dict[int, float]:
+    """``train/loss`` per step from a run's metrics.csv."""
+    with open(run / "csv" / "version_0" / "metrics.csv", newline="") as handle:
+        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(handle) if row["train/loss"]}
+
+
+def first_logged_lr(run: Path) -> tuple[int, float]:
+    """The first ``(step, lr-Adam)`` a run's LearningRateMonitor logged."""
+    with open(run / "csv" / "version_0" / "metrics.csv", newline="") as handle:
+        row = next(r for r in csv.DictReader(handle) if r["lr-Adam"])
+    return int(row["step"]), float(row["lr-Adam"])
+
+
+def copy_dataset(tiny_shapes: Path, dest: Path, images: bool = True) -> Path:
+    """A copy of the tiny dataset (without its images when ``images`` is false) that a test may damage."""
+    ignore = None if images else shutil.ignore_patterns("images")
+    return Path(shutil.copytree(tiny_shapes, dest, ignore=ignore))
+
+
+def nan_loss_at(step: int):
+    """A ``CaptionLoss.forward`` whose training loss is NaN at optimiser step ``step`` (fault injection)."""
+    forward = CaptionLoss.forward
+    calls = [0]
+
+    def poisoned(self: CaptionLoss, *args, **kwargs) -> dict:
+        terms = forward(self, *args, **kwargs)
+        if torch.is_grad_enabled():  # training; validation runs under inference mode
+            calls[0] += 1
+            if calls[0] == step + 1:
+                terms["loss"] = terms["loss"] * float("nan")
+        return terms
+
+    return poisoned
+
+
+# ``python nan_at_step.py STEP train.py OVERRIDES...``: train.py, the way users run it, with nan_loss_at(STEP).
+NAN_AT_STEP = f"""import runpy, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_reliability import CaptionLoss, nan_loss_at
+CaptionLoss.forward = nan_loss_at(int(sys.argv.pop(1)))
+sys.argv.pop(0)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+# ---------------------------------------------------------------------------------- 1. crash and resume
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_continues_from_the_last_checkpoint(tiny_shapes: Path, tmp_path: Path) -> None:
+    common = [*tiny_overrides(tiny_shapes, tmp_path), "trainer.max_epochs=2", "test=false",
+              "callbacks.early_stopping=null", "callbacks.last_checkpoint.every_n_train_steps=2",
+              "trainer.log_every_n_steps=1"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    last = first / "checkpoints" / "last.ckpt"
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, f"hydra.run.dir={first}"],
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while not last.exists():  # decoding images (no feature cache) keeps each step well over 20 ms
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint within 300 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    killed = torch.load(last, weights_only=True)
+    step = killed["global_step"]
+    assert killed["epoch"] == 0 and 0 < step < STEPS_PER_EPOCH  # saved mid-epoch, by the every-N-steps callback
+    before = snapshot(first)
+
+    resumed = run_train([*common, f"ckpt_path={first}", f"hydra.run.dir={second}"])
+    assert f"Restored all states from the checkpoint at {last}" in resumed.stdout
+    assert snapshot(first) == before  # the killed run's folder is never modified
+    final = torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)
+    total = 2 * STEPS_PER_EPOCH
+    assert final["epoch"] == 1 and final["global_step"] == total  # finished, and no step was redone or skipped
+    assert float(final["optimizer_states"][0]["state"][0]["step"]) == total  # Adam's moments carried over
+    assert float(killed["optimizer_states"][0]["state"][0]["step"]) == step
+    assert final["lr_schedulers"][0]["last_epoch"] == total  # the schedule carried over
+    assert first_logged_lr(second) == (step, pytest.approx(killed["optimizer_states"][0]["param_groups"][0]["lr"]))
+    assert sorted(train_losses(second)) == list(range(step, total))  # only the steps after the checkpoint ran
+
+
+def test_run_folders_are_never_shared(tmp_path: Path) -> None:
+    folders: list[Path] = []
+    threads = [threading.Thread(target=lambda: folders.append(new_folder(tmp_path / "runs" / "same-second")))
+               for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(folders)) == 8 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
+    assert new_folder(tmp_path / "runs" / "same-second") == tmp_path / "runs" / "same-second_8"
+
+
+def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path: Path) -> None:
+    earlier = tmp_path / "run"
+    earlier.mkdir()
+    (earlier / "metrics.json").write_text("{}")
+    train = [sys.executable, str(ROOT / "train.py")]
+    invalid = "data.batch_size=${missing}"  # each run stops at once, after Hydra made its folder
+    commands = [[*train, invalid, f"hydra.run.dir={earlier}"], [*train, invalid, f"hydra.run.dir={earlier}"],
+                [*train, "-m", invalid, f"hydra.sweep.dir={earlier}"]]
+    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in commands]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 2 and stderr == "error: data.batch_size: Interpolation key 'missing' not found\n"
+    assert snapshot(earlier) == {"metrics.json": hashlib.sha256(b"{}").hexdigest()}
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert folders == ["run", "run_1", "run_2", "run_3"]
+    layouts = sorted(sorted(p.name for p in (tmp_path / name).iterdir()) for name in folders[1:])
+    assert layouts == [[".hydra", "train.log"], [".hydra", "train.log"], ["0", "multirun.yaml"]]
+
+
+# -------------------------------------------------------------------------------------- 2. atomic writes
+def test_an_interrupted_write_leaves_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "metrics.json"
+    write_json(path, {"bleu4": 0.25})
+    with pytest.raises(TypeError):
+        write_json(path, {"bleu4": 0.5, "oops": object()})  # fails half way through the dump
+    assert json.loads(path.read_text()) == {"bleu4": 0.25}
+    checkpoint = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, checkpoint)
+    real_save = torch.save
+
+    def killed_half_way(obj: object, handle) -> None:
+        real_save(obj, handle)
+        handle.truncate(handle.tell() // 2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(3)}}, checkpoint)
+    assert torch.equal(AtomicCheckpointIO().load_checkpoint(checkpoint)["state_dict"]["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "metrics.json"]  # no temporary file left
+    (tmp_path / "plain.txt").write_text("")
+    assert checkpoint.stat().st_mode == (tmp_path / "plain.txt").stat().st_mode  # not private like mkstemp's
+
+
+def test_feature_cache_build_is_atomic_and_never_deletes_a_folder(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from captioner.data import features
+
+    items = [{"image": torch.rand(3, 8, 8), "captions": [torch.tensor([1, 4, 2])], "image_id": i, "index": i}
+             for i in range(4)]
+    batches = [collate(items[:2]), collate([*items[2:], Skipped("gone.png", "file not found")])]
+
+    def encode(images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        return images.flatten(2).transpose(1, 2), (8, 8)
+
+    def killed(path: Path, obj: object) -> None:
+        raise KeyboardInterrupt
+
+    cache = FeatureCache(tmp_path / "cache" / "train-key")
+    with monkeypatch.context() as patch:
+        patch.setattr(features, "write_json", killed)  # features.npy written, index.json not yet
+        with pytest.raises(KeyboardInterrupt):
+            cache.build(encode, batches, "cpu")
+    assert not cache.exists() and list((tmp_path / "cache").iterdir()) == []
+    cache.build(encode, batches, "cpu")
+    assert 3 in cache and cache.skip_reason("gone.png") == "file not found"
+    assert torch.allclose(cache.get(3), items[3]["image"].flatten(1).T, atol=1e-2)
+    FeatureCache(cache.folder).build(encode, batches, "cpu")  # a cache finished by another process wins
+    in_the_way = FeatureCache(tmp_path / "cache" / "val-key")
+    in_the_way.folder.mkdir()
+    (in_the_way.folder / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="is in the way of the feature cache"):
+        in_the_way.build(encode, batches, "cpu")
+    assert (in_the_way.folder / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------- 3. loading
+@pytest.mark.parametrize("damage,message", [
+    ("truncated", "is truncated or corrupt"),
+    ("code", "was refused: it contains pickled Python objects (posix.system)"),
+])
+def test_a_bad_checkpoint_is_one_line_through_train_py(damage: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / f"{damage}.ckpt"
+    if damage == "truncated":
+        save_torch({"state_dict": {"w": torch.randn(50_000)}, "epoch": 3}, path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        save_torch({"state_dict": {}, "hook": os.system}, path)
+    proc = run_train([f"ckpt_path={path}", f"paths.log_dir={tmp_path}"], check=False, timeout=300)
+    assert message in error_line(proc) and str(path) in error_line(proc)
+
+
+@pytest.mark.parametrize("write,message", [
+    (lambda p: p.write_bytes(b""), "is empty"),
+    (lambda p: p.write_bytes(b"\x80\x04K\x01."), "is truncated or corrupt"),
+    (lambda p: save_torch({"weights": torch.ones(2)}, p), "is not a Lightning checkpoint of this project"),
+    (lambda p: (p / "checkpoints").mkdir(parents=True), "checkpoint not found"),
+])
+def test_resolve_checkpoint_refuses_every_kind_of_bad_file(write, message: str, tmp_path: Path) -> None:
+    import train
+
+    path = tmp_path / "run"
+    write(path)
+    with pytest.raises((BundleError, ConfigError), match=message):
+        train.resolve_checkpoint(str(path))
+
+
+# --------------------------------------------------------------------------------------------- 4. bad data
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", [False, True], ids=["images", "feature-cache"])
+def test_unreadable_images_are_skipped_and_reported(cache: bool, tiny_shapes: Path, tmp_path: Path) -> None:
+    root = copy_dataset(tiny_shapes, tmp_path / "shapes")
+    train_images = root / "images" / "train"
+    (train_images / "000002.png").unlink()
+    (train_images / "000005.png").write_bytes(b"")
+    corrupt = train_images / "000007.png"
+    corrupt.write_bytes(corrupt.read_bytes()[:200])
+    (root / "images" / "val" / "000250.png").write_bytes(b"not an image")
+    base = tiny_overrides(root, tmp_path, cache=tmp_path / "cache" if cache else None)
+    proc = run_train([*base, "trainer.max_epochs=1", "test=false"])
+    reports = [line for line in proc.stdout.splitlines() if "unreadable image" in line]
+    assert len(reports) == 1 and "skipped 4 unreadable images: " in reports[0], proc.stdout[-3000:]
+    for name in (f"{train_images / '000002.png'} (file not found)", f"{train_images / '000005.png'} (file is empty)",
+                 f"{corrupt} (truncated or corrupt image data", f"{root / 'images' / 'val' / '000250.png'} (not an "
+                 "image file"):
+        assert name in reports[0]
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["val/bleu1"] > 0.0
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (lambda text: text[: len(text) // 2], "is not valid JSON"),
+    (lambda text: text.replace('"caption":', '"text":', 1), "annotation 0 has no 'caption'"),
+    (lambda text: json.dumps({**json.loads(text), "annotations": [
+        {**a, "caption": 7} if i == 3 else a for i, a in enumerate(json.loads(text)["annotations"])]}),
+     "annotation 3 has 'caption' of type int, expected str"),
+], ids=["not-json", "missing-key", "caption-not-a-string"])
+def test_a_malformed_annotation_file_is_one_line_naming_it(damage, problem: str, tiny_shapes: Path,
+                                                          tmp_path: Path) -> None:
+    root = copy_dataset(tiny_shapes, tmp_path / "shapes", images=False)
+    annotations = root / "annotations" / "captions_train.json"
+    annotations.write_text(damage(annotations.read_text()))
+    proc = run_train(tiny_overrides(root, tmp_path), check=False, timeout=300)
+    line = error_line(proc)
+    assert str(annotations) in line and problem in line
+
+
+# -------------------------------------------------------------------------------- 5. bad configs and args
+@pytest.mark.parametrize("override,message", [
+    ("trainer.devices=abc", "trainer.devices='abc' is not valid; use a number of devices"),
+    ("trainer.devices=0", "trainer.devices=0 is not valid"),
+    ("trainer.max_epochs=0", "trainer.max_epochs=0 must be >= 1"),
+    ("trainer.precision=17", "trainer.precision='17' is not valid; choose one of: 32-true"),
+    ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 must be >= 0.0"),
+    ("+trainer.strategy=ddpp", "trainer.strategy='ddpp' is not valid; choose one of: auto, ddp"),
+    ("trainer.min_epochs=5000", "trainer.min_epochs=5000 must be <= trainer.max_epochs="),
+    ("+trainer.max_epoch=3", "trainer.max_epoch is not an argument of Trainer; valid keys: accelerator"),
+    ("+trainer.logger=false", "trainer.logger is passed by train.py itself"),
+    ("callbacks.last_checkpoint.every_n_train_steps=-5",
+     "callbacks.last_checkpoint.every_n_train_steps=-5 must be >= 0"),
+    ("callbacks.early_stopping.monitor=val/bleu5", "callbacks.early_stopping.monitor='val/bleu5' is not valid"),
+    ("callbacks.model_checkpoint.mode=maximum", "callbacks.model_checkpoint.mode='maximum' is not valid"),
+    ("+callbacks.model_checkpoint.save_best=true", "callbacks.model_checkpoint.save_best is not an argument of "
+                                                   "ModelCheckpoint"),
+    ("logger.csv._target_=lightning.CSVLoger", "logger.csv._target_='lightning.CSVLoger' is not an importable class"),
+    ("data.source.n_train=0", "data.source.n_train=0 must be >= 1"),
+    ("+data.source.size=3", "data.source.size is not an argument of ShapesSource"),
+    ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
+    ("+epochs=3", "epochs is not a known key; valid top-level keys"),
+    ("train=maybe", "train='maybe' must be true or false"),
+])
+def test_every_config_value_is_checked(override: str, message: str, tmp_path: Path) -> None:
+    cfg = compose_cfg([override], tmp_path)
+    with pytest.raises(ConfigError) as info:
+        validate_config(OmegaConf.to_container(cfg, resolve=True))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data=coco"], "data.source.splits.train.captions='{data}/coco/annotations/captions_train2014.json': file "
+                    "not found (see data/README.md"),
+    (["data=flickr8k"], "data.source.split_file='{data}/karpathy/dataset_flickr8k.json': file not found"),
+    (["data=coco_karpathy", "data.source.split_file={tmp}"], "data.source.split_file='{tmp}' is not a file"),
+    (["data.vocab_file={tmp}/vocab.json"], "data.vocab_file='{tmp}/vocab.json': file not found"),
+    (["data.source.root={tmp}/file.txt"], "data.source.root='{tmp}/file.txt' is a file, not a folder"),
+])
+def test_missing_files_are_reported_with_their_key_before_any_work(overrides: list[str], message: str,
+                                                                    tmp_path: Path) -> None:
+    (tmp_path / "file.txt").write_text("x")
+    cfg = compose_cfg([o.format(tmp=tmp_path) for o in overrides], tmp_path)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    with pytest.raises(ConfigError) as info:
+        validate_config(plain)
+        check_environment(plain)
+    assert message.format(tmp=tmp_path, data=ROOT / "data") in str(info.value)
+
+
+def test_a_missing_dataset_file_stops_train_py_before_any_work(tmp_path: Path) -> None:
+    proc = run_train(["data=flickr30k", f"paths.data_dir={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                     check=False, timeout=300)
+    assert "data.source.split_file=" in error_line(proc) and "dataset_flickr30k.json': file not found" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".hydra", "train.log"]
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.foo=1", "error: Could not override 'model.foo'. To append to your config use +model.foo=1"),
+    ("model=medium", "error: In 'config': Could not find 'model/medium'; choose one of: base, hard, soft"),
+    ("trainer.max_epochs", "error: Error parsing override 'trainer.max_epochs'"),
+])
+def test_hydra_errors_are_one_line_without_a_traceback(override: str, message: str, tmp_path: Path) -> None:
+    proc = run_train([override, f"hydra.run.dir={tmp_path / 'run'}"], check=False, timeout=120)
+    assert error_line(proc).startswith(message)
+
+
+# ----------------------------------------------------------------------------------- 6. non-finite loss
+@pytest.mark.slow
+def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tiny_shapes: Path,
+                                                                           tmp_path: Path) -> None:
+    script = tmp_path / "nan_at_step.py"
+    script.write_text(NAN_AT_STEP)
+    run = tmp_path / "run"
+    args = [*tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"), "trainer.max_epochs=1",
+            "callbacks.last_checkpoint.every_n_train_steps=3"]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    proc = subprocess.run([sys.executable, str(script), "5", str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    last = run / "checkpoints" / "last.ckpt"
+    assert error_line(proc) == (f"error: non-finite loss (nan) at epoch 0, step 5; training stopped, the last good "
+                                f"checkpoint is {last} (model.nonfinite=skip skips such batches instead)")
+    checkpoint = torch.load(last, weights_only=True)
+    assert checkpoint["global_step"] == 3
+    assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
+    assert not (run / "bundle.pt").exists()
+
+
+def test_nonfinite_skip_skips_the_optimiser_step(tiny_shapes: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    import train
+    from captioner.training import checkpoint_io
+
+    saved: list[str] = []
+    monkeypatch.setattr(checkpoint_io, "save_torch", lambda obj, path: (saved.append(str(path)), save_torch(obj, path)))
+    monkeypatch.setattr(CaptionLoss, "forward", nan_loss_at(4))
+    cfg = compose_cfg([*tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"), "model.nonfinite=skip",
+                       "trainer.max_epochs=1", "test=false", "+trainer.limit_train_batches=8"], tmp_path)
+    train.train(cfg)
+    assert "non-finite loss (nan) at epoch 0, step 4: batch skipped, no parameter update" in caplog.text
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    assert checkpoint["global_step"] == 8
+    adam = checkpoint["optimizer_states"][0]["state"]
+    assert {float(state["step"]) for state in adam.values()} == {7.0}  # one of the 8 steps updated nothing
+    assert str(last) in saved  # Lightning wrote its checkpoints through AtomicCheckpointIO
+
+
+# ------------------------------------------------------------------------------------------ 7. determinism
+@pytest.mark.slow
+def test_two_runs_with_one_seed_give_identical_losses_and_captions(tiny_shapes: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    args = [*tiny_overrides(tiny_shapes, tmp_path), "trainer.max_epochs=1", "test=false",
+            "+trainer.limit_train_batches=6", "trainer.log_every_n_steps=1", "data.augment=true",
+            "data.num_workers=1"]
+    runs = []
+    for n in range(2):
+        monkeypatch.setenv("PYTHONHASHSEED", str(n))  # nothing may depend on the order of a set or dict of str
+        runs.append(tmp_path / f"run{n}")
+        run_train([*args, f"hydra.run.dir={runs[-1]}"])
+    losses = [train_losses(run) for run in runs]
+    assert sorted(losses[0]) == list(range(6)) and losses[0] == losses[1]
+    captions = [json.loads((run / "val_captions.json").read_text()) for run in runs]
+    assert len(captions[0]) == TINY["n_val"] and captions[0] == captions[1]
+    weights = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"] for run in runs]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
