@@ -10,10 +10,22 @@ brevity-penalty details); report :mod:`captioner.evaluation.cococaption` for com
 from __future__ import annotations
 
 import warnings
+from typing import Mapping, Sequence
 
 from nltk.translate.bleu_score import corpus_bleu
 
 BLEU_WEIGHTS = tuple(tuple([1.0 / n] * n) for n in range(1, 5))  # cumulative, uniform weights
+
+
+def scored_ids(references: Mapping[int, Sequence], hypotheses: Mapping[int, object]) -> list[int]:
+    """The image ids to score, sorted; ValueError when there are none or one has no references."""
+    if not hypotheses:
+        raise ValueError("no hypotheses to score")
+    missing = [image_id for image_id in hypotheses if not references.get(image_id)]
+    if missing:
+        shown = ", ".join(str(i) for i in sorted(missing)[:5])
+        raise ValueError(f"{len(missing)} image(s) have a hypothesis but no references (ids: {shown})")
+    return sorted(hypotheses)
 
 
 def corpus_bleu_scores(references: dict[int, list[list[str]]],
@@ -29,13 +41,7 @@ def corpus_bleu_scores(references: dict[int, list[list[str]]],
     Raises ValueError when there is nothing to score, or when an image of ``hypotheses`` has no
     references; TypeError when a caption is a string instead of a token list.
     """
-    if not hypotheses:
-        raise ValueError("no hypotheses to score")
-    missing = [image_id for image_id in hypotheses if not references.get(image_id)]
-    if missing:
-        shown = ", ".join(str(i) for i in sorted(missing)[:5])
-        raise ValueError(f"{len(missing)} image(s) have a hypothesis but no references (ids: {shown})")
-    image_ids = sorted(hypotheses)
+    image_ids = scored_ids(references, hypotheses)
     list_of_references = [references[i] for i in image_ids]
     hyps = [hypotheses[i] for i in image_ids]
     for image_id, refs, hyp in zip(image_ids, list_of_references, hyps):

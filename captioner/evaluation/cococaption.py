@@ -22,6 +22,7 @@ from pycocoevalcap.rouge.rouge import Rouge
 from pycocoevalcap.tokenizer.ptbtokenizer import PTBTokenizer
 
 from captioner.errors import CaptionerError
+from captioner.evaluation.bleu import scored_ids
 
 SPICE_NOTE = (
     "SPICE is not computed: pycocoevalcap's SPICE needs the Stanford CoreNLP models (about 1 GB), "
@@ -137,13 +138,7 @@ def coco_caption_scores(references: dict[int, list[str]],
     Raises ValueError for no hypotheses or an image without references, TypeError for a caption
     that is not a string, and CaptionerError when Java is missing or a java scorer fails.
     """
-    if not hypotheses:
-        raise ValueError("no hypotheses to score")
-    missing = [image_id for image_id in hypotheses if not references.get(image_id)]
-    if missing:
-        shown = ", ".join(str(i) for i in sorted(missing)[:5])
-        raise ValueError(f"{len(missing)} image(s) have a hypothesis but no references (ids: {shown})")
-    image_ids = sorted(hypotheses)
+    image_ids = scored_ids(references, hypotheses)
     refs = {i: list(references[i]) for i in image_ids}
     hyps = {i: [hypotheses[i]] for i in image_ids}
     for i in image_ids:
