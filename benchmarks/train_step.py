@@ -1,0 +1,82 @@
+"""Training-step throughput and peak memory: soft and hard attention, from images and from cached features,
+at the COCO recipe's size and the demo's, then the decoder alone given features.
+
+A step is what training runs per batch: forward (encoder once per image, its captions gathered after
+it), CaptionLoss, backward, Adam. "images, per caption" is the ``per_caption=True`` layout, where every
+caption brings its own copy of the image, so the CNN runs once per caption.
+
+    python benchmarks/train_step.py                      # CPU: --quick by default
+    python benchmarks/train_step.py --device cuda --precision bf16 --channels-last
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import common
+
+TRAIN_COLUMNS = ["size", "attention", "input", "images x captions", "steps", "ms/step", "max/min", "images/s",
+                 "pairs/s", "CNN images/step", "peak MiB", "step MiB", "others %"]
+DECODER_COLUMNS = ["size", "attention", "images x captions", "steps", "ms/step", "max/min", "images/s", "pairs/s",
+                   "peak MiB", "step MiB", "others %"]
+DECODER_BATCH = 64
+SOURCES = {"images": "images", "per_caption": "images, per caption", "features": "cached features"}
+
+
+def step_row(size: common.Size, mode: str, source: str, args: argparse.Namespace) -> list[object]:
+    """Time one configuration of the whole captioner's training step; ``source``: images, per_caption, features."""
+    model, step, pairs = common.model_train_step(size, args, mode, source)
+    with common.PeakMemory(args.device) as memory, common.EncoderCounter(model) as counter, \
+            common.OtherLoad() as others:
+        timing = common.measure(step, args)
+    seconds = timing.median
+    return [size.name, mode, SOURCES[source], f"{size.batch} x {pairs}", size.steps, seconds * 1e3, timing.spread,
+            size.batch / seconds, pairs / seconds, counter.images / (args.warmup + args.repeats),
+            memory.peak_mib, memory.added_mib, others.percent]
+
+
+def decoder_row(size: common.Size, mode: str, images: int, args: argparse.Namespace) -> list[object]:
+    """Time the decoder's training step alone on features already in memory."""
+    model = common.build_model(size, args, mode)
+    features = common.random_features(size, images, args.device)
+    captions, index = common.random_captions(size, images, args.device)
+    step = common.make_train_step(model.decoder, lambda: model.decoder(features, captions, index), captions, args)
+    with common.PeakMemory(args.device) as memory, common.OtherLoad() as others:
+        timing = common.measure(step, args)
+    seconds, pairs = timing.median, captions.size(0)
+    return [size.name, mode, f"{images} x {pairs}", size.steps, seconds * 1e3, timing.spread, images / seconds,
+            pairs / seconds, memory.peak_mib, memory.added_mib, others.percent]
+
+
+def decoder_batch(size: common.Size, args: argparse.Namespace) -> int:
+    """64 images, except the COCO size under --quick (its batch) and --tiny (the tiny batch)."""
+    if args.tiny or (args.quick and size.name == common.COCO.name):
+        return size.batch
+    return DECODER_BATCH
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the training-step table and the decoder-only table."""
+    args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
+    sizes = common.sizes(args)
+    common.print_environment("Training step", args, [size.describe() for size in sizes] + [
+        f"memory: {common.memory_method(args.device)}; 'step MiB' is the peak above the memory held before "
+        "the first step (model, batch), i.e. activations, gradients and Adam state",
+        "'CNN images/step' counts the images entering the encoder per step (a hook on its first stage)",
+        "'max/min': slowest / fastest timed run; 'others %': share of the cores other processes kept busy "
+        "during the row (/proc/stat), above ~10 % the row is slowed by contention"])
+    with common.timed_section():
+        rows = []
+        for size in sizes:
+            for mode in ("soft", "hard"):
+                for source in ("images", "features"):
+                    rows.append(step_row(size, mode, source, args))
+            if not (args.quick and size.name == common.COCO.name):  # 5x the CNN work: slow at 448 px on a CPU
+                rows.append(step_row(size, "soft", "per_caption", args))
+        common.print_table("Training step: encoder + decoder + loss + backward + Adam", TRAIN_COLUMNS, rows)
+        rows = [decoder_row(size, mode, decoder_batch(size, args), args) for size in sizes for mode in ("soft", "hard")]
+        common.print_table("Decoder-only training step given features", DECODER_COLUMNS, rows)
+
+
+if __name__ == "__main__":
+    main()
