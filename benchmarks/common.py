@@ -275,7 +275,8 @@ def memory_method(device: torch.device) -> str:
     if device.type == "cuda":
         return "torch.cuda.max_memory_allocated (tensors only)"
     return ("peak RSS: /proc/self/status VmHWM, reset through /proc/self/clear_refs before each row "
-            "(the ru_maxrss high-water mark, made resettable); the whole process incl. ~0.4 GiB of libraries")
+            "(the ru_maxrss high-water mark, made resettable); the whole process, ~0.7 GiB of it the "
+            "imported libraries")
 
 
 class PeakMemory:

@@ -63,9 +63,10 @@ def write_cache(folder: Path, dataset: CaptionDataset, locations: int, channels:
     return cache
 
 
-def loader_rate(dataset: Dataset, workers: int, batch: int) -> float:
+def loader_rate(dataset: Dataset, workers: int, batch: int, pin_memory: bool) -> float:
     """Images per second through a DataLoader as training builds it, the first batch (worker start) untimed."""
-    loader = DataLoader(dataset, batch_size=batch, shuffle=False, collate_fn=collate, num_workers=workers)
+    loader = DataLoader(dataset, batch_size=batch, shuffle=False, collate_fn=collate, num_workers=workers,
+                        pin_memory=pin_memory)
     iterator = iter(loader)
     next(iterator)
     images, start = 0, time.perf_counter()
@@ -98,7 +99,7 @@ def size_rows(size: common.Size, folder: Path, records: list[Record], args: argp
         consumes = step_rate(size, source, args)
         for workers in args.workers:
             with common.OtherLoad() as others:
-                rate = loader_rate(dataset, workers, size.batch)
+                rate = loader_rate(dataset, workers, size.batch, pin_memory=args.device.type == "cuda")
             per_worker = rate / max(workers, 1)
             rows.append([size.name, label, workers or "0 (main process)", rate, per_worker, consumes,
                          rate / consumes, math.ceil(consumes / per_worker), others.percent])

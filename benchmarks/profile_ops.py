@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = common.make_parser(__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=15, help="operators per table (default: 15)")
     args = common.parse(parser, argv)
+    args.repeats = 1  # one profiled run of each
     size = common.sizes(args)[0]
     common.print_environment("Profile", args, [size.describe()])
     with common.timed_section():

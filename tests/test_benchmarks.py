@@ -1,0 +1,100 @@
+"""Smoke tests of benchmarks/: every script runs on the tiny configuration and prints its tables.
+
+Benchmarks are not tests: nothing here looks at a time. The only values checked are counts that
+do not depend on the machine (how many images the encoder sees).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Callable, Iterator
+
+import pytest
+
+from conftest import ROOT
+
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = ("common", "train_step", "captioning", "data_loading", "profile_ops")
+
+
+@pytest.fixture
+def run_tiny(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Iterator[Callable[..., str]]:
+    """``run_tiny(script, *extra)``: the script's ``main(["--tiny", "--threads", "1", *extra])`` in this
+    process (no second torch import), as ``python benchmarks/<script>.py --tiny`` runs it; returns its output.
+
+    One thread: on a shared machine two threads of tiny operators spend most of their time waiting for each other.
+    """
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their neighbour common.py
+
+    def run(script: str, *extra: str) -> str:
+        importlib.import_module(script).main(["--tiny", "--threads", "1", *extra])
+        stdout = capsys.readouterr().out
+        assert stdout.startswith("## ") and "- device: cpu" in stdout, stdout
+        assert "- load average at end" in stdout or not hasattr(os, "getloadavg"), stdout
+        return stdout
+
+    yield run
+    for name in SCRIPTS:  # they are not the test suite's modules
+        sys.modules.pop(name, None)
+
+
+def table(stdout: str, title: str, rows: int) -> list[dict[str, str]]:
+    """The ``rows`` rows of the Markdown table printed under ``### title``, as column -> cell."""
+    assert f"### {title}\n" in stdout, stdout
+    lines = stdout.split(f"### {title}\n", 1)[1].strip().splitlines()
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    body = [line for line in lines[2:2 + rows] if line.startswith("|")]
+    assert len(body) == rows and not lines[2 + rows].startswith("|"), stdout
+    return [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")))) for line in body]
+
+
+def test_train_step_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("train_step")
+    rows = table(stdout, "Training step: encoder + decoder + loss + backward + Adam", 5)
+    assert [(row["attention"], row["input"]) for row in rows] == [
+        ("soft", "images"), ("soft", "cached features"), ("hard", "images"), ("hard", "cached features"),
+        ("soft", "images, per caption")]
+    # 2 images with 5 captions each: the CNN sees 2 images per step, 10 in the per-caption layout, 0 from the cache
+    assert [row["CNN images/step"] for row in rows] == ["2", "0", "2", "0", "10"]
+    assert all(row["images x captions"] == "2 x 10" for row in rows)
+    rows = table(stdout, "Decoder-only training step given features", 2)
+    assert [row["attention"] for row in rows] == ["soft", "hard"]
+
+
+def test_captioning_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("captioning")
+    rows = table(stdout, "Captioning throughput (images to captions)", 5)
+    assert [row["pipeline"] for row in rows] == ["encoder alone", "encoder + greedy", "encoder + beam 3",
+                                                 "encoder + beam 5", "Captioner.generate(beam 3), one call"]
+    assert all(row["CNN images"] == "2" for row in rows)  # once per image, whatever the beam size
+    assert [row["words"] for row in rows[1:4]] == ["4", "4", "4"]  # <end> suppressed: always max_len words
+    rows = table(stdout, "Beam search (beam 3) from features against the batch size", 2)
+    assert [row["batch"] for row in rows] == ["1", "2"]
+    # the same Python work at every batch size: no loop over images, no host read per step
+    assert rows[0]["torch calls/call"] == rows[1]["torch calls/call"]
+    assert rows[0]["host reads/call"] == rows[1]["host reads/call"]
+
+
+def test_data_loading_runs(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("data_loading", "--workers", "0", "1")
+    rows = table(stdout, "Data loading against the training step", 4)
+    assert [(row["source"], row["workers"]) for row in rows] == [
+        ("JPEG 640x480 -> 64 px", "0 (main process)"), ("JPEG 640x480 -> 64 px", "1"),
+        ("fp16 cache 4x512", "0 (main process)"), ("fp16 cache 4x512", "1")]
+
+
+def test_profile_runs(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("profile_ops")
+    assert "### training step, soft, 2 images x 10 captions" in stdout
+    assert "### beam search, beam 3, 2 images from features" in stdout
+    assert stdout.count("Self CPU time total") == 2
+
+
+@pytest.mark.parametrize("script", ["train_step", "captioning"])
+def test_gpu_options_run_on_cpu(run_tiny: Callable[..., str], script: str) -> None:
+    # the options a GPU run uses (bf16 autocast, channels-last CNN) take the same code path on the CPU
+    stdout = run_tiny(script, "--precision", "bf16", "--channels-last")
+    assert "- precision bf16, channels-last True" in stdout
+    assert stdout.count("\n| tiny ") == 7  # both scripts: 5 rows in their first table, 2 in the second
