@@ -111,10 +111,14 @@ class FeatureCache:
         return self._skipped.get(path, "not in the feature cache")
 
     def get(self, image_id: int) -> torch.Tensor:
-        """The (L, C) float32 features of one image."""
+        """The (L, C) features of one image, in the dtype they were stored in (fp16 by default).
+
+        They stay in that dtype through the loader and the host-to-device copy (half the bytes);
+        the training module casts them to the model's dtype on the device.
+        """
         if self._features is None:
             self._open()
-        return torch.from_numpy(np.array(self._features[self._row[image_id]], dtype=np.float32))
+        return torch.from_numpy(np.array(self._features[self._row[image_id]]))
 
     def __getstate__(self) -> dict[str, Any]:
         # DataLoader workers re-open the memory map themselves.

@@ -14,13 +14,13 @@ from torch import Tensor, nn
 
 from captioner.errors import ConfigError, check_choice, check_range
 
-ATTENTION_TYPES = ("additive", "dot", "scaled_dot", "bilinear", "multihead")
+ATTENTION_TYPES = ("additive", "dot", "scaled_dot", "bilinear", "multihead", "mean")
 
 
 class Attention(nn.Module):
     """Base of all scorers: ``key`` projects the features once, ``score`` compares them with h."""
 
-    def __init__(self, key: nn.Linear) -> None:
+    def __init__(self, key: nn.Module) -> None:
         super().__init__()
         self.key = key
 
@@ -48,7 +48,7 @@ class AdditiveAttention(Attention):
         self.energy = nn.Linear(attention_dim, 1, bias=False)  # w
 
     def score(self, keys: Tensor, h: Tensor) -> Tensor:
-        hidden = torch.tanh(keys + self.query(h).unsqueeze(1))  # (B, L, A)
+        hidden = (keys + self.query(h).unsqueeze(1)).tanh_()  # (B, L, A); in place: one allocation per step
         return self.energy(hidden).squeeze(-1)  # (B, L)
 
 
@@ -104,6 +104,20 @@ class MultiHeadAttention(Attention):
         return self.out(context.reshape(batch, -1)), weights.mean(dim=1).squeeze(1)  # (B, D), (B, L)
 
 
+class MeanAttention(Attention):
+    """No attention, the ablation: alpha_ti = 1 / L at every step, so each word reads the mean feature.
+
+    What a model that only sees the mean feature can say, compared with the same model attending,
+    measures how much a dataset needs attention.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(nn.Identity())  # no parameters: the keys are the features themselves
+
+    def score(self, keys: Tensor, h: Tensor) -> Tensor:
+        return keys.new_zeros(keys.shape[:2])  # (B, L): equal scores, uniform weights
+
+
 def build_attention(kind: str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int = 1) -> Attention:
     """Build the scorer ``kind`` (one of ATTENTION_TYPES); only "multihead" takes ``heads`` > 1."""
     check_choice("attention", kind, ATTENTION_TYPES)
@@ -116,4 +130,6 @@ def build_attention(kind: str, feature_dim: int, hidden_dim: int, attention_dim:
         return AdditiveAttention(feature_dim, hidden_dim, attention_dim)
     if kind == "bilinear":
         return BilinearAttention(feature_dim, hidden_dim)
+    if kind == "mean":
+        return MeanAttention()
     return DotAttention(feature_dim, hidden_dim, attention_dim, scaled=kind == "scaled_dot")

@@ -60,7 +60,9 @@ class Captioner(nn.Module):
         self.encoder = encoder
         # Standardises each feature channel with statistics learned in training: a frozen CNN's
         # features (above all an untrained one's) can sit far from the scale the decoder's tanh expects.
-        self.feature_norm = nn.BatchNorm1d(encoder.out_channels) if feature_norm else None
+        # No affine: every reader of the grid starts with a linear map that absorbs a per-channel scale
+        # and shift, and a learnable one would make each step backpropagate through the whole grid.
+        self.feature_norm = nn.BatchNorm1d(encoder.out_channels, affine=False) if feature_norm else None
         self.self_attention = self_attention
         self.decoder = decoder
 

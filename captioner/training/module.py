@@ -78,10 +78,14 @@ class CaptionerModule(L.LightningModule):
         if self.compile_decoder and stage == "fit":
             self.model.decoder = torch.compile(self.model.decoder)
 
+    def _features(self, batch: dict) -> torch.Tensor:
+        """Cached features (B, L, C), stored in fp16, cast on the device to the model's dtype."""
+        return batch["features"].to(self.dtype)
+
     def _forward(self, batch: dict) -> Any:
         captions, index = batch["captions"], batch["image_index"]
         if "features" in batch:
-            return self.model.forward_features(batch["features"], captions, index)
+            return self.model.forward_features(self._features(batch), captions, index)
         return self.model(batch["images"], captions, index)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
@@ -165,7 +169,7 @@ class CaptionerModule(L.LightningModule):
                       temperature=cfg["temperature"], length_penalty=cfg["length_penalty"],
                       start_id=self.vocab.start_id, end_id=self.vocab.end_id)
         if "features" in batch:
-            return self.model.generate_from_features(batch["features"], **kwargs)
+            return self.model.generate_from_features(self._features(batch), **kwargs)
         return self.model.generate(batch["images"], **kwargs)
 
     def _eval_step(self, batch: dict, split: str) -> None:
