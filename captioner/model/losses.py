@@ -14,8 +14,10 @@ from captioner.model.decoder import DecoderOutput
 class CaptionLoss(nn.Module):
     """Sum of the caption loss terms; ``forward`` returns each term and their total under "loss".
 
-    Every token term is normalised by the number of real (non-pad) target tokens of the batch, so
-    the REINFORCE and entropy terms keep the paper's weights relative to the cross-entropy. The
+    Eq. 14 sums the negative log-likelihood over a caption's words and adds lambda times one penalty
+    per caption. Every term here (the penalty, REINFORCE and entropy too) is divided by the same number,
+    the real (non-pad) target tokens of the batch, so each keeps the paper's weight relative to the
+    cross-entropy whatever the caption lengths. The
     moving-average reward baseline is a buffer (checkpointed) and moves only in training mode.
     """
 
@@ -50,7 +52,7 @@ class CaptionLoss(nn.Module):
                               reduction="none")  # (N, T), 0 on pad
         ce = nll.sum() / tokens
         coverage = (output.alphas * mask.unsqueeze(-1)).sum(dim=1)  # (N, L): sum_t alpha_ti over real steps
-        ds = self.ds_lambda * (1.0 - coverage).square().sum(dim=1).mean()  # eq. 14
+        ds = self.ds_lambda * (1.0 - coverage).square().sum() / tokens  # eq. 14, same normaliser as ce
         terms = {"ce": ce, "ds": ds}
         loss = ce + ds
         if output.location_log_probs is not None:
