@@ -8,6 +8,7 @@ from captioner.errors import ConfigError
 from captioner.model.attention import ATTENTION_TYPES, build_attention
 
 B, L, D, H, A = 3, 5, 6, 7, 8
+SCORERS = [kind for kind in ATTENTION_TYPES if kind != "mean"]  # those that look at h
 
 
 def make(kind: str, heads: int = 1, seed: int = 0):
@@ -21,7 +22,7 @@ def inputs():
     return torch.randn(B, L, D, generator=generator), torch.randn(B, H, generator=generator)
 
 
-@pytest.mark.parametrize("kind", ATTENTION_TYPES)
+@pytest.mark.parametrize("kind", SCORERS)
 def test_every_scorer_runs_forward_and_backward(kind, inputs):
     features, h = (x.clone().requires_grad_() for x in inputs)
     attention = make(kind, heads=2 if kind == "multihead" else 1)
@@ -37,13 +38,23 @@ def test_every_scorer_runs_forward_and_backward(kind, inputs):
         assert torch.isfinite(tensor.grad).all() and tensor.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("kind", ["additive", "dot", "scaled_dot", "bilinear"])
+@pytest.mark.parametrize("kind", ["additive", "dot", "scaled_dot", "bilinear", "mean"])
 def test_context_is_the_alpha_weighted_sum_of_features(kind, inputs):
     features, h = inputs
     attention = make(kind)
     context, alpha = attention(attention.keys(features), features, h)
     expected = torch.stack([sum(alpha[b, i] * features[b, i] for i in range(L)) for b in range(B)])
     assert_close(context, expected)
+
+
+def test_mean_attention_reads_the_mean_feature_whatever_the_state(inputs):
+    features, h = inputs
+    attention = make("mean")
+    assert not list(attention.parameters())
+    for state in (h, -3 * h):
+        context, alpha = attention(attention.keys(features), features, state)
+        assert_close(alpha, torch.full((B, L), 1 / L))
+        assert_close(context, features.mean(dim=1))
 
 
 def test_additive_is_the_papers_mlp(inputs):
