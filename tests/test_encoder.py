@@ -74,6 +74,20 @@ def test_grid_pooling_equals_adaptive_avg_pool(resnet18):
     assert resnet18.grid_size(96) == (3, 3)
 
 
+def test_stage_reads_the_grid_from_an_earlier_stage(monkeypatch):
+    encoder, reference = _with_reference("resnet18", monkeypatch, stage="layer3")
+    images = _images(96)
+    with torch.no_grad():
+        expected = reference.layer3(reference.layer2(reference.layer1(
+            reference.maxpool(reference.relu(reference.bn1(reference.conv1(images)))))))  # (B, 256, 6, 6)
+        torch.testing.assert_close(encoder.feature_map(images), expected)
+    assert list(encoder.stages._modules)[-1] == "layer3" and encoder.out_channels == 256
+    assert encoder.grid_size(96) == (6, 6) and Encoder("resnet18", stage="layer2", grid=6).grid_size(96) == (6, 6)
+    with pytest.raises(ConfigError, match="encoder.stage='layer5' is not a stage of resnet18; choose one of: "
+                                          "conv1, bn1, relu, maxpool, layer1, layer2, layer3, layer4"):
+        Encoder("resnet18", stage="layer5")
+
+
 def test_grid_never_upsamples():
     encoder = Encoder("resnet18", grid=4)
     assert encoder.grid_size(160) == (4, 4)  # 5x5 map

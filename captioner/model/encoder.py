@@ -93,6 +93,16 @@ def _trunk(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return kept
 
 
+def _cut(stages: list[tuple[str, nn.Module]], name: str, stage: str | None) -> list[tuple[str, nn.Module]]:
+    """The stages up to and including ``stage`` (all of them for None); ConfigError naming the valid ones."""
+    names = [stage_name for stage_name, _ in stages]
+    if stage is None:
+        return stages
+    if stage not in names:
+        raise ConfigError(f"encoder.stage={stage!r} is not a stage of {name}; choose one of: {', '.join(names)}")
+    return stages[: names.index(stage) + 1]
+
+
 class Encoder(nn.Module):
     """A torchvision CNN cut before its global pooling; returns the grid of annotation vectors.
 
@@ -104,6 +114,8 @@ class Encoder(nn.Module):
         weights: a torchvision weights name ("DEFAULT", "IMAGENET1K_V2", "ResNet101_Weights.IMAGENET1K_V2")
             or None for random initialisation. The file must already be in ``$TORCH_HOME/hub/checkpoints``;
             nothing is downloaded.
+        stage: the trunk stage whose output is the grid (a top-level child such as ResNet's "layer3":
+            14 x 14 at 224 px instead of layer4's 7 x 7, with smaller receptive fields); None: the last.
         grid: adaptive-average-pool the map to ``grid x grid`` locations (shrinking only); None keeps it.
         trainable_stages: 0 freezes the whole CNN, k > 0 trains its last k stages (top-level children of
             the trunk, or the blocks of its single ``features`` container, counting those with parameters),
@@ -112,8 +124,8 @@ class Encoder(nn.Module):
         channels_last: run the CNN in channels-last memory format (faster convolutions on recent GPUs).
     """
 
-    def __init__(self, name: str = "resnet101", weights: str | None = None, grid: int | None = None,
-                 trainable_stages: int = 0, channels_last: bool = False) -> None:
+    def __init__(self, name: str = "resnet101", weights: str | None = None, stage: str | None = None,
+                 grid: int | None = None, trainable_stages: int = 0, channels_last: bool = False) -> None:
         super().__init__()
         if grid is not None:
             check_range("encoder.grid", grid, low=1, kind=int)
@@ -133,7 +145,8 @@ class Encoder(nn.Module):
         else:
             self.register_buffer("input_scale", None)
             self.register_buffer("input_shift", None)
-        self.stages = nn.Sequential(OrderedDict(_trunk(model)))
+        self.stages = nn.Sequential(OrderedDict(_cut(_trunk(model), name, stage)))
+        self.stage = stage
         del model
 
         probe = self._probe_shape(_PROBE_SIZE)
@@ -229,4 +242,5 @@ class Encoder(nn.Module):
         return self.feature_map(images).flatten(2).transpose(1, 2)
 
     def extra_repr(self) -> str:
-        return f"name={self.name!r}, grid={self.grid}, trainable_stages={self.trainable_stages}"
+        return (f"name={self.name!r}, stage={self.stage!r}, grid={self.grid}, "
+                f"trainable_stages={self.trainable_stages}")

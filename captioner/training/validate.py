@@ -130,6 +130,7 @@ MODEL_SCHEMA: dict[str, Any] = {
     "encoder": {
         "name": _encoder_name,
         "weights": _str_or_none,
+        "stage": _str_or_none,
         "grid": _int(1, optional=True),
         "trainable_stages": _int(-1),
         "channels_last": _bool,
