@@ -291,6 +291,14 @@ def test_a_malformed_annotation_file_is_one_line_naming_it(damage, problem: str,
 
 # -------------------------------------------------------------------------------- 5. bad configs and args
 @pytest.mark.parametrize("override,message", [
+    ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
+    ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
+    ("model.attention=medium", "choose one of: soft, hard"),
+    ("data.batch_size=-3", "data.batch_size=-3 must be >= 1"),
+    ("model.decoder.dropout=1.5", "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
+    ("model.encoder.name=resnet1001", "model.encoder.name='resnet1001' is not a torchvision classification model"),
+    ("+model.decoder.hiden_dim=3", "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
+    ("model.encoder.trainable_stages=2", "data.feature_cache needs a frozen encoder"),
     ("trainer.devices=abc", "trainer.devices='abc' is not valid; use a number of devices"),
     ("trainer.devices=0", "trainer.devices=0 is not valid"),
     ("trainer.max_epochs=0", "trainer.max_epochs=0 must be >= 1"),
