@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
@@ -55,6 +56,8 @@ def log_lightning_to_the_run_log() -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+    # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
 def train(cfg: DictConfig) -> float | None:
