@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from conftest import ROOT
 
 BENCHMARKS = ROOT / "benchmarks"
-SCRIPTS = ("common", "train_step", "captioning", "data_loading", "profile_ops")
+SCRIPTS = ("common", "train_step", "captioning", "data_loading", "profile_ops", "attention_ablation")
 
 
 @pytest.fixture
@@ -98,3 +99,34 @@ def test_gpu_options_run_on_cpu(run_tiny: Callable[..., str], script: str) -> No
     stdout = run_tiny(script, "--precision", "bf16", "--channels-last")
     assert "- precision bf16, channels-last True" in stdout
     assert stdout.count("\n| tiny ") == 7  # both scripts: 5 rows in their first table, 2 in the second
+
+
+def test_attention_ablation_scores_named_shapes_by_scene_size(tiny_shapes: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from captioner.fileio import read_json, write_json
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    ablation = importlib.import_module("attention_ablation")
+    shapes = ablation.scene_shapes(tiny_shapes / "annotations" / "instances_val.json")
+    first_reference = {}
+    for ann in read_json(tiny_shapes / "annotations" / "captions_val.json")["annotations"]:
+        first_reference.setdefault(ann["image_id"], ann["caption"])
+    runs = {"copies": first_reference, "red_circle": {i: "a red circle" for i in first_reference}}
+    for name, captions in runs.items():
+        (tmp_path / name).mkdir()
+        write_json(tmp_path / name / "val_captions.json", [{"image_id": i, "caption": c} for i, c in captions.items()])
+    ablation.main([str(tmp_path / name) for name in runs] + ["--data", str(tiny_shapes)])
+    sys.modules.pop("attention_ablation")
+    rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    cells = {(run.strip(), int(size)): [float(x) for x in rest] for run, size, *rest in rows}
+    sizes = sorted({len(s) for s in shapes.values()})
+    assert sorted(cells) == sorted((run, size) for run in runs for size in sizes)
+    for size in sizes:
+        ids = [i for i in first_reference if len(shapes[i]) == size]
+        images, bleu4, precision, _ = cells[("copies", size)]
+        assert images == len(ids) and bleu4 == 1.0 and precision == 1.0  # a reference names only what is there
+        images, _, precision, recall = cells[("red_circle", size)]
+        with_red_circle = sum(("red", "circle") in shapes[i] for i in ids)
+        assert precision == pytest.approx(with_red_circle / len(ids), abs=5e-4)
+        assert recall == pytest.approx(with_red_circle / (size * len(ids)), abs=5e-4)
