@@ -67,7 +67,7 @@ def test_build_captioner_wires_the_parts(model, vocab):
 
 @pytest.mark.parametrize("config, message", [
     ({**CONFIG, "optimizer": {}}, r"key 'optimizer'; valid keys: encoder, feature_norm, self_attention, decoder"),
-    ({**CONFIG, "encoder": {"nmae": "resnet18"}}, r"encoder.nmae; valid keys: name, weights, grid"),
+    ({**CONFIG, "encoder": {"nmae": "resnet18"}}, r"encoder.nmae; valid keys: name, weights, stage, grid"),
     ({**CONFIG, "decoder": {"vocab_size": 5}}, r"decoder.vocab_size; valid keys: embed_dim"),
     ({**CONFIG, "self_attention": {"layers": 2}}, r"self_attention.layers; valid keys: blocks, heads, positional"),
     ({**CONFIG, "decoder": [1, 2]}, r"'decoder' must be a mapping"),
