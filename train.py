@@ -56,8 +56,6 @@ def log_lightning_to_the_run_log() -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
-    # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
-    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -153,6 +151,8 @@ def main(cfg: DictConfig) -> float | None:
     Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only.
     """
     logging.captureWarnings(True)
+    # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
     try:
         return train(cfg)
     except CaptionerError as exc:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pycocotools.coco import COCO
 
-from captioner.data.shapes import COLOURS, SHAPES
+from captioner.data.shapes import COLOURS, SHAPES, shapes_records
 from captioner.data.vocab import tokenize
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.fileio import read_json
@@ -73,11 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", default="val", help="the split the captions are of")
     args = parser.parse_args(argv)
 
-    annotations = args.data / "annotations"
-    shapes = scene_shapes(annotations / f"instances_{args.split}.json")
-    references: dict[int, list[list[str]]] = defaultdict(list)
-    for ann in read_json(annotations / f"captions_{args.split}.json")["annotations"]:
-        references[ann["image_id"]].append(tokenize(ann["caption"]))
+    shapes = scene_shapes(args.data / "annotations" / f"instances_{args.split}.json")
+    references = {r.image_id: [tokenize(c) for c in r.captions] for r in shapes_records(args.data, args.split)}
 
     print("| run | shapes | images | BLEU-4 | named shapes present (precision) | shapes named (recall) |")
     print("|---|---|---|---|---|---|")

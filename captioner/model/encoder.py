@@ -95,9 +95,9 @@ def _trunk(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _cut(stages: list[tuple[str, nn.Module]], name: str, stage: str | None) -> list[tuple[str, nn.Module]]:
     """The stages up to and including ``stage`` (all of them for None); ConfigError naming the valid ones."""
-    names = [stage_name for stage_name, _ in stages]
     if stage is None:
         return stages
+    names = [stage_name for stage_name, _ in stages]
     if stage not in names:
         raise ConfigError(f"encoder.stage={stage!r} is not a stage of {name}; choose one of: {', '.join(names)}")
     return stages[: names.index(stage) + 1]

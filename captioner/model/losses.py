@@ -17,8 +17,8 @@ class CaptionLoss(nn.Module):
     Eq. 14 sums the negative log-likelihood over a caption's words and adds lambda times one penalty
     per caption. Every term here (the penalty, REINFORCE and entropy too) is divided by the same number,
     the real (non-pad) target tokens of the batch, so each keeps the paper's weight relative to the
-    cross-entropy whatever the caption lengths. The
-    moving-average reward baseline is a buffer (checkpointed) and moves only in training mode.
+    cross-entropy whatever the caption lengths. The moving-average reward baseline is a buffer
+    (checkpointed) and moves only in training mode.
     """
 
     baseline: Tensor
