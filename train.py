@@ -70,6 +70,8 @@ def train(cfg: DictConfig) -> float | None:
     from captioner.training.validate import check_environment, validate_config
 
     log_lightning_to_the_run_log()
+    # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
     validate_config(plain)
     check_environment(plain)
     ckpt_path = resolve_checkpoint(cfg.ckpt_path)
@@ -151,8 +153,6 @@ def main(cfg: DictConfig) -> float | None:
     Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only.
     """
     logging.captureWarnings(True)
-    # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
-    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
     try:
         return train(cfg)
     except CaptionerError as exc:
