@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.testing import assert_close
 
 from captioner.errors import ConfigError
@@ -103,10 +104,8 @@ def test_keys_and_initial_state_are_computed_once_per_image(batch):
 @pytest.mark.parametrize("mode", ["soft", "hard"])
 def test_image_index_equals_repeating_the_features(batch, mode):
     features, captions, index = batch
-    decoder = make_decoder(mode=mode).train()
-    torch.manual_seed(5)
+    decoder = make_decoder(mode=mode, dropout=0.0).train(mode == "soft")  # hard: argmax locations in eval
     gathered = decoder(features, captions, index)
-    torch.manual_seed(5)
     repeated = decoder(features[index], captions)
     for name in ("logits", "alphas", "location_log_probs", "entropy", "sampled"):
         assert_close(getattr(gathered, name), getattr(repeated, name))
@@ -134,15 +133,47 @@ def test_hard_training_outputs(batch):
     assert_close(output.entropy, -(output.alphas * log_alphas).sum(-1))
 
 
-def test_expectation_is_chosen_per_sequence(batch):
-    features, _, _ = batch
+def test_expectation_is_chosen_per_image():
     decoder = make_decoder(mode="hard", hard_expectation_prob=0.5).train()
-    captions = torch.randint(3, V, (200, 4))
+    features = torch.randn(200, L, D)
+    index = torch.arange(200).repeat_interleave(3)  # three captions per image
+    captions = torch.randint(3, V, (600, 4))
     torch.manual_seed(0)
-    output = decoder(features, captions, torch.randint(0, 3, (200,)))
-    assert 60 < int(output.sampled.sum()) < 140
+    output = decoder(features, captions, index)
+    per_image = output.sampled.view(200, 3)
+    assert (per_image == per_image[:, :1]).all()  # every caption of an image makes the same choice
+    assert 70 < int(per_image[:, 0].sum()) < 130
     assert (output.location_log_probs[~output.sampled] == 0).all()
     assert (output.location_log_probs[output.sampled] < 0).all()
+
+
+def test_gumbel_estimator_reads_one_location_and_trains_the_attention(batch):
+    features, captions, index = batch
+    decoder = make_decoder(mode="hard", hard_estimator="gumbel", hard_expectation_prob=0.0, gate="none").train()
+    lstm_inputs = []
+    decoder.lstm.register_forward_hook(lambda module, args, out: lstm_inputs.append(args[0]))
+    output = decoder(features, captions, index)
+    assert output.location_log_probs is None and output.sampled.all() and output.entropy.shape == (5, 6)
+    z = lstm_inputs[0][:, E:]  # (N, D): one annotation vector of each caption's image, not a mixture
+    distances = (z.unsqueeze(1) - features[index]).abs().sum(-1)  # (N, L)
+    assert (distances.min(dim=1).values < 1e-5).all()
+    F.cross_entropy(output.logits.reshape(-1, V), captions[:, 1:].reshape(-1)).backward()
+    gradients = [p.grad for p in decoder.attention.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in gradients)
+
+
+def test_gumbel_temperature_anneals_geometrically():
+    decoder = make_decoder(mode="hard", hard_estimator="gumbel", gumbel_tau=2.0, gumbel_tau_min=0.5)
+    assert decoder.gumbel_tau == 2.0
+    decoder.anneal(0.5)
+    assert decoder.gumbel_tau == pytest.approx(1.0)
+    decoder.anneal(1.0)
+    assert decoder.gumbel_tau == pytest.approx(0.5)
+
+
+def test_multihead_hard_attention_is_refused():
+    with pytest.raises(ConfigError, match="multihead works with soft attention only"):
+        make_decoder(mode="hard", attention="multihead", attention_heads=2)
 
 
 def test_hard_with_expectation_always_equals_soft(batch):
@@ -183,7 +214,8 @@ def test_dropout_acts_in_training_only(batch):
 
 
 @pytest.mark.parametrize("option", [dict(mode="stochastic"), dict(gate="sigmoid"), dict(hard_inference="sample"),
-                                    dict(dropout=1.5), dict(attention="luong"), dict(hard_expectation_prob=-0.1)])
+                                    dict(dropout=1.5), dict(attention="luong"), dict(hard_expectation_prob=-0.1),
+                                    dict(hard_estimator="straight"), dict(gumbel_tau=0.0)])
 def test_invalid_options_raise_config_error(option):
     with pytest.raises(ConfigError, match=next(iter(option))):
         make_decoder(**option)

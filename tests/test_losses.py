@@ -74,36 +74,94 @@ def test_appending_pad_steps_changes_no_term():
         assert_close(longer[name], terms[name])
 
 
-def test_reinforce_terms_and_moving_baseline():
-    output = random_output(hard=True)
-    loss = CaptionLoss(pad_id=0, reinforce_weight=0.5, entropy_weight=0.1, baseline_decay=0.9).train()
+def per_step_log_likelihood(output: DecoderOutput) -> torch.Tensor:
     mask = real_tokens().float()
-    nll = -output.logits.log_softmax(-1).gather(-1, CAPTIONS[:, 1:].unsqueeze(-1)).squeeze(-1) * mask
-    reward = -nll.sum(1)  # log p(y | s) per sequence
-    sampled = output.sampled
-    location = (output.location_log_probs * mask).sum(1)
+    return output.logits.log_softmax(-1).gather(-1, CAPTIONS[:, 1:].unsqueeze(-1)).squeeze(-1) * mask  # (N, T)
 
+
+def slot_means(values: torch.Tensor, slots: torch.Tensor, used: torch.Tensor) -> dict[int, torch.Tensor]:
+    return {int(k): values[(slots == k) & used].mean() for k in slots[used].unique()}
+
+
+def test_word_reward_per_step_with_a_per_step_baseline_from_the_first_batch():
+    output, second = random_output(hard=True), random_output(seed=1, hard=True)
+    loss = CaptionLoss(pad_id=0, reinforce_weight=0.5, entropy_weight=0.1, baseline_decay=0.9).train()
+    used = real_tokens() & output.sampled.unsqueeze(1)  # (N, T): row 1 read the expected context
+    steps = torch.arange(4).expand(3, 4)
+
+    reward = per_step_log_likelihood(output)  # r_t = log p(y_t | ...)
+    first = slot_means(reward, steps, used)  # the first batch's mean per step, not 0
+    baseline = torch.stack([first[int(t)] for t in steps.flatten()]).view(3, 4)
     terms = loss(output, CAPTIONS)
-    assert_close(terms["reinforce"], -0.5 * (reward * location).sum() / 9)  # baseline 0 before the update
-    assert_close(terms["entropy"], (output.entropy * mask)[sampled].sum() / 9)
+    expected = -0.5 * ((reward - baseline) * used * output.location_log_probs).sum() / 9
+    assert_close(terms["reinforce"], expected)
+    assert_close(terms["entropy"], (output.entropy * real_tokens())[output.sampled].sum() / 9)
     assert_close(terms["loss"], terms["ce"] + terms["ds"] - 0.1 * terms["entropy"])
-    first = 0.1 * reward[sampled].mean()  # the expectation sequence (row 1) does not count
-    assert_close(loss.baseline, first)
+    assert_close(loss.baseline[:4], torch.stack([first[t] for t in range(4)]))
+    assert not loss.baseline_seen[4:].any() and (loss.baseline[4:] == 0).all()
 
+    loss(second, CAPTIONS)  # then b_t <- 0.9 b_t + 0.1 mean_t
+    later = slot_means(per_step_log_likelihood(second), steps, real_tokens() & second.sampled.unsqueeze(1))
+    assert_close(loss.baseline[:4], torch.stack([0.9 * first[t] + 0.1 * later[t] for t in range(4)]))
+
+
+def test_suffix_reward_sums_the_words_from_t_on_with_a_baseline_per_remaining_length():
+    output = random_output(hard=True)
+    loss = CaptionLoss(pad_id=0, reinforce_weight=1.0, reinforce_reward="suffix").train()
+    log_lik = per_step_log_likelihood(output)
+    lengths = real_tokens().sum(1)
+    reward = torch.zeros(3, 4)
+    remaining = torch.zeros(3, 4, dtype=torch.long)
+    for n in range(3):
+        for t in range(int(lengths[n])):
+            reward[n, t] = log_lik[n, t:].sum()
+            remaining[n, t] = lengths[n] - t
+    used = real_tokens() & output.sampled.unsqueeze(1)
+    means = slot_means(reward, remaining, used)
+    baseline = torch.stack([means.get(int(k), torch.tensor(0.0)) for k in remaining.flatten()]).view(3, 4)
     terms = loss(output, CAPTIONS)
-    assert_close(terms["reinforce"], -0.5 * ((reward - first) * location).sum() / 9)
-    assert_close(loss.baseline, 0.9 * first + 0.1 * reward[sampled].mean())
+    assert_close(terms["reinforce"], -((reward - baseline) * used * output.location_log_probs).sum() / 9)
+    assert_close(loss.baseline[[k - 1 for k in sorted(means)]], torch.stack([means[k] for k in sorted(means)]))
+
+
+def test_reinforce_gradient_on_the_attention_scores_has_its_analytic_form():
+    """d/de_t of the surrogate = -w / tokens * (r_t - b_t) * (onehot(s_t) - alpha_t) on sampled real steps."""
+    generator = torch.Generator().manual_seed(4)
+    scores = torch.randn(3, 4, L, generator=generator, requires_grad=True)  # e_t, (N, T, L)
+    alphas = scores.softmax(-1)
+    chosen = torch.randint(0, L, (3, 4), generator=generator)  # s_t
+    sampled = torch.tensor([True, False, True])
+    log_probs = alphas.log().gather(-1, chosen.unsqueeze(-1)).squeeze(-1) * sampled.unsqueeze(1)
+    logits = torch.randn(3, 4, V, generator=generator)
+    output = DecoderOutput(logits, alphas.detach(), log_probs, torch.zeros(3, 4), sampled)
+    loss = CaptionLoss(pad_id=0, ds_lambda=0.0, reinforce_weight=0.3, entropy_weight=0.0).train()
+    loss.baseline.copy_(torch.linspace(-3.0, -1.0, 64))
+    loss.baseline_seen.fill_(True)
+    loss.baseline_decay = 1.0  # keep b fixed for the check
+    loss(output, CAPTIONS)["loss"].backward()
+
+    advantage = (per_step_log_likelihood(output) - loss.baseline[:4]) * (real_tokens() & sampled.unsqueeze(1))
+    analytic = -0.3 / 9 * advantage.unsqueeze(-1) * (F.one_hot(chosen, L) - alphas.detach())
+    assert_close(scores.grad, analytic)
+
+
+def test_unk_targets_never_enter_the_loss():
+    output = random_output()
+    with_unk = CaptionLoss(pad_id=0, unk_id=3)(output, CAPTIONS)  # caption 2 has <unk> (id 3) as a target
+    log_probs = output.logits.log_softmax(-1).gather(-1, CAPTIONS[:, 1:].unsqueeze(-1)).squeeze(-1)
+    counted = real_tokens() & (CAPTIONS[:, 1:] != 3)
+    assert_close(with_unk["ce"], -log_probs[counted].sum() / 8)
 
 
 def test_baseline_holds_in_eval_mode_and_without_samples():
     output = random_output(hard=True)
     loss = CaptionLoss(pad_id=0).eval()
     loss(output, CAPTIONS)
-    assert loss.baseline.item() == 0.0
+    assert not loss.baseline.any() and not loss.baseline_seen.any()
     output.sampled = torch.zeros(3, dtype=torch.bool)
     output.location_log_probs = torch.zeros(3, 4)
     loss.train()(output, CAPTIONS)
-    assert loss.baseline.item() == 0.0
+    assert not loss.baseline.any() and not loss.baseline_seen.any()
 
 
 def test_baseline_is_checkpointed():
@@ -111,7 +169,8 @@ def test_baseline_is_checkpointed():
     loss(random_output(hard=True), CAPTIONS)
     restored = CaptionLoss(pad_id=0)
     restored.load_state_dict(loss.state_dict())
-    assert "baseline" in loss.state_dict() and restored.baseline.item() == loss.baseline.item() != 0.0
+    assert "baseline" in loss.state_dict() and torch.equal(restored.baseline, loss.baseline)
+    assert restored.baseline_seen[:4].all() and loss.baseline[:4].ne(0).all()
 
 
 def attention_gradients(decoder: ShowAttendTellDecoder) -> list[torch.Tensor | None]:
@@ -136,7 +195,8 @@ def test_soft_output_has_no_reinforce_terms():
     assert "reinforce" not in terms and "entropy" not in terms
 
 
-@pytest.mark.parametrize("option", [dict(ds_lambda=-1.0), dict(baseline_decay=1.5), dict(entropy_weight="x")])
+@pytest.mark.parametrize("option", [dict(ds_lambda=-1.0), dict(baseline_decay=1.5), dict(entropy_weight="x"),
+                                    dict(reinforce_reward="sequence")])
 def test_invalid_weights_raise(option):
     with pytest.raises(ConfigError, match=next(iter(option))):
         CaptionLoss(pad_id=0, **option)

@@ -9,15 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Categorical
 
-from captioner.errors import check_choice, check_range
+from captioner.errors import ConfigError, check_choice, check_range
 from captioner.model.attention import build_attention
 
 MODES = ("soft", "hard")
 GATES = ("scalar", "vector", "none")
 HARD_INFERENCE = ("argmax", "expectation")
+HARD_ESTIMATORS = ("reinforce", "gumbel")
 
 State = tuple[Tensor, Tensor]
 
@@ -26,9 +28,10 @@ State = tuple[Tensor, Tensor]
 class DecoderOutput:
     """Teacher-forced decoder outputs for N captions of T steps (targets are ``captions[:, 1:]``).
 
-    ``location_log_probs`` (log alpha of the sampled location, 0 where the expected context was
-    used), ``entropy`` (of alpha_t) and ``sampled`` (which sequences sampled locations) are set only
-    for hard attention in training mode.
+    For hard attention in training mode, ``entropy`` (of alpha_t) and ``sampled`` (which sequences
+    read sampled locations rather than the expected context) are set, and with the REINFORCE
+    estimator also ``location_log_probs`` (log alpha of the sampled location, 0 where the expected
+    context was used).
     """
 
     logits: Tensor  # (N, T, V)
@@ -44,16 +47,27 @@ class ShowAttendTellDecoder(nn.Module):
     def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
                  attention_dim: int = 512, attention: str = "additive", attention_heads: int = 1,
                  mode: str = "soft", gate: str = "scalar", deep_output: bool = True, dropout: float = 0.5,
-                 hard_expectation_prob: float = 0.5, hard_inference: str = "argmax") -> None:
+                 hard_expectation_prob: float = 0.5, hard_inference: str = "argmax",
+                 hard_estimator: str = "reinforce", gumbel_tau: float = 1.0, gumbel_tau_min: float = 0.5) -> None:
         super().__init__()
         check_choice("mode", mode, MODES)
         check_choice("gate", gate, GATES)
         check_choice("hard_inference", hard_inference, HARD_INFERENCE)
+        check_choice("hard_estimator", hard_estimator, HARD_ESTIMATORS)
         check_range("dropout", dropout, 0.0, 1.0)
         check_range("hard_expectation_prob", hard_expectation_prob, 0.0, 1.0)
+        check_range("gumbel_tau", gumbel_tau, 1e-3)
+        check_range("gumbel_tau_min", gumbel_tau_min, 1e-3, gumbel_tau)
+        if mode == "hard" and attention == "multihead":
+            # Its expected context reads projected values, a sampled location would read a raw a_i.
+            raise ConfigError("scorer=multihead works with soft attention only: hard attention samples one "
+                              "annotation vector a_i, which multihead's projected context is not")
         self.mode = mode
         self.hard_expectation_prob = hard_expectation_prob
         self.hard_inference = hard_inference
+        self.hard_estimator = hard_estimator
+        self.gumbel_tau_start, self.gumbel_tau_min = gumbel_tau, gumbel_tau_min
+        self.gumbel_tau = gumbel_tau  # annealed by ``anneal`` during training
         self.embedding = nn.Embedding(vocab_size, embed_dim)  # E
         self.attention = build_attention(attention, feature_dim, hidden_dim, attention_dim, attention_heads)
         self.init_h = nn.Linear(feature_dim, hidden_dim)  # f_init,h
@@ -69,6 +83,12 @@ class ShowAttendTellDecoder(nn.Module):
         else:
             self.deep_h = self.deep_z = None
             self.classifier = nn.Linear(hidden_dim, vocab_size)
+
+    def anneal(self, progress: float) -> None:
+        """Set the Gumbel-softmax temperature for ``progress`` in [0, 1] of training: it falls
+        geometrically from ``gumbel_tau`` at 0 to ``gumbel_tau_min`` at 1."""
+        progress = min(max(progress, 0.0), 1.0)
+        self.gumbel_tau = self.gumbel_tau_start * (self.gumbel_tau_min / self.gumbel_tau_start) ** progress
 
     def init_state(self, features: Tensor) -> State:
         """h_0 = tanh(f_init,h(mean_i a_i)), c_0 = tanh(f_init,c(mean_i a_i)), each (B, H)."""
@@ -93,14 +113,15 @@ class ShowAttendTellDecoder(nn.Module):
         """
         keys = self.attention.keys(features)  # (B, L, A), once per image
         state = self.init_state(features)  # (B, H) x 2
+        sampling = self.mode == "hard" and self.training
+        expect = None
+        if sampling:  # per image, as the paper says: the expected context instead of a sampled location
+            expect = torch.rand(features.size(0), device=features.device) < self.hard_expectation_prob  # (B,)
         if image_index is not None:
             features, keys = features[image_index], keys[image_index]  # (N, L, D), (N, L, A)
             state = (state[0][image_index], state[1][image_index])  # (N, H) x 2
+            expect = None if expect is None else expect[image_index]  # (N,)
         embedded = self.embedding(captions[:, :-1])  # (N, T, E): E y_{t-1}
-        sampling = self.mode == "hard" and self.training
-        expect = None
-        if sampling:  # per sequence: expected context instead of a sampled location (section 4.1)
-            expect = torch.rand(captions.size(0), device=captions.device) < self.hard_expectation_prob  # (N,)
         steps = []
         for t in range(embedded.size(1)):
             logits, state, alpha, log_prob, entropy = self._step(embedded[:, t], state, features, keys, expect)
@@ -108,7 +129,8 @@ class ShowAttendTellDecoder(nn.Module):
         logits, alphas, log_probs, entropies = zip(*steps)
         output = DecoderOutput(torch.stack(logits, dim=1), torch.stack(alphas, dim=1))  # (N, T, V), (N, T, L)
         if sampling:
-            output.location_log_probs = torch.stack(log_probs, dim=1)  # (N, T)
+            if self.hard_estimator == "reinforce":
+                output.location_log_probs = torch.stack(log_probs, dim=1)  # (N, T)
             output.entropy = torch.stack(entropies, dim=1)  # (N, T)
             output.sampled = ~expect
         return output
@@ -128,7 +150,10 @@ class ShowAttendTellDecoder(nn.Module):
 
     def _attend(self, features: Tensor, keys: Tensor, h: Tensor, expect: Tensor | None
                 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-        """z_t before gating (B, D), alpha_t (B, L) and, when sampling, log p(s_t) and H(alpha_t) (B,)."""
+        """z_t before gating (B, D), alpha_t (B, L) and, when sampling, log p(s_t) and H(alpha_t) (B,).
+
+        With the Gumbel estimator log p(s_t) is None: the straight-through one-hot carries the gradient.
+        """
         context, alpha = self.attention(keys, features, h)  # eq. 4-5; soft: expected context (section 4.2)
         if self.mode == "soft" or (not self.training and self.hard_inference == "expectation"):
             return context, alpha, None, None
@@ -136,10 +161,19 @@ class ShowAttendTellDecoder(nn.Module):
         if not self.training:  # hard attention at inference: the most likely location
             return features[rows, alpha.argmax(dim=-1)], alpha, None, None
         locations = Categorical(probs=alpha, validate_args=False)
-        s = locations.sample()  # (B,): s_t ~ Multinoulli_L(alpha_t) (section 4.1)
-        z = features[rows, s]  # (B, D): z_t = a_{s_t}
-        log_prob = locations.log_prob(s)  # (B,)
+        if self.hard_estimator == "gumbel":
+            z, log_prob = self._gumbel_location(alpha, features), None  # (B, D)
+        else:
+            s = locations.sample()  # (B,): s_t ~ Multinoulli_L(alpha_t) (section 4.1)
+            z = features[rows, s]  # (B, D): z_t = a_{s_t}
+            log_prob = locations.log_prob(s)  # (B,)
         if expect is not None:
             z = torch.where(expect.unsqueeze(1), context, z)
-            log_prob = log_prob.masked_fill(expect, 0.0)
+            log_prob = None if log_prob is None else log_prob.masked_fill(expect, 0.0)
         return z, alpha, log_prob, locations.entropy()
+
+    def _gumbel_location(self, alpha: Tensor, features: Tensor) -> Tensor:
+        """z_t = a_{s_t} for s_t = argmax_i(log alpha_ti + g_i), g ~ Gumbel(0, 1), with the gradient of the
+        relaxed weights softmax((log alpha_t + g) / tau) (straight-through Gumbel-softmax, Jang et al. 2017)."""
+        weights = F.gumbel_softmax(alpha.clamp_min(1e-12).log(), tau=self.gumbel_tau, hard=True)  # (B, L) one-hot
+        return torch.bmm(weights.unsqueeze(1), features).squeeze(1)  # (B, D)

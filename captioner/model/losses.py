@@ -7,8 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captioner.errors import check_range
+from captioner.errors import check_choice, check_range
 from captioner.model.decoder import DecoderOutput
+
+
+REWARDS = ("word", "suffix")
+BASELINE_SLOTS = 64  # per-step baselines kept; steps (or remaining lengths) beyond share the last one
 
 
 class CaptionLoss(nn.Module):
@@ -16,67 +20,98 @@ class CaptionLoss(nn.Module):
 
     Eq. 14 sums the negative log-likelihood over a caption's words and adds lambda times one penalty
     per caption. Every term here (the penalty, REINFORCE and entropy too) is divided by the same number,
-    the real (non-pad) target tokens of the batch, so each keeps the paper's weight relative to the
-    cross-entropy whatever the caption lengths. The moving-average reward baseline is a buffer
-    (checkpointed) and moves only in training mode.
+    the real target tokens of the batch (neither <pad> nor <unk>, which never enter the loss), so each
+    keeps its weight relative to the cross-entropy whatever the caption lengths.
+
+    Hard attention's REINFORCE term (eq. 12) rewards each step's sampled location s_t with a per-step
+    reward, as the authors' code does, not with the whole caption's log-likelihood (which is mostly the
+    caption's length: its gradient on the attention is noise). ``reward="word"``: r_t = log p(y_t | s_<=t),
+    the word that location was read for; ``"suffix"``: r_t = sum_{t' >= t} log p(y_t'), everything s_t
+    can influence. Its baseline b is kept per step t ("word") or per remaining length ("suffix"), starts
+    at the first batch's mean and then moves as b <- decay b + (1 - decay) mean. The baselines are a
+    buffer (checkpointed) and move only in training mode.
     """
 
     baseline: Tensor
+    baseline_seen: Tensor
 
-    def __init__(self, pad_id: int, ds_lambda: float = 1.0, reinforce_weight: float = 1.0,
-                 entropy_weight: float = 0.002, baseline_decay: float = 0.9) -> None:
+    def __init__(self, pad_id: int, unk_id: int | None = None, ds_lambda: float = 1.0,
+                 reinforce_weight: float = 0.1, reinforce_reward: str = "word", entropy_weight: float = 0.002,
+                 baseline_decay: float = 0.9) -> None:
         super().__init__()
         check_range("ds_lambda", ds_lambda, 0.0)
         check_range("reinforce_weight", reinforce_weight, 0.0)
+        check_choice("reinforce_reward", reinforce_reward, REWARDS)
         check_range("entropy_weight", entropy_weight, 0.0)
         check_range("baseline_decay", baseline_decay, 0.0, 1.0)
         self.pad_id = pad_id
+        self.unk_id = unk_id
         self.ds_lambda = ds_lambda
         self.reinforce_weight = reinforce_weight
+        self.reinforce_reward = reinforce_reward
         self.entropy_weight = entropy_weight
         self.baseline_decay = baseline_decay
-        self.register_buffer("baseline", torch.zeros(()))
+        self.register_buffer("baseline", torch.zeros(BASELINE_SLOTS))
+        self.register_buffer("baseline_seen", torch.zeros(BASELINE_SLOTS, dtype=torch.bool))
 
     def forward(self, output: DecoderOutput, captions: Tensor) -> dict[str, Tensor]:
         """Loss terms for ``output`` of teacher forcing on ``captions`` (N, T+1).
 
         Keys: "ce" (mean cross-entropy per real token), "ds" (doubly stochastic penalty, eq. 14),
-        "loss" (the total to minimise) and, for hard attention in training, "reinforce" (the
-        surrogate whose gradient is the REINFORCE term of eq. 12; "loss" carries its gradient only)
-        and "entropy" (the bonus, weighted and subtracted in "loss").
+        "loss" (the total to minimise) and, for hard attention in training, "entropy" (the bonus,
+        weighted and subtracted in "loss") and, with the REINFORCE estimator, "reinforce" (the
+        surrogate whose gradient is the REINFORCE term of eq. 12; "loss" carries its gradient only).
         """
         targets = captions[:, 1:]  # (N, T)
-        mask = (targets != self.pad_id).to(output.alphas.dtype)  # (N, T)
+        real = targets != self.pad_id
+        if self.unk_id is not None:
+            real = real & (targets != self.unk_id)
+        mask = real.to(output.alphas.dtype)  # (N, T)
         tokens = mask.sum().clamp_min(1.0)
-        nll = F.cross_entropy(output.logits.transpose(1, 2), targets, ignore_index=self.pad_id,
-                              reduction="none")  # (N, T), 0 on pad
+        nll = F.cross_entropy(output.logits.transpose(1, 2), targets, reduction="none") * mask  # (N, T)
         ce = nll.sum() / tokens
         coverage = (output.alphas * mask.unsqueeze(-1)).sum(dim=1)  # (N, L): sum_t alpha_ti over real steps
         ds = self.ds_lambda * (1.0 - coverage).square().sum() / tokens  # eq. 14, same normaliser as ce
         terms = {"ce": ce, "ds": ds}
         loss = ce + ds
+        if output.entropy is not None:
+            entropy = (output.entropy * mask * output.sampled.to(mask.dtype).unsqueeze(1)).sum() / tokens
+            terms["entropy"] = entropy
+            loss = loss - self.entropy_weight * entropy
         if output.location_log_probs is not None:
-            reinforce, entropy = self._reinforce(output, nll, mask, tokens)
-            terms.update(reinforce=reinforce, entropy=entropy)
+            reinforce = self._reinforce(output, nll, mask, tokens)
+            terms["reinforce"] = reinforce
             # the surrogate adds its gradient, not its value: "loss" stays comparable with soft attention
-            loss = loss + (reinforce - reinforce.detach()) - self.entropy_weight * entropy
+            loss = loss + (reinforce - reinforce.detach())
         return {"loss": loss, **terms}
 
-    def _reinforce(self, output: DecoderOutput, nll: Tensor, mask: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """REINFORCE surrogate and entropy bonus of eq. 12 over the sequences that sampled locations."""
-        sampled = output.sampled.to(mask.dtype)  # (N,)
-        reward = -nll.sum(dim=1).detach()  # (N,): log p(y | s, a)
-        location = (output.location_log_probs * mask).sum(dim=1)  # (N,): log p(s | a), 0 for expectation rows
-        reinforce = -self.reinforce_weight * ((reward - self.baseline) * location).sum() / tokens
-        entropy = (output.entropy * mask * sampled.unsqueeze(1)).sum() / tokens
+    def step_rewards(self, nll: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-step rewards r (N, T) (0 on pad steps) and the baseline slot (N, T) of each step."""
+        log_lik = -nll.detach() * mask  # (N, T): log p(y_t | ...) on real steps
+        steps = torch.arange(nll.size(1), device=nll.device).expand_as(nll)  # (N, T)
+        if self.reinforce_reward == "word":
+            return log_lik, steps.clamp(max=BASELINE_SLOTS - 1)
+        suffix = log_lik.flip(1).cumsum(1).flip(1)  # (N, T): sum_{t' >= t} log p(y_t')
+        remaining = mask.flip(1).cumsum(1).flip(1).long()  # (N, T): real steps from t on
+        return suffix, (remaining - 1).clamp(0, BASELINE_SLOTS - 1)
+
+    def _reinforce(self, output: DecoderOutput, nll: Tensor, mask: Tensor, tokens: Tensor) -> Tensor:
+        """REINFORCE surrogate of eq. 12: -w sum_t (r_t - b_t) log p(s_t), over the real sampled steps."""
+        reward, slot = self.step_rewards(nll, mask)  # (N, T) x 2
+        used = mask * output.sampled.to(mask.dtype).unsqueeze(1)  # (N, T): steps that sampled a location
         if self.training:
-            self._update_baseline(reward, sampled)
-        return reinforce, entropy
+            self._update_baseline(reward, slot, used)
+        advantage = (reward - self.baseline[slot]) * used  # (N, T)
+        return -self.reinforce_weight * (advantage * output.location_log_probs).sum() / tokens
 
     @torch.no_grad()
-    def _update_baseline(self, reward: Tensor, sampled: Tensor) -> None:
-        """b <- decay b + (1 - decay) mean log p(y | s) over the sampled sequences (no host sync)."""
-        count = sampled.sum()
-        mean = (reward * sampled).sum() / count.clamp_min(1.0)
+    def _update_baseline(self, reward: Tensor, slot: Tensor, used: Tensor) -> None:
+        """Per slot: b <- decay b + (1 - decay) mean r over the batch's steps of that slot, or b <- mean r
+        the first time the slot is seen (no host sync)."""
+        sums = torch.zeros_like(self.baseline).index_add_(0, slot.flatten(), (reward * used).flatten())
+        counts = torch.zeros_like(self.baseline).index_add_(0, slot.flatten(), used.flatten())
+        present = counts > 0
+        mean = sums / counts.clamp_min(1.0)
         moved = self.baseline_decay * self.baseline + (1.0 - self.baseline_decay) * mean
-        self.baseline.copy_(torch.where(count > 0, moved, self.baseline))
+        self.baseline.copy_(torch.where(present, torch.where(self.baseline_seen, moved, mean), self.baseline))
+        self.baseline_seen.logical_or_(present)
