@@ -53,11 +53,35 @@ def matching_label(word: str, labels: Iterable[str]) -> str | None:
 
 
 def label_coverage(label: str, boxes: Sequence[Box], grid: tuple[int, int]) -> Tensor:
-    """Coverage ``(H*W,)`` of the union of the boxes labelled ``label``: per cell, the max over them."""
-    coverages = [box_coverage(box, grid) for box in boxes if box.label.lower() == label.lower()]
-    if not coverages:
-        return torch.zeros(grid[0] * grid[1], dtype=torch.float64)
-    return torch.stack(coverages).amax(dim=0)  # (H*W,)
+    """Fraction of each grid cell's area covered by the union of the boxes labelled ``label``: ``(H*W,)``.
+
+    Exact for overlapping boxes: the plane is cut along every box and cell edge into rectangles, each
+    inside one cell and either inside some box or inside none, and the covered ones are summed per cell
+    (two boxes covering the two halves of a cell give 1; two overlapping ones never count twice).
+    """
+    height, width = grid
+    chosen = [box for box in boxes if box.label.lower() == label.lower()]
+    if not chosen:
+        return torch.zeros(height * width, dtype=torch.float64)
+    if len(chosen) == 1:
+        return box_coverage(chosen[0], grid)
+    spans = torch.tensor([[b.x0, b.y0, b.x1, b.y1] for b in chosen], dtype=torch.float64).clamp(0.0, 1.0)  # (K, 4)
+
+    def cuts(low: Tensor, high: Tensor, cells: int) -> tuple[Tensor, Tensor, Tensor]:
+        edges = torch.cat([torch.linspace(0.0, 1.0, cells + 1, dtype=torch.float64), low, high]).unique()  # sorted
+        centres = (edges[1:] + edges[:-1]) / 2  # (P,)
+        cell = (centres * cells).long().clamp(max=cells - 1)  # (P,) the grid cell of each piece
+        return edges[1:] - edges[:-1], centres, cell
+
+    dx, cx, col = cuts(spans[:, 0], spans[:, 2], width)  # (P,)
+    dy, cy, row = cuts(spans[:, 1], spans[:, 3], height)  # (Q,)
+    inside_x = (cx.unsqueeze(0) > spans[:, 0:1]) & (cx.unsqueeze(0) < spans[:, 2:3])  # (K, P)
+    inside_y = (cy.unsqueeze(0) > spans[:, 1:2]) & (cy.unsqueeze(0) < spans[:, 3:4])  # (K, Q)
+    covered = (inside_y.unsqueeze(2) & inside_x.unsqueeze(1)).any(dim=0)  # (Q, P): inside some box
+    area = torch.outer(dy, dx) * covered  # (Q, P)
+    cells = (row.unsqueeze(1) * width + col.unsqueeze(0)).flatten()  # (Q*P,) row-major cell index
+    per_cell = torch.zeros(height * width, dtype=torch.float64).index_add_(0, cells, area.flatten())
+    return (per_cell * height * width).clamp(0.0, 1.0)  # (H*W,) as a fraction of the cell's area
 
 
 def _object_words(words: Sequence[str], boxes: Sequence[Box],
@@ -97,47 +121,46 @@ def uniform_in_boxes(words: Sequence[str], grid: tuple[int, int], boxes: Sequenc
 class AttentionCorrectness:
     """Accumulates attention correctness over images; ``compute()`` averages over object words.
 
-    ``state()`` and ``merge()`` carry it across processes as plain data (e.g. ``all_gather_object``).
+    Results are kept per image id, so an image scored twice (a distributed sampler pads the last batch
+    with repeats) counts once. ``state()`` and ``merge()`` carry it across processes as plain data
+    (e.g. ``all_gather_object``).
     """
 
     def __init__(self) -> None:
-        self.masses: list[float] = []
-        self.baselines: list[float] = []
-        self.images = 0
+        self.per_image: dict[int, tuple[list[float], list[float]]] = {}  # image id -> (masses, baselines)
 
     @property
     def words(self) -> int:
         """How many object words have been scored so far."""
-        return len(self.masses)
+        return sum(len(masses) for masses, _ in self.per_image.values())
 
-    def state(self) -> dict[str, list[float] | int]:
-        """The accumulated values as plain data: ``{"masses", "baselines", "images"}``."""
-        return {"masses": list(self.masses), "baselines": list(self.baselines), "images": self.images}
+    def state(self) -> dict[int, tuple[list[float], list[float]]]:
+        """The accumulated values as plain data: image id -> (masses, baselines)."""
+        return {image_id: (list(m), list(b)) for image_id, (m, b) in self.per_image.items()}
 
     @classmethod
     def merge(cls, states: Iterable[dict]) -> "AttentionCorrectness":
-        """One accumulator holding everything of several :meth:`state` dicts."""
+        """One accumulator holding everything of several :meth:`state` dicts, each image once."""
         merged = cls()
         for state in states:
-            merged.masses.extend(state["masses"])
-            merged.baselines.extend(state["baselines"])
-            merged.images += state["images"]
+            merged.per_image.update(state)
         return merged
 
-    def update(self, words: Sequence[str], alphas: Tensor | np.ndarray, grid: tuple[int, int],
+    def update(self, image_id: int, words: Sequence[str], alphas: Tensor | np.ndarray, grid: tuple[int, int],
                boxes: Sequence[Box]) -> None:
-        """Add one image: its generated ``words``, attention ``alphas`` (T, L), grid and boxes."""
-        self.masses.extend(attention_in_boxes(words, alphas, grid, boxes))
-        self.baselines.extend(uniform_in_boxes(words, grid, boxes))
-        self.images += 1
+        """Score one image: its generated ``words``, attention ``alphas`` (T, L), grid and boxes."""
+        self.per_image[image_id] = (attention_in_boxes(words, alphas, grid, boxes),
+                                    uniform_in_boxes(words, grid, boxes))
 
     def compute(self) -> dict[str, float]:
         """``{"mean_mass", "uniform_mass", "words", "images"}``: the mean attention mass inside the
         named objects, the same for uniform attention, and the counts. Means are NaN with no words."""
-        words = self.words
+        masses = [m for image_masses, _ in self.per_image.values() for m in image_masses]
+        baselines = [b for _, image_baselines in self.per_image.values() for b in image_baselines]
+        words = len(masses)
         return {
-            "mean_mass": math.fsum(self.masses) / words if words else math.nan,
-            "uniform_mass": math.fsum(self.baselines) / words if words else math.nan,
+            "mean_mass": math.fsum(masses) / words if words else math.nan,
+            "uniform_mass": math.fsum(baselines) / words if words else math.nan,
             "words": words,
-            "images": self.images,
+            "images": len(self.per_image),
         }

@@ -41,7 +41,7 @@ def evaluate_split(loaded: LoadedModel, records: Sequence[Record], out_dir: Path
         record = by_path[result.path]
         captions[record.image_id] = result.words
         if record.boxes:
-            correctness.update(result.words, result.alphas, result.grid, record.boxes)
+            correctness.update(record.image_id, result.words, result.alphas, result.grid, record.boxes)
     if not captions:
         raise DataError(f"none of the {len(by_path)} images could be decoded")
     hypotheses = {i: " ".join(w) for i, w in captions.items()}
