@@ -2,9 +2,10 @@
 
 The first panel is the image; each following panel has the word as its title and shows the image
 dimmed where the attention used to emit that word is low. The (H, W) attention grid is upsampled
-smoothly (bicubic) to the image's own size and aspect ratio, scaled by its maximum, so each panel
-shows where that word looked relative to its most attended spot. For hard attention the chosen
-cell is outlined.
+smoothly (bicubic) to the image's own size and aspect ratio. All panels of a caption share one
+brightness scale, from no attention (dimmed) to the caption's highest weight on a cell (as is), and a
+colour bar gives that scale with uniform attention (1/L) marked: a flat map looks flat, a sharp one
+bright on its spot. For hard attention the chosen cell is outlined.
 
 Figures are built with matplotlib's object-oriented API on an Agg canvas: no display, and no
 pyplot figure registry to leak from.
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from PIL import Image
@@ -38,16 +41,15 @@ DPI = 100
 def upsample_attention(alpha: Tensor | np.ndarray, grid: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
     """Bicubically upsample one attention map ``alpha`` ``(H*W,)`` to ``size = (width, height)``.
 
-    Returns a float32 array ``(height, width)`` scaled to max 1 (all ones for an all-zero map), with
-    cell (r, c) centred on its part of the image: no shift, whatever the grid or aspect ratio.
+    Returns a float32 array ``(height, width)`` of attention weight per cell (a uniform map stays 1/L
+    everywhere), never negative, with cell (r, c) centred on its part of the image: no shift, whatever
+    the grid or aspect ratio.
     """
     rows, cols = grid
     width, height = size
     grid_map = torch.as_tensor(alpha).detach().to("cpu", torch.float32).reshape(1, 1, rows, cols)
     smooth = F.interpolate(grid_map, size=(height, width), mode="bicubic", align_corners=False)
-    smooth = smooth[0, 0].clamp_min(0.0)  # (height, width); bicubic overshoots below zero
-    peak = float(smooth.max())
-    return (smooth / peak if peak > 0 else torch.ones_like(smooth)).numpy()
+    return smooth[0, 0].clamp_min(0.0).numpy()  # (height, width); bicubic overshoots below zero
 
 
 def _as_alphas(alphas: Tensor | np.ndarray, steps: int, grid: tuple[int, int]) -> np.ndarray:
@@ -85,23 +87,29 @@ def overlay_figure(image: Image.Image, words: Sequence[str], alphas: Tensor | np
     width, height = picture.size
     pixels = np.asarray(picture, dtype=np.float32) / 255.0  # (height, width, 3)
 
+    heat = [upsample_attention(maps[step], grid, (width, height)) for step in range(len(words))]
+    uniform = 1.0 / (rows * cols)
+    scale = Normalize(0.0, max([uniform, *(float(h.max()) for h in heat)]))  # one scale for the caption
+
     panels = 1 + len(words)
     ncols = min(MAX_COLUMNS, panels)
     nrows = math.ceil(panels / ncols)
     panel_height = PANEL_INCHES * height / width + 0.35  # room for the word above
-    fig = Figure(figsize=(PANEL_INCHES * ncols, panel_height * nrows + (0.4 if title else 0.0)), dpi=DPI,
-                 layout="constrained")
+    fig = Figure(figsize=(PANEL_INCHES * ncols + (0.9 if words else 0.0),
+                          panel_height * nrows + (0.4 if title else 0.0)), dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
     if title:
         fig.suptitle(title, parse_math=False)
+    axes = []
     for panel in range(panels):
         ax = fig.add_subplot(nrows, ncols, panel + 1)
         ax.set_axis_off()
+        axes.append(ax)
         if panel == 0:
             ax.imshow(pixels)
             continue
         step = panel - 1
-        weight = upsample_attention(maps[step], grid, (width, height))  # (height, width)
+        weight = np.clip(scale(heat[step]), 0.0, 1.0)  # (height, width) in [0, 1] on the caption's scale
         ax.imshow(pixels * (DIM_FLOOR + (1.0 - DIM_FLOOR) * weight[..., None]))
         ax.set_title(words[step], parse_math=False)
         if locations is not None:
@@ -109,7 +117,19 @@ def overlay_figure(image: Image.Image, words: Sequence[str], alphas: Tensor | np
             cell_w, cell_h = width / cols, height / rows
             ax.add_patch(Rectangle((col * cell_w - 0.5, row * cell_h - 0.5), cell_w, cell_h,
                                    fill=False, edgecolor="red", linewidth=1.5))
+    if words:
+        _colour_bar(fig, axes, scale, uniform)
     return fig
+
+
+def _colour_bar(fig: Figure, axes: list, scale: Normalize, uniform: float) -> None:
+    """The caption's brightness scale beside the panels: attention weight per cell, 1/L marked."""
+    shades = LinearSegmentedColormap.from_list("dimming", [(DIM_FLOOR,) * 3, (1.0, 1.0, 1.0)])
+    bar = fig.colorbar(ScalarMappable(scale, shades), ax=axes, shrink=0.8, aspect=30)
+    bar.set_label("attention weight per cell")
+    bar.ax.axhline(uniform, color="tab:orange", linewidth=1.5)
+    bar.ax.text(1.05, uniform, "1/L", transform=bar.ax.get_yaxis_transform(), va="center",
+                color="tab:orange", fontsize=8)
 
 
 def draw_overlay(image: Image.Image, words: Sequence[str], alphas: Tensor | np.ndarray,
