@@ -50,11 +50,11 @@ class CaptionerModule(L.LightningModule):
         self.net_config = {
             "encoder": dict(encoder or {}),
             "feature_norm": feature_norm,
-            "self_attention": dict(self_attention or {}),
+            "self_attention": None if self_attention is None else dict(self_attention),  # None: no blocks
             "decoder": {**(decoder or {}), "mode": attention, "attention": scorer},
         }
         self.model: Captioner = build_captioner(self.net_config, len(vocab))
-        self.criterion = CaptionLoss(pad_id=vocab.pad_id, **(loss or {}))
+        self.criterion = CaptionLoss(pad_id=vocab.pad_id, unk_id=vocab.unk_id, **(loss or {}))
         self.optim_cfg = {"lr": 4e-4, "encoder_lr": 1e-4, "weight_decay": 0.0, **(optimizer or {})}
         self.sched_cfg = {"name": "cosine", "warmup_steps": 0, "step_size": 10, "gamma": 0.5,
                           **(scheduler or {})}
@@ -93,6 +93,7 @@ class CaptionerModule(L.LightningModule):
         self.skips.add(batch["skipped"])
         if batch["captions"].numel() == 0:
             return None
+        self.model.decoder.anneal(self.global_step / max(1, int(self.trainer.estimated_stepping_batches)))
         terms = self.criterion(self._forward(batch), batch["captions"])
         loss = terms["loss"]
         # Every rank takes the same decision, so a NaN on one rank never leaves the others waiting.
@@ -186,7 +187,7 @@ class CaptionerModule(L.LightningModule):
             words = self.vocab.decode(tokens[row].tolist())
             self._predictions[image_id] = words
             if image_id in boxes:
-                self._correctness.update(words, alphas[row, : len(words)], grid, boxes[image_id])
+                self._correctness.update(image_id, words, alphas[row, : len(words)], grid, boxes[image_id])
 
     def on_validation_epoch_start(self) -> None:
         self._start_eval("val")
@@ -219,7 +220,7 @@ class CaptionerModule(L.LightningModule):
         self._report_skips()
         predictions = _gather(self._predictions)
         self.predictions[split] = predictions
-        correctness = _gather_list([self._correctness.state()])
+        correctness = _gather_list([self._correctness.state()])  # each image once, padded repeats too
         references = self._references[split]
         hypotheses = {i: words for i, words in predictions.items() if i in references}
         if not hypotheses:
