@@ -110,6 +110,26 @@ def test_forward_equals_forward_features_of_encode(model):
     assert not torch.allclose(raw.logits, direct.logits)
 
 
+def test_a_partly_trained_encoder_caches_its_frozen_stages_and_trains_the_rest(vocab):
+    config = {"encoder": {"name": "resnet18", "stage": "layer2", "grid": 2, "trainable_stages": 1},
+              "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
+    torch.manual_seed(0)
+    model = build_captioner(config, len(vocab)).train()
+    images, captions, index = _images(2), _captions(4), torch.tensor([0, 1, 1, 0])
+    features, grid = model.encode(images)  # layer1's output: 64 channels on a 24x24 map at 96 px
+    assert features.shape == (2, 24 * 24, 64) and grid == (24, 24) and not features.requires_grad
+    direct, cached = model(images, captions, index), model.forward_features(features, captions, index, grid)
+    torch.testing.assert_close(cached.logits, direct.logits)
+    assert cached.alphas.shape == (4, 5, 4)  # attention over layer2's map pooled to 2x2
+    cached.logits.sum().backward()
+    assert model.encoder.stages.layer2[0].conv1.weight.grad.abs().sum() > 0  # the trained stage learns
+    assert model.encoder.stages.layer1[0].conv1.weight.grad is None  # the cached one does not
+    model.eval()
+    with torch.no_grad():
+        generation, attention_grid = model.generate_from_features(features, grid, method="greedy", max_len=4)
+    assert attention_grid == (2, 2) and generation.alphas.shape[-1] == 4
+
+
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_generate_returns_per_word_alphas_on_the_grid(model, method):
     images = _images(3)

@@ -1,8 +1,9 @@
-"""Feature cache for a frozen encoder: grid features computed once, stored in fp16, read memory-mapped.
+"""Feature cache for the frozen stages of the encoder: computed once, stored in fp16, read memory-mapped.
 
-With a frozen CNN every epoch would recompute the same (L, C) grid for every image. The cache runs the
-encoder once per image, writes ``features.npy`` (N, L, C) beside ``index.json`` (image ids, grid, dtype),
-and later epochs train the decoder from it. A cache is keyed by everything that changes its content
+With a frozen CNN every epoch would recompute the same (L, C) grid for every image; with its last
+stages trained, the same input to them. The cache runs the frozen stages once per image
+(``Captioner.encode``), writes ``features.npy`` (N, L, C) beside ``index.json`` (image ids, grid, dtype),
+and later epochs train from it. A cache is keyed by everything that changes its content
 (encoder config, image size, the images), so a stale cache is never read; it is written into a temporary
 folder and renamed into place, so an interrupted build never leaves a half cache behind, and an existing
 folder is never deleted or overwritten. Images that could not be read are listed in ``index.json`` with

@@ -49,9 +49,10 @@ def _square_grid(locations: int) -> Grid:
 class Captioner(nn.Module):
     """Encoder -> optional self-attention over the grid -> Show, Attend and Tell decoder.
 
-    ``encode`` gives the encoder's grid features, the part worth caching for a frozen encoder;
-    ``forward_features`` and ``generate_from_features`` take it from there (self-attention included),
-    so ``forward(images, ...) == forward_features(*encode(images) ...)``.
+    ``encode`` gives the output of the encoder's frozen part, the part worth caching (all of a frozen
+    encoder: its grid features); ``forward_features`` and ``generate_from_features`` take it from there
+    (the encoder's trained stages, then self-attention), so
+    ``forward(images, ...) == forward_features(*encode(images) ...)``.
     """
 
     def __init__(self, encoder: Encoder, decoder: ShowAttendTellDecoder,
@@ -67,10 +68,21 @@ class Captioner(nn.Module):
         self.decoder = decoder
 
     def encode(self, images: Tensor) -> tuple[Tensor, Grid]:
-        """Images (B, 3, H_img, W_img) -> encoder features (B, L, C) and their grid (H, W), L = H * W."""
-        feature_map = self.encoder.feature_map(images)  # (B, C, H, W)
+        """Images (B, 3, H_img, W_img) -> the encoder's frozen part's output (B, L', C') and its grid
+        (H', W'), L' = H' * W': the grid features (B, L, C) themselves when the whole encoder is frozen."""
+        feature_map = self.encoder.frozen_map(images)  # (B, C', H', W')
         grid = (feature_map.shape[2], feature_map.shape[3])
-        return feature_map.flatten(2).transpose(1, 2), grid  # (B, L, C)
+        return feature_map.flatten(2).transpose(1, 2), grid  # (B, L', C')
+
+    def finish_encoding(self, features: Tensor, grid: Grid | None = None) -> tuple[Tensor, Grid]:
+        """The encoder's trained stages on ``encode``'s output: (B, L', C') -> grid features (B, L, C) and
+        their grid (H, W); nothing to do for a frozen encoder. ``grid`` defaults to the square one."""
+        grid = grid or _square_grid(features.size(1))
+        if self.encoder.frozen:
+            return features, grid
+        frozen = features.transpose(1, 2).unflatten(2, grid)  # (B, C', H', W')
+        feature_map = self.encoder.trained_map(frozen)  # (B, C, H, W)
+        return feature_map.flatten(2).transpose(1, 2), (feature_map.shape[2], feature_map.shape[3])
 
     def attend_grid(self, features: Tensor, grid: Grid | None = None) -> Tensor:
         """Feature normalisation and self-attention blocks (each if configured): (B, L, C) -> (B, L, C).
@@ -88,12 +100,13 @@ class Captioner(nn.Module):
 
         ``image_index`` (N,) gives each caption's image (None: caption n belongs to image n).
         """
-        features, grid = self.encode(images)  # (B, L, C)
+        features, grid = self.encode(images)  # (B, L', C')
         return self.forward_features(features, captions, image_index, grid)
 
     def forward_features(self, features: Tensor, captions: Tensor, image_index: Tensor | None = None,
                          grid: Grid | None = None) -> DecoderOutput:
-        """Like ``forward`` from (cached) encoder features (B, L, C); runs self-attention, not the encoder."""
+        """Like ``forward`` from (cached) ``encode`` output (B, L', C') on its grid (default square)."""
+        features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         return self.decoder(self.attend_grid(features, grid), captions, image_index)
 
     @torch.no_grad()
@@ -106,7 +119,7 @@ class Captioner(nn.Module):
         ``length_penalty``). Returns the Generation (tokens, scores, per-word alphas (B, T, L), lengths)
         and the (H, W) grid that the L attention weights of each word lie on.
         """
-        features, grid = self.encode(images)  # (B, L, C)
+        features, grid = self.encode(images)  # (B, L', C')
         return self.generate_from_features(
             features, grid, method=method, beam_size=beam_size, max_len=max_len, temperature=temperature,
             length_penalty=length_penalty, start_id=start_id, end_id=end_id, generator=generator)
@@ -116,9 +129,10 @@ class Captioner(nn.Module):
                                beam_size: int = 3, max_len: int = 20, temperature: float = 1.0,
                                length_penalty: float = 0.0, start_id: int = 1, end_id: int = 2,
                                generator: torch.Generator | None = None) -> tuple[Generation, Grid]:
-        """Like ``generate`` from (cached) encoder features (B, L, C); ``grid`` defaults to square."""
+        """Like ``generate`` from (cached) ``encode`` output (B, L', C') on its grid (default square); the
+        grid returned is the attention's."""
         check_choice("method", method, METHODS)
-        grid = grid or _square_grid(features.size(1))
+        features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         features = self.attend_grid(features, grid)  # (B, L, C)
         if method == "greedy":
             generation = greedy(self.decoder, features, max_len, start_id, end_id)

@@ -177,6 +177,11 @@ class Encoder(nn.Module):
         self.train(self.training)
 
     @property
+    def frozen_stages(self) -> int:
+        """How many leading stages are frozen (``frozen_map`` runs them; all of them when ``frozen``)."""
+        return self._first_trainable
+
+    @property
     def frozen(self) -> bool:
         """True when no part of the CNN is trained (it then always runs under ``torch.no_grad``)."""
         return self._first_trainable == len(self.stages)
@@ -221,17 +226,34 @@ class Encoder(nn.Module):
             raise ConfigError(f"image_size={image_size} is too small for encoder {self.name}")
         return self._pooled_grid(shape[2], shape[3])
 
-    def feature_map(self, images: Tensor) -> Tensor:
-        """(B, 3, H_img, W_img) ImageNet-normalised images -> (B, C, H, W) feature map."""
+    def frozen_map(self, images: Tensor) -> Tensor:
+        """(B, 3, H_img, W_img) ImageNet-normalised images -> the frozen stages' output (B, C', H', W'),
+        without autograd; pooled to the grid when every stage is frozen. What a feature cache holds."""
         x = images
         if self.input_scale is not None:
             x = x * self.input_scale + self.input_shift
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        grad = torch.is_grad_enabled()
-        for index, stage in enumerate(self.stages):
-            with torch.set_grad_enabled(grad and index >= self._first_trainable):
+        with torch.no_grad():
+            for stage in self.stages[: self._first_trainable]:
                 x = stage(x)
+        return self._pool(x) if self.frozen else x
+
+    def trained_map(self, frozen: Tensor) -> Tensor:
+        """The trained stages and the pooling on :meth:`frozen_map`'s output: (B, C', H', W') -> (B, C, H, W).
+        The identity for a frozen encoder."""
+        if self.frozen:
+            return frozen
+        x = frozen
+        for stage in self.stages[self._first_trainable:]:
+            x = stage(x)
+        return self._pool(x)
+
+    def feature_map(self, images: Tensor) -> Tensor:
+        """(B, 3, H_img, W_img) ImageNet-normalised images -> (B, C, H, W) feature map."""
+        return self.trained_map(self.frozen_map(images))
+
+    def _pool(self, x: Tensor) -> Tensor:
         height, width = self._pooled_grid(x.shape[2], x.shape[3])
         if (height, width) != tuple(x.shape[2:]):
             x = F.adaptive_avg_pool2d(x, (height, width))  # (B, C, grid, grid)

@@ -24,8 +24,9 @@ class CaptionDataModule(L.LightningDataModule):
     """Train/val/test loaders over one ``Source``.
 
     Training batches hold each image once with all its captions (``per_caption=False``), so the CNN runs
-    once per image. With ``feature_cache`` set and a frozen encoder, the grid features are computed once
-    (by the rank-0 process of each node) and the loaders yield ``features`` instead of ``images``.
+    once per image. With ``feature_cache`` set, the output of the encoder's frozen stages (all of a frozen
+    encoder: the grid features) is computed once (by the rank-0 process of each node) and the loaders
+    yield ``features`` instead of ``images``; the model runs the stages it trains on them.
     """
 
     def __init__(self, source: Source, image_size: int = 224, batch_size: int = 32,
@@ -98,8 +99,10 @@ class CaptionDataModule(L.LightningDataModule):
     def _ensure_cache(self, split: str) -> FeatureCache:
         module = self.trainer.lightning_module
         encoder = module.model.encoder
-        if not encoder.frozen:
-            raise DataError("data.feature_cache needs a frozen encoder (model.encoder.trainable_stages=0)")
+        if encoder.frozen_stages == 0:
+            raise DataError("data.feature_cache holds the output of the encoder's frozen stages and "
+                            f"model.encoder.trainable_stages={encoder.trainable_stages} trains all of them: "
+                            "freeze some (a smaller trainable_stages) or set data.feature_cache=null")
         key = cache_key(module.net_config["encoder"], self.image_size, self.splits[split], self.feature_dtype)
         cache = FeatureCache(Path(self.feature_cache) / f"{split}-{key}")
         if self.trainer.local_rank == 0 and not cache.exists():
@@ -107,7 +110,7 @@ class CaptionDataModule(L.LightningDataModule):
             loader = self._loader(self.image_dataset(split), self.eval_batch_size, shuffle=False)
             was_training = encoder.training
             encoder.eval()
-            cache.build(_encoder_grid(encoder), loader, module.device, self.feature_dtype)
+            cache.build(module.model.encode, loader, module.device, self.feature_dtype)
             encoder.train(was_training)
         self.trainer.strategy.barrier("feature_cache")
         return cache
@@ -151,12 +154,3 @@ class CaptionDataModule(L.LightningDataModule):
                 raise DataError("the checkpoint's vocabulary differs from the one built from this dataset; "
                                 "resume with the same data configuration")
 
-
-def _encoder_grid(encoder: torch.nn.Module):
-    """``images -> (features (B, L, C), grid)`` from the CNN alone (self-attention trains on top)."""
-
-    def encode(images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        fmap = encoder.feature_map(images)  # (B, C, H, W)
-        return fmap.flatten(2).transpose(1, 2), tuple(fmap.shape[-2:])
-
-    return encode

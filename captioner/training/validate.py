@@ -291,9 +291,6 @@ def validate_config(cfg: dict[str, Any]) -> None:
     _check_named("callbacks", cfg.get("callbacks"), CALLBACK_RULES)
     _check_named("logger", cfg.get("logger"), LOGGER_RULES)
     model, data = cfg["model"], cfg["data"]
-    if data.get("feature_cache") and model["encoder"].get("trainable_stages", 0) != 0:
-        raise ConfigError("data.feature_cache needs a frozen encoder: set model.encoder.trainable_stages=0 "
-                          "or data.feature_cache=null")
     if data.get("feature_cache"):
         _not_a_file("data.feature_cache", data["feature_cache"])
     _int(0, 2**32 - 1)("seed", cfg.get("seed", 0))
