@@ -11,6 +11,11 @@ corpus BLEU-4 against the five references, and how many "colour shape" phrases o
 shape that is in the image (precision), and how many of the image's shapes are named (recall). BLEU
 rewards the caption templates, which need no attention; the colour-shape binding of a scene with
 several shapes is what the mean feature loses.
+
+A last row, "perfect content", scores captions written from the ground truth with one fixed template
+("a red circle in the top left corner"; "a red circle and a blue square"; "a red circle, a blue square
+and a green triangle", shapes in reading order): what a captioner that never errs about the shapes
+reaches. The references order the shapes at random and vary their templates, so it is well below 1.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 
 from pycocotools.coco import COCO
 
-from captioner.data.shapes import COLOURS, SHAPES, shapes_records
+from captioner.data.shapes import COLOURS, SHAPES, position_phrase, shapes_records
 from captioner.data.vocab import tokenize
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.fileio import read_json
@@ -31,14 +36,36 @@ from captioner.fileio import read_json
 Shape = tuple[str, str]  # (colour, shape)
 
 
-def scene_shapes(instances_file: Path) -> dict[int, set[Shape]]:
-    """The (colour, shape) pairs of every image of a shapes instances file."""
+def read_instances(instances_file: Path) -> COCO:
+    """The shapes instances file through pycocotools."""
     with contextlib.redirect_stdout(sys.stderr):  # pycocotools reports its loading on stdout
-        coco = COCO(str(instances_file))
+        return COCO(str(instances_file))
+
+
+def scene_shapes(coco: COCO) -> dict[int, set[Shape]]:
+    """The (colour, shape) pairs of every image."""
     shapes: dict[int, set[Shape]] = defaultdict(set)
     for ann in coco.dataset["annotations"]:
         shapes[ann["image_id"]].add((ann["colour"], coco.cats[ann["category_id"]]["name"]))
     return shapes
+
+
+def perfect_captions(coco: COCO) -> dict[int, list[str]]:
+    """Tokenised captions written from the ground truth with one template per scene size (see above)."""
+    captions = {}
+    for image_id, image in coco.imgs.items():
+        placed = []
+        for ann in coco.imgToAnns[image_id]:
+            x, y, w, h = ann["bbox"]
+            cell = 3 * min(2, int(3 * (y + h / 2) / image["height"])) + min(2, int(3 * (x + w / 2) / image["width"]))
+            placed.append((cell, f"{ann['colour']} {coco.cats[ann['category_id']]['name']}"))
+        names = [name for _, name in sorted(placed)]
+        if len(names) == 1:
+            text = f"a {names[0]} {position_phrase(sorted(placed)[0][0])}"
+        else:
+            text = ", ".join(f"a {name}" for name in names[:-1]) + f" and a {names[-1]}"
+        captions[image_id] = tokenize(text)
+    return captions
 
 
 def named_shapes(words: list[str]) -> list[Shape]:
@@ -73,16 +100,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", default="val", help="the split the captions are of")
     args = parser.parse_args(argv)
 
-    shapes = scene_shapes(args.data / "annotations" / f"instances_{args.split}.json")
+    coco = read_instances(args.data / "annotations" / f"instances_{args.split}.json")
+    shapes = scene_shapes(coco)
     references = {r.image_id: [tokenize(c) for c in r.captions] for r in shapes_records(args.data, args.split)}
 
     print("| run | shapes | images | BLEU-4 | named shapes present (precision) | shapes named (recall) |")
     print("|---|---|---|---|---|---|")
-    for run in args.runs:
-        captions = {row["image_id"]: tokenize(row["caption"]) for row in read_json(run / "val_captions.json")}
+    runs = [(run.name, {row["image_id"]: tokenize(row["caption"]) for row in read_json(run / "val_captions.json")})
+            for run in args.runs]
+    for name, captions in [*runs, ("perfect content", perfect_captions(coco))]:
         for size, row in score(captions, references, shapes).items():
-            print(f"| {run.name} | {size} | {row['images']} | {row['bleu4']:.3f} | {row['precision']:.3f} "
+            print(f"| {name} | {size} | {row['images']} | {row['bleu4']:.3f} | {row['precision']:.3f} "
                   f"| {row['recall']:.3f} |")
+        print(f"| {name} | all | {len(captions)} | {corpus_bleu_scores(references, captions)['bleu4']:.3f} | | |")
 
 
 if __name__ == "__main__":

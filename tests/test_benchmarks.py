@@ -108,7 +108,7 @@ def test_attention_ablation_scores_named_shapes_by_scene_size(tiny_shapes: Path,
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     ablation = importlib.import_module("attention_ablation")
-    shapes = ablation.scene_shapes(tiny_shapes / "annotations" / "instances_val.json")
+    shapes = ablation.scene_shapes(ablation.read_instances(tiny_shapes / "annotations" / "instances_val.json"))
     first_reference = {}
     for ann in read_json(tiny_shapes / "annotations" / "captions_val.json")["annotations"]:
         first_reference.setdefault(ann["image_id"], ann["caption"])
@@ -118,10 +118,14 @@ def test_attention_ablation_scores_named_shapes_by_scene_size(tiny_shapes: Path,
         write_json(tmp_path / name / "val_captions.json", [{"image_id": i, "caption": c} for i, c in captions.items()])
     ablation.main([str(tmp_path / name) for name in runs] + ["--data", str(tiny_shapes)])
     sys.modules.pop("attention_ablation")
-    rows = [line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()[2:]]
-    cells = {(run.strip(), int(size)): [float(x) for x in rest] for run, size, *rest in rows}
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()[2:]]
+    cells = {(run, int(size)): [float(x) for x in rest] for run, size, *rest in rows if size != "all"}
+    overall = {run: (int(images), float(bleu4)) for run, size, images, bleu4, *_ in rows if size == "all"}
     sizes = sorted({len(s) for s in shapes.values()})
-    assert sorted(cells) == sorted((run, size) for run in runs for size in sizes)
+    assert sorted(cells) == sorted((run, size) for run in [*runs, "perfect content"] for size in sizes)
+    assert overall["copies"] == (len(first_reference), 1.0)
+    assert 0.5 < overall["perfect content"][1] < 1.0  # right shapes, but not the references' order or wording
+    assert all(cells[("perfect content", size)][2:] == [1.0, 1.0] for size in sizes)
     for size in sizes:
         ids = [i for i in first_reference if len(shapes[i]) == size]
         images, bleu4, precision, _ = cells[("copies", size)]

@@ -210,6 +210,11 @@ def _relation(rng: np.random.Generator, a: Shape, b: Shape) -> str:
     return _pick(rng, _RELATION).format(a=a.name, b=b.name, r=_pick(rng, options))
 
 
+def position_phrase(cell: int) -> str:
+    """The first long phrase the captions use for grid cell ``cell`` (0..8): "in the top left corner", ..."""
+    return _PHRASES[cell][0][0].format(CELLS[cell])
+
+
 def _position(rng: np.random.Generator, shape: Shape, short: bool) -> str:
     """A phrase naming the shape's cell ("in the top left corner", "on the right", ...)."""
     return _pick(rng, _PHRASES[shape.cell][short]).format(CELLS[shape.cell])
