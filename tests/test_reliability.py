@@ -293,6 +293,8 @@ def test_a_malformed_annotation_file_is_one_line_naming_it(damage, problem: str,
 @pytest.mark.parametrize("override,message", [
     ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
     ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
+    ("model.decoding.min_len=20", "model.decoding.min_len=20 must be < model.decoding.max_len=20"),
+    ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be >= 0"),
     ("model.attention=medium", "choose one of: soft, hard"),
     ("data.batch_size=-3", "data.batch_size=-3 must be >= 1"),
     ("model.decoder.dropout=1.5", "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),

@@ -59,11 +59,13 @@ class CaptionerModule(L.LightningModule):
         self.sched_cfg = {"name": "cosine", "warmup_steps": 0, "step_size": 10, "gamma": 0.5,
                           **(scheduler or {})}
         self.decode_cfg = {"method": "greedy", "beam_size": 3, "max_len": 20, "length_penalty": 0.0,
-                           "temperature": 1.0, **(decoding or {})}
+                           "temperature": 1.0, "min_len": 0, "no_repeat_ngram_size": 0, **(decoding or {})}
         check_choice("model.scheduler.name", self.sched_cfg["name"], SCHEDULERS)
         check_choice("model.decoding.method", self.decode_cfg["method"], DECODE_METHODS)
         check_range("model.decoding.beam_size", self.decode_cfg["beam_size"], 1, kind=int)
         check_range("model.decoding.max_len", self.decode_cfg["max_len"], 1, kind=int)
+        check_range("model.decoding.min_len", self.decode_cfg["min_len"], 0, self.decode_cfg["max_len"] - 1, kind=int)
+        check_range("model.decoding.no_repeat_ngram_size", self.decode_cfg["no_repeat_ngram_size"], 0, kind=int)
         self.compile_decoder = compile
         self.nonfinite = nonfinite
         self.skips = SkipCounter()
@@ -166,8 +168,9 @@ class CaptionerModule(L.LightningModule):
         """Decode a batch with the configured method (never teacher-forced)."""
         cfg = self.decode_cfg
         kwargs = dict(method=cfg["method"], beam_size=cfg["beam_size"], max_len=cfg["max_len"],
-                      temperature=cfg["temperature"], length_penalty=cfg["length_penalty"],
-                      start_id=self.vocab.start_id, end_id=self.vocab.end_id)
+                      temperature=cfg["temperature"], length_penalty=cfg["length_penalty"], min_len=cfg["min_len"],
+                      no_repeat_ngram_size=cfg["no_repeat_ngram_size"], start_id=self.vocab.start_id,
+                      end_id=self.vocab.end_id)
         if "features" in batch:
             return self.model.generate_from_features(self._features(batch), **kwargs)
         return self.model.generate(batch["images"], **kwargs)
