@@ -152,6 +152,7 @@ MODEL_SCHEMA: dict[str, Any] = {
                  "no_repeat_ngram_size": _int(0)},
     "compile": _bool,
     "nonfinite": _choice("stop", "skip"),
+    "nonfinite_check_interval": _int(1),
 }
 
 DATA_SCHEMA: dict[str, Any] = {
