@@ -106,8 +106,11 @@ def _decode_options(args: argparse.Namespace) -> dict:
     check_range("--workers", args.workers, 0, kind=int)
     check_range("--temperature", args.temperature, 1e-6)
     check_range("--length-penalty", args.length_penalty, 0.0)
+    check_range("--min-len", args.min_len, 0, args.max_len - 1, kind=int)
+    check_range("--no-repeat-ngram-size", args.no_repeat_ngram_size, 0, kind=int)
     return dict(method=args.method, beam_size=args.beam_size, max_len=args.max_len, temperature=args.temperature,
-                length_penalty=args.length_penalty)
+                length_penalty=args.length_penalty, min_len=args.min_len,
+                no_repeat_ngram_size=args.no_repeat_ngram_size)
 
 
 def _load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
@@ -245,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-len", type=int, default=20, help="maximum words per caption")
         sub.add_argument("--temperature", type=float, default=1.0, help="for --method sample")
         sub.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha for beam search")
+        sub.add_argument("--min-len", type=int, default=0, help="no <end> before this many words (0: off)")
+        sub.add_argument("--no-repeat-ngram-size", type=int, default=0,
+                         help="no n-gram of this many words twice in a caption (0: off)")
         sub.add_argument("--batch-size", type=int, default=32, help="images encoded and decoded together")
         sub.add_argument("--workers", type=int, default=2, help="image-decoding processes (0: in this one)")
         sub.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -58,7 +58,7 @@ def caption_files(loaded: LoadedModel, paths: Sequence[str], batch_size: int = 3
     Images are decoded in ``workers`` processes and resized to the model's ``image_size``; each batch
     runs the encoder and the decoder once on the model's device. An unreadable file yields
     ``Skipped(path, reason)``. ``decode`` holds ``Captioner.generate`` options (method, beam_size,
-    max_len, temperature, length_penalty). ``progress`` shows a bar on stderr.
+    max_len, temperature, length_penalty, min_len, no_repeat_ngram_size). ``progress`` shows a bar on stderr.
     """
     model, vocab = loaded.model, loaded.vocab
     device = next(model.parameters()).device
@@ -72,7 +72,8 @@ def caption_files(loaded: LoadedModel, paths: Sequence[str], batch_size: int = 3
             captioned: dict[int, Captioned] = {}
             if good:
                 images = torch.stack([items[i] for i in good]).to(device)  # (B, 3, S, S)
-                generation, grid = model.generate(images, start_id=vocab.start_id, end_id=vocab.end_id, **decode)
+                generation, grid = model.generate(images, start_id=vocab.start_id, end_id=vocab.end_id,
+                                                unk_id=vocab.unk_id, **decode)
                 tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
                 for row, i in enumerate(good):
                     words = vocab.decode(tokens[row].tolist())

@@ -129,3 +129,19 @@ def test_saturated_scores_stay_finite(inputs):
     context, alpha = attention(attention.keys(features * 1e4), features * 1e4, h * 1e4)
     assert torch.isfinite(alpha).all() and torch.isfinite(context).all()
     assert_close(alpha.sum(-1), torch.ones(B))
+
+
+@pytest.mark.parametrize("kind", ATTENTION_TYPES)
+def test_k_queries_per_image_equal_one_query_at_a_time(kind, inputs):
+    """States (B, K, H), e.g. K beams, scored against one copy of each image's keys and features give
+    what each query gets alone: context (B, K, D) and alpha (B, K, L)."""
+    features, _ = inputs
+    queries = torch.randn(B, 4, H, generator=torch.Generator().manual_seed(2))  # K = 4
+    attention = make(kind, heads=2 if kind == "multihead" else 1)
+    keys = attention.keys(features)
+    context, alpha = attention(keys, features, queries)
+    assert context.shape == (B, 4, D) and alpha.shape == (B, 4, L)
+    for k in range(4):
+        alone = attention(keys, features, queries[:, k])
+        assert_close(context[:, k], alone[0])
+        assert_close(alpha[:, k], alone[1])

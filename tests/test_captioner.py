@@ -148,6 +148,25 @@ def test_generate_returns_per_word_alphas_on_the_grid(model, method):
     assert again_grid == grid and torch.equal(again.tokens, generation.tokens)
 
 
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
+def test_generate_applies_min_len_and_ngram_blocking(model, method):
+    from captioner.model import decoding
+
+    options = dict(max_len=8, min_len=3, no_repeat_ngram_size=1)
+    generation, _ = model.generate(_images(3), method=method, beam_size=2, generator=torch.Generator().manual_seed(0),
+                                   **options)
+    for row in range(3):
+        words = generation.tokens[row, : generation.lengths[row]].tolist()
+        assert len(words) > 3 and len(set(words)) == len(words)  # 3 words before <end> at least, none twice
+    features = model.attend_grid(model.encode(_images(3))[0])
+    direct = {"greedy": lambda: decoding.greedy(model.decoder, features, start_id=1, end_id=2, **options),
+              "sample": lambda: decoding.sample(model.decoder, features, start_id=1, end_id=2,
+                                                generator=torch.Generator().manual_seed(0), **options),
+              "beam": lambda: decoding.beam_search(model.decoder, features, start_id=1, end_id=2, beam_size=2,
+                                                   **options)}[method]()
+    assert torch.equal(generation.tokens, direct.tokens)
+
+
 def test_generate_refuses_unknown_method(model):
     with pytest.raises(ConfigError, match="method='topk'"):
         model.generate(_images(1), method="topk")

@@ -193,6 +193,18 @@ def test_json_lines_and_decoding_options(bundles, inputs, capsys):
     assert [row["score"] for row in beam] == pytest.approx([row["score"] for row in rows], abs=1e-3)
 
 
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_no_repeat_ngram_size_stops_square_square_square(method, bundles, inputs, capsys):
+    common = ["caption", *inputs[1][:4], "--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0",
+              "--method", method]
+    assert cli.main(common) == 0
+    free = [line.split("\t")[1].split() for line in capsys.readouterr().out.splitlines()]
+    assert any(len(set(words)) < len(words) for words in free)  # the shape words repeat
+    assert cli.main([*common, "--no-repeat-ngram-size", "1", "--min-len", "2"]) == 0
+    blocked = [line.split("\t")[1].split() for line in capsys.readouterr().out.splitlines()]
+    assert len(blocked) == 4 and all(len(set(words)) == len(words) == 3 for words in blocked)
+
+
 def test_globs_and_a_progress_bar_for_many_images(bundles, inputs, monkeypatch, capsys):
     folder = inputs[0]
     args = ["caption", str(folder / "0*.png"), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]
@@ -380,6 +392,8 @@ def test_a_bad_model_file_is_one_line_and_exit_2(kind, bundles, inputs, tmp_path
     (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
     (["--workers", "-1"], "--workers=-1 must be >= 0"),
     (["--temperature", "0"], "--temperature=0.0 must be >= 1e-06"),
+    (["--min-len", "20"], "--min-len=20 must be in [0, 19]"),
+    (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size=-1 must be >= 0"),
     pytest.param(["--device", "cuda"], "--device cuda: CUDA is not available on this machine; use --device cpu",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     (["--device", "gpu7"], "--device 'gpu7' is not a device; use auto, cpu, cuda or cuda:N"),

@@ -219,3 +219,27 @@ def test_dropout_acts_in_training_only(batch):
 def test_invalid_options_raise_config_error(option):
     with pytest.raises(ConfigError, match=next(iter(option))):
         make_decoder(**option)
+
+
+@pytest.mark.parametrize("attention", ["additive", "dot", "scaled_dot", "bilinear", "multihead", "mean"])
+@pytest.mark.parametrize("mode, hard_inference", [("soft", "argmax"), ("hard", "argmax"), ("hard", "expectation")])
+def test_k_states_per_image_equal_the_features_repeated_per_state(batch, attention, mode, hard_inference):
+    """A step of K sequences per image (tokens (B, K), states (B, K, H)) on one copy of the features and
+    keys gives what the old layout, the features and keys repeated K times (B * K rows), gives."""
+    if (mode, attention) == ("hard", "multihead"):
+        pytest.skip("hard attention refuses the multihead scorer (test_multihead_hard_attention_is_refused)")
+    features, _, _ = batch
+    heads = 3 if attention == "multihead" else 1
+    decoder = make_decoder(attention=attention, attention_heads=heads, mode=mode, hard_inference=hard_inference)
+    decoder.eval()
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(3, V, (3, 4), generator=generator)  # (B, K)
+    state = tuple(torch.randn(3, 4, H, generator=generator) for _ in range(2))  # (B, K, H) x 2
+    keys = decoder.attention.keys(features)
+    logits, (h, c), alpha, _, _ = decoder.step(tokens, state, features, keys)
+    assert logits.shape == (3, 4, V) and h.shape == c.shape == (3, 4, H) and alpha.shape == (3, 4, L)
+    rows = decoder.step(tokens.view(-1), tuple(s.view(12, H) for s in state), features.repeat_interleave(4, 0),
+                        keys.repeat_interleave(4, 0))
+    assert_close(logits, rows[0].view(3, 4, V))
+    assert_close((h, c), tuple(s.view(3, 4, H) for s in rows[1]))
+    assert_close(alpha, rows[2].view(3, 4, L))

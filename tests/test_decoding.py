@@ -187,6 +187,16 @@ def test_pad_and_start_are_never_generated(method):
 
 
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
+def test_unk_is_never_generated_when_its_id_is_given(method):
+    decoder = make_decoder(seed=10)
+    with torch.no_grad():
+        decoder.classifier.bias[3] = 20.0  # the model prefers <unk> by far
+    assert (METHODS[method](decoder, features_for(3), 6, START, END).tokens == 3).any()
+    generation = METHODS[method](decoder, features_for(3), 6, START, END, unk_id=3)
+    assert not (generation.tokens == 3).any() and torch.isfinite(generation.scores).all()
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_an_empty_batch_gives_an_empty_generation(method):
     generation = METHODS[method](make_decoder(), features_for(0), 6, START, END)
     assert generation.tokens.shape == (0, 0) and generation.alphas.shape == (0, 0, L)
@@ -203,9 +213,10 @@ def test_keys_are_computed_once_per_decode(method):
     assert key_calls == [2] and len(steps) == 10 and generation.tokens.shape == (2, 10)
 
 
-def test_no_host_synchronisation_inside_the_step_loop(monkeypatch):
+@pytest.mark.parametrize("constraints", [{}, dict(min_len=2, no_repeat_ngram_size=2)])
+def test_no_host_synchronisation_inside_the_step_loop(monkeypatch, constraints):
     """Only the early-exit checks (one every EXIT_CHECK_INTERVAL steps) and the final trim read
-    values back from the device."""
+    values back from the device, with or without the constraints."""
     decoder = with_end_bias(make_decoder(seed=8), float("-inf"))
     syncs = []
 
@@ -218,7 +229,7 @@ def test_no_host_synchronisation_inside_the_step_loop(monkeypatch):
     max_len = 12
     for run in METHODS.values():
         syncs.clear()
-        run(decoder, features_for(3), max_len, START, END)
+        run(decoder, features_for(3), max_len, START, END, **constraints)
         assert syncs == ["__bool__"] * (max_len // decoding.EXIT_CHECK_INTERVAL) + ["__int__"], run.__name__
 
 
@@ -281,3 +292,126 @@ def test_a_tiny_batch_is_memorised_and_greedy_reproduces_it(mode, one_thread):
     expected = TRAINING_CAPTIONS[torch.argsort(image_index), 1:]
     assert torch.equal(generation.tokens, expected[:, : generation.tokens.size(1)])
     assert generation.lengths.tolist() == (expected != 0).sum(1).tolist()
+
+
+class RepeatedPerBeam:
+    """Beam search's former layout as a reference: every image's features and keys copied once per beam,
+    the K beams stepped as B * K independent rows."""
+
+    def __init__(self, decoder: ShowAttendTellDecoder) -> None:
+        self.decoder, self.attention = decoder, decoder.attention
+
+    def init_state(self, features):
+        return self.decoder.init_state(features)
+
+    def step(self, tokens, state, features, keys):
+        batch, beams = tokens.shape
+        logits, state, alpha, _, _ = self.decoder.step(
+            tokens.reshape(-1), tuple(s.reshape(batch * beams, -1) for s in state),
+            features.repeat_interleave(beams, 0), keys.repeat_interleave(beams, 0))
+        return logits.view(batch, beams, -1), tuple(s.view(batch, beams, -1) for s in state), \
+            alpha.view(batch, beams, -1), None, None
+
+
+@pytest.mark.parametrize("attention", ["additive", "dot", "scaled_dot", "bilinear", "multihead", "mean"])
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_beam_search_scores_the_beams_against_one_copy_of_each_image(attention, mode):
+    if (mode, attention) == ("hard", "multihead"):
+        pytest.skip("hard attention refuses the multihead scorer (test_multihead_hard_attention_is_refused)")
+    decoder = make_decoder(mode, seed=12, attention=attention, attention_heads=2 if attention == "multihead" else 1)
+    features = features_for(4, seed=12)
+    shapes = []
+    decoder.attention.register_forward_pre_hook(lambda module, args: shapes.append([tuple(a.shape) for a in args]))
+    generation = beam_search(decoder, features, 7, START, END, beam_size=3, length_penalty=0.5)
+    keys = {"multihead": 32, "mean": D}.get(attention, 16)  # multihead: keys and values; mean: the features
+    # keys (B, L, A), features (B, L, D): one copy per image; the states of the K beams (B, K, H)
+    assert shapes and all(seen == [(4, L, keys), (4, L, D), (4, 3, 16)] for seen in shapes)
+    shapes.clear()
+    copied = beam_search(RepeatedPerBeam(decoder), features, 7, START, END, beam_size=3, length_penalty=0.5)
+    assert shapes and all(seen[1] == (12, L, D) for seen in shapes)  # the reference does copy them
+    assert torch.equal(generation.tokens, copied.tokens) and torch.equal(generation.lengths, copied.lengths)
+    assert_close(generation.scores, copied.scores)
+    assert_close(generation.alphas, copied.alphas)
+
+
+def repeats_an_ngram(words: list[int], n: int) -> bool:
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return n > 0 and len(grams) != len(set(grams))
+
+
+#        pad start end  a  b  c  d
+# ids:    0    1    2   3  4  5  6
+# the likeliest caption repeats "a b" until max_len; with "a b" blocked after "a b a", beam search finds
+# "a b <end>" (0.9 * 0.95 * 0.1) and greedy, having taken "a", ends: "a b a <end>"
+REPEATER = ChainDecoder({START: {3: 0.9, 5: 0.1}, 3: {4: 0.95, END: 0.05}, 4: {3: 0.9, END: 0.1},
+                         5: {6: 0.5, END: 0.5}, 6: {END: 1.0}}, 7)
+
+
+@pytest.mark.parametrize("method, blocked", [("greedy", [3, 4, 3, 2]), ("beam", [3, 4, 2]), ("sample", [3, 4, 3, 2])])
+def test_blocking_repeated_bigrams(method, blocked):
+    options = dict(temperature=1e-4) if method == "sample" else {}  # sampling that cold is greedy
+    free = METHODS[method](REPEATER, chain_features(), 8, START, END, **options)
+    assert free.tokens.tolist() == [[3, 4] * 4] * 2 and repeats_an_ngram(free.tokens[0].tolist(), 2)
+    generation = METHODS[method](REPEATER, chain_features(), 8, START, END, no_repeat_ngram_size=2, **options)
+    assert generation.tokens.tolist() == [blocked] * 2
+    assert generation.lengths.tolist() == [len(blocked)] * 2
+
+
+@pytest.mark.parametrize("ngram, min_len, length_penalty", [(2, 0, 0.0), (1, 0, 0.0), (3, 1, 0.5), (0, 2, 0.0),
+                                                            (2, 3, 1.0)])
+@torch.no_grad()
+def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_allowed_caption(ngram, min_len, length_penalty):
+    """2 words + <end>, 4 steps: at most 24 candidates per step, so 24 beams never prune and beam search
+    must agree with brute force over every caption the constraints allow (no repeated n-gram, at least
+    ``min_len`` words before <end>). The decoder prefers "a a a a", which every blocking case forbids."""
+    torch.manual_seed(0)
+    decoder = ShowAttendTellDecoder(5, D, 8, 8, 8, dropout=0.0).eval()
+    decoder.classifier.bias[3] += 1.0
+    decoder.classifier.bias[END] -= 1.0
+    features = features_for(3, seed=12)
+    generation = beam_search(decoder, features, 4, START, END, beam_size=24, length_penalty=length_penalty,
+                             min_len=min_len, no_repeat_ngram_size=ngram)
+    captions = [list(words) + [END] for n in range(4) for words in itertools.product([3, 4], repeat=n)]
+    captions += [list(words) for words in itertools.product([3, 4], repeat=4)]
+    allowed = [c for c in captions if not repeats_an_ngram([w for w in c if w != END], ngram)
+               and (c[-1] != END or len(c) > min_len)]
+    for b in range(3):
+        scores = {}
+        for caption in captions:
+            tokens = torch.tensor([[START, *caption]])
+            log_probs = decoder(features[b:b + 1], tokens).logits.log_softmax(-1)[0]
+            score = log_probs.gather(1, tokens[0, 1:].unsqueeze(1)).sum()
+            scores[tuple(caption)] = float(score) / ((5 + len(caption)) / 6) ** length_penalty
+        best = max(allowed, key=lambda c: scores[tuple(c)])
+        assert generation.tokens[b, : generation.lengths[b]].tolist() == best
+        assert generation.scores[b].item() == pytest.approx(scores[tuple(best)], abs=1e-5)
+        assert max(captions, key=lambda c: scores[tuple(c)]) == [3, 3, 3, 3]  # what the constraints change
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
+def test_min_len_forbids_end_before_it(method):
+    decoder = with_end_bias(make_decoder(seed=13), 3.0)  # <end> is likely at every step
+    free = METHODS[method](decoder, features_for(6), 8, START, END)
+    assert (free.lengths < 4).any()
+    generation = METHODS[method](decoder, features_for(6), 8, START, END, min_len=3)
+    assert (generation.lengths >= 4).all()  # 3 words at least, then <end>
+    ended = generation.tokens.gather(1, (generation.lengths - 1).unsqueeze(1)).squeeze(1) == END
+    assert ended.all()
+
+
+def test_constrained_beam_search_batched_equals_one_image_at_a_time():
+    decoder, features = make_decoder(seed=14), features_for(5, seed=14)
+    options = dict(beam_size=3, min_len=2, no_repeat_ngram_size=2)
+    batched = beam_search(decoder, features, 10, START, END, **options)
+    for b in range(5):
+        alone = beam_search(decoder, features[b:b + 1], 10, START, END, **options)
+        assert torch.equal(pad_to(alone.tokens[0], batched.tokens.size(1)), batched.tokens[b])
+        assert_close(alone.scores[0], batched.scores[b])
+
+
+@pytest.mark.parametrize("option, value", [("min_len", 6), ("min_len", -1), ("no_repeat_ngram_size", -1),
+                                           ("no_repeat_ngram_size", 1.5)])
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
+def test_bad_constraints_raise_config_error(method, option, value):
+    with pytest.raises(ConfigError, match=option):
+        METHODS[method](make_decoder(), features_for(1), 6, START, END, **{option: value})

@@ -293,6 +293,9 @@ def test_a_malformed_annotation_file_is_one_line_naming_it(damage, problem: str,
 @pytest.mark.parametrize("override,message", [
     ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
     ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
+    ("model.decoding.min_len=20", "model.decoding.min_len=20 must be < model.decoding.max_len=20"),
+    ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be >= 0"),
+    ("model.nonfinite_check_interval=0", "model.nonfinite_check_interval=0 must be >= 1"),
     ("model.attention=medium", "choose one of: soft, hard"),
     ("data.batch_size=-3", "data.batch_size=-3 must be >= 1"),
     ("model.decoder.dropout=1.5", "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
@@ -404,6 +407,80 @@ def test_nonfinite_skip_skips_the_optimiser_step(tiny_shapes: Path, tmp_path: Pa
     adam = checkpoint["optimizer_states"][0]["state"]
     assert {float(state["step"]) for state in adam.values()} == {7.0}  # one of the 8 steps updated nothing
     assert str(last) in saved  # Lightning wrote its checkpoints through AtomicCheckpointIO
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_flagged_optimiser_step_changes_nothing(fused: bool) -> None:
+    """The step of a non-finite loss leaves the parameters, Adam's moments and its step count as they were:
+    fused Adam skips it on the device; an unfused one (loaded from an older checkpoint) gets no gradients."""
+    from captioner.data.vocab import Vocabulary
+    from captioner.training.module import CaptionerModule
+
+    module = CaptionerModule(Vocabulary(["a"]), encoder={"name": "resnet18", "weights": None})
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
+    optimizer = torch.optim.Adam(params, lr=0.1, fused=fused)
+    for scale in (1.0, float("nan"), 1.0):
+        optimizer.zero_grad()
+        loss = sum((p**2).sum() for p in params) * scale
+        loss.backward()
+        module._step_nonfinite = ~torch.isfinite(loss)  # what training_step records for the step
+        before = [p.detach().clone() for p in params]
+        moments = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
+        module.on_before_optimizer_step(optimizer)
+        optimizer.step()
+        changed = [not torch.equal(b, p) for b, p in zip(before, params)]
+        if scale == scale:
+            assert all(changed)
+        else:
+            assert not any(changed)
+            for p, saved in zip(params, moments):
+                assert all(torch.equal(value, optimizer.state[p][key]) for key, value in saved.items())
+    assert [float(optimizer.state[p]["step"]) for p in params] == [2.0, 2.0]
+
+
+def test_the_loss_is_read_back_every_n_steps_not_every_step(tiny_shapes: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    import train
+    from captioner.training.module import CaptionerModule
+
+    in_step, host_reads, checked = [False], [], []
+    for name in ("__bool__", "item", "tolist", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, original=original, name=name):
+            if in_step[0]:
+                host_reads.append(name)
+            return original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    training_step, check = CaptionerModule.training_step, CaptionerModule._check_losses
+
+    def watched_step(self, *args):
+        in_step[0] = True
+        try:
+            return training_step(self, *args)
+        finally:
+            in_step[0] = False
+
+    def counted_check(self):
+        if self._unchecked:
+            checked.append(len(self._unchecked))
+        check(self)
+
+    monkeypatch.setattr(CaptionerModule, "training_step", watched_step)
+    monkeypatch.setattr(CaptionerModule, "_check_losses", counted_check)
+    monkeypatch.setattr(CaptionLoss, "forward", nan_loss_at(1))
+    cfg = compose_cfg([*tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"), "model.nonfinite=skip",
+                       "model.nonfinite_check_interval=4", "trainer.max_epochs=1", "test=false",
+                       "+trainer.limit_train_batches=6"], tmp_path)
+    train.train(cfg)
+    assert host_reads == []  # no training step read a value back
+    assert checked == [4, 2]  # after step 4, then before the end-of-epoch checkpoint
+    assert "non-finite loss (nan) at epoch 0, step 1: batch skipped, no parameter update" in caplog.text
+    checkpoint = torch.load(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt", weights_only=True)
+    assert {float(state["step"]) for state in checkpoint["optimizer_states"][0]["state"].values()} == {5.0}
 
 
 # ------------------------------------------------------------------------------------------ 7. determinism

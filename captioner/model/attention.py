@@ -3,7 +3,8 @@
 Every scorer splits its work in two: ``keys`` projects the features once per image (the ``W_a a_i``
 term does not depend on the step t), and ``forward`` scores those keys against the LSTM state
 h_{t-1} at each step, giving alpha_t = softmax_i(e_ti) (eq. 4-5) and the expected context
-sum_i alpha_ti a_i (section 4.2).
+sum_i alpha_ti a_i (section 4.2). The state may hold K queries per image (B, K, H), e.g. the K beams
+of a beam search: they are scored against the image's one copy of keys and features.
 """
 
 from __future__ import annotations
@@ -29,14 +30,24 @@ class Attention(nn.Module):
         return self.key(features)
 
     def score(self, keys: Tensor, h: Tensor) -> Tensor:
-        """Unnormalised scores e_ti (B, L) of the keys (B, L, A) against h_{t-1} (B, H) (eq. 4)."""
+        """Unnormalised scores e_ti (B, K, L) of the keys (B, L, A) against K states h_{t-1} (B, K, H) (eq. 4)."""
         raise NotImplementedError
 
     def forward(self, keys: Tensor, features: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-        """Return the context sum_i alpha_i a_i (B, D) and the weights alpha (B, L), which sum to 1."""
-        alpha = self.score(keys, h).softmax(dim=-1)  # (B, L), eq. 5
-        context = torch.bmm(alpha.unsqueeze(1), features).squeeze(1)  # (B, D)
-        return context, alpha
+        """Return the context sum_i alpha_i a_i and the weights alpha, which sum to 1 over the L locations.
+
+        ``h`` (B, H) gives (B, D) and (B, L); ``h`` (B, K, H), K queries per image against its keys
+        (B, L, A) and features (B, L, D), gives (B, K, D) and (B, K, L).
+        """
+        if h.dim() == 3:
+            return self.attend(keys, features, h)
+        context, alpha = self.attend(keys, features, h.unsqueeze(1))
+        return context.squeeze(1), alpha.squeeze(1)
+
+    def attend(self, keys: Tensor, features: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """The context (B, K, D) and alpha (B, K, L) of K queries h (B, K, H) per image."""
+        alpha = self.score(keys, h).softmax(dim=-1)  # (B, K, L), eq. 5
+        return torch.bmm(alpha, features), alpha  # (B, K, D): one read of the features for all K
 
 
 class AdditiveAttention(Attention):
@@ -48,8 +59,8 @@ class AdditiveAttention(Attention):
         self.energy = nn.Linear(attention_dim, 1, bias=False)  # w
 
     def score(self, keys: Tensor, h: Tensor) -> Tensor:
-        hidden = (keys + self.query(h).unsqueeze(1)).tanh_()  # (B, L, A); in place: one allocation per step
-        return self.energy(hidden).squeeze(-1)  # (B, L)
+        hidden = (keys.unsqueeze(1) + self.query(h).unsqueeze(2)).tanh_()  # (B, K, L, A); in place: one allocation
+        return self.energy(hidden).squeeze(-1)  # (B, K, L)
 
 
 class DotAttention(Attention):
@@ -64,8 +75,8 @@ class DotAttention(Attention):
         self.scale = attention_dim**-0.5 if scaled else 1.0
 
     def score(self, keys: Tensor, h: Tensor) -> Tensor:
-        query = self.query(h).unsqueeze(-1)  # (B, A, 1)
-        return torch.bmm(keys, query).squeeze(-1) * self.scale  # (B, L)
+        query = self.query(h).transpose(1, 2)  # (B, A, K)
+        return torch.bmm(keys, query).transpose(1, 2) * self.scale  # (B, K, L)
 
 
 class BilinearAttention(Attention):
@@ -75,7 +86,7 @@ class BilinearAttention(Attention):
         super().__init__(nn.Linear(feature_dim, hidden_dim, bias=False))  # W
 
     def score(self, keys: Tensor, h: Tensor) -> Tensor:
-        return torch.bmm(keys, h.unsqueeze(-1)).squeeze(-1)  # (B, L)
+        return torch.bmm(keys, h.transpose(1, 2)).transpose(1, 2)  # (B, K, L)
 
 
 class MultiHeadAttention(Attention):
@@ -94,14 +105,16 @@ class MultiHeadAttention(Attention):
         self.out = nn.Linear(attention_dim, feature_dim)
         self.heads = heads
 
-    def forward(self, keys: Tensor, features: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    def attend(self, keys: Tensor, features: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         batch, locations, _ = keys.shape
+        queries = h.size(1)  # K
         key, value = keys.view(batch, locations, 2, self.heads, -1).permute(2, 0, 3, 1, 4)  # (B, heads, L, d)
-        query = self.query(h).view(batch, self.heads, 1, -1)  # (B, heads, 1, d)
-        context = F.scaled_dot_product_attention(query, key, value)  # (B, heads, 1, d)
-        # SDPA does not return its weights: recompute them for alpha (one query per head, cheap).
-        weights = (query @ key.transpose(-1, -2) * key.size(-1) ** -0.5).softmax(dim=-1)  # (B, heads, 1, L)
-        return self.out(context.reshape(batch, -1)), weights.mean(dim=1).squeeze(1)  # (B, D), (B, L)
+        query = self.query(h).view(batch, queries, self.heads, -1).transpose(1, 2)  # (B, heads, K, d)
+        context = F.scaled_dot_product_attention(query, key, value)  # (B, heads, K, d)
+        # SDPA does not return its weights: recompute them for alpha (K queries per head, cheap).
+        weights = (query @ key.transpose(-1, -2) * key.size(-1) ** -0.5).softmax(dim=-1)  # (B, heads, K, L)
+        context = context.transpose(1, 2).reshape(batch, queries, -1)  # (B, K, heads * d)
+        return self.out(context), weights.mean(dim=1)  # (B, K, D), (B, K, L)
 
 
 class MeanAttention(Attention):
@@ -115,7 +128,7 @@ class MeanAttention(Attention):
         super().__init__(nn.Identity())  # no parameters: the keys are the features themselves
 
     def score(self, keys: Tensor, h: Tensor) -> Tensor:
-        return keys.new_zeros(keys.shape[:2])  # (B, L): equal scores, uniform weights
+        return keys.new_zeros(keys.size(0), h.size(1), keys.size(1))  # (B, K, L): equal scores, uniform weights
 
 
 def build_attention(kind: str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int = 1) -> Attention:

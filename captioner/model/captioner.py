@@ -112,34 +112,43 @@ class Captioner(nn.Module):
     @torch.no_grad()
     def generate(self, images: Tensor, method: str = "beam", beam_size: int = 3, max_len: int = 20,
                  temperature: float = 1.0, length_penalty: float = 0.0, start_id: int = 1, end_id: int = 2,
-                 generator: torch.Generator | None = None) -> tuple[Generation, Grid]:
+                 unk_id: int | None = None, generator: torch.Generator | None = None, min_len: int = 0,
+                 no_repeat_ngram_size: int = 0) -> tuple[Generation, Grid]:
         """Caption images (B, 3, H_img, W_img) without gradients; call ``.eval()`` first.
 
         ``method`` is "greedy", "sample" (``temperature``, ``generator``) or "beam" (``beam_size``,
-        ``length_penalty``). Returns the Generation (tokens, scores, per-word alphas (B, T, L), lengths)
-        and the (H, W) grid that the L attention weights of each word lie on.
+        ``length_penalty``). Every method takes ``min_len`` (no <end> before that many words) and
+        ``no_repeat_ngram_size`` (no n-gram of that size twice in a caption); 0 turns either off.
+        ``unk_id`` (the vocabulary's <unk>) is never generated when given. Returns the Generation (tokens, scores, per-word alphas (B, T, L), lengths) and the (H, W)
+        grid that the L attention weights of each word lie on.
         """
         features, grid = self.encode(images)  # (B, L', C')
         return self.generate_from_features(
             features, grid, method=method, beam_size=beam_size, max_len=max_len, temperature=temperature,
-            length_penalty=length_penalty, start_id=start_id, end_id=end_id, generator=generator)
+            length_penalty=length_penalty, start_id=start_id, end_id=end_id, unk_id=unk_id, generator=generator,
+            min_len=min_len, no_repeat_ngram_size=no_repeat_ngram_size)
 
     @torch.no_grad()
     def generate_from_features(self, features: Tensor, grid: Grid | None = None, method: str = "beam",
                                beam_size: int = 3, max_len: int = 20, temperature: float = 1.0,
                                length_penalty: float = 0.0, start_id: int = 1, end_id: int = 2,
-                               generator: torch.Generator | None = None) -> tuple[Generation, Grid]:
+                               unk_id: int | None = None,
+                               generator: torch.Generator | None = None, min_len: int = 0,
+                               no_repeat_ngram_size: int = 0) -> tuple[Generation, Grid]:
         """Like ``generate`` from (cached) ``encode`` output (B, L', C') on its grid (default square); the
         grid returned is the attention's."""
         check_choice("method", method, METHODS)
         features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         features = self.attend_grid(features, grid)  # (B, L, C)
+        constraints = dict(min_len=min_len, no_repeat_ngram_size=no_repeat_ngram_size, unk_id=unk_id)
         if method == "greedy":
-            generation = greedy(self.decoder, features, max_len, start_id, end_id)
+            generation = greedy(self.decoder, features, max_len, start_id, end_id, **constraints)
         elif method == "sample":
-            generation = sample(self.decoder, features, max_len, start_id, end_id, temperature, generator)
+            generation = sample(self.decoder, features, max_len, start_id, end_id, temperature, generator,
+                                **constraints)
         else:
-            generation = beam_search(self.decoder, features, max_len, start_id, end_id, beam_size, length_penalty)
+            generation = beam_search(self.decoder, features, max_len, start_id, end_id, beam_size, length_penalty,
+                                     **constraints)
         return generation, grid
 
 

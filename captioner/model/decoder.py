@@ -97,10 +97,14 @@ class ShowAttendTellDecoder(nn.Module):
 
     def step(self, tokens: Tensor, state: State, features: Tensor, keys: Tensor
              ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
-        """One decoding step from the previous tokens (B,) and state.
+        """One decoding step from the previous tokens (B,) and state (B, H) x 2 of the features (B, L, D)
+        and keys (B, L, A).
 
         Returns logits (B, V), the new state, alpha (B, L) and, for hard attention in training mode
         (a location sampled in every row), the location log-probability (B,) and entropy (B,).
+        With K sequences per image (tokens (B, K), state (B, K, H) x 2, e.g. the beams of a beam
+        search), each image's one copy of features and keys serves all K and every output gains the
+        K axis: logits (B, K, V), alpha (B, K, L), ...
         """
         return self._step(self.embedding(tokens), state, features, keys, expect=None)
 
@@ -137,43 +141,50 @@ class ShowAttendTellDecoder(nn.Module):
 
     def _step(self, embedded: Tensor, state: State, features: Tensor, keys: Tensor, expect: Tensor | None
               ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
-        h, c = state  # (B, H) x 2: h_{t-1}, c_{t-1}
-        z, alpha, log_prob, entropy = self._attend(features, keys, h, expect)  # (B, D), (B, L)
+        h, c = state  # (B, H) x 2 or (B, K, H) x 2: h_{t-1}, c_{t-1}
+        z, alpha, log_prob, entropy = self._attend(features, keys, h, expect)  # (B, [K,] D), (B, [K,] L)
         if self.f_beta is not None:
             z = torch.sigmoid(self.f_beta(h)) * z  # beta_t = sigmoid(f_beta(h_{t-1})) (section 4.2.1)
-        h, c = self.lstm(torch.cat([embedded, z], dim=-1), (h, c))  # eq. 1-3, input [E y_{t-1}; z_t]
+        inputs = torch.cat([embedded, z], dim=-1)  # eq. 1-3, input [E y_{t-1}; z_t]
+        shape = h.shape  # the cell takes rows: (B * K, .) when there are K states per image
+        h, c = self.lstm(inputs.reshape(-1, inputs.size(-1)), (h.reshape(-1, shape[-1]), c.reshape(-1, shape[-1])))
+        h, c = h.view(shape), c.view(shape)
         if self.deep_h is None:
-            logits = self.classifier(self.dropout(h))  # (B, V)
+            logits = self.classifier(self.dropout(h))  # (B, [K,] V)
         else:  # eq. 7: L_o(E y_{t-1} + L_h h_t + L_z z_t)
-            logits = self.classifier(self.dropout(embedded + self.deep_h(h) + self.deep_z(z)))  # (B, V)
+            logits = self.classifier(self.dropout(embedded + self.deep_h(h) + self.deep_z(z)))  # (B, [K,] V)
         return logits, (h, c), alpha, log_prob, entropy
 
     def _attend(self, features: Tensor, keys: Tensor, h: Tensor, expect: Tensor | None
                 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-        """z_t before gating (B, D), alpha_t (B, L) and, when sampling, log p(s_t) and H(alpha_t) (B,).
+        """z_t before gating (B, D), alpha_t (B, L) and, when sampling, log p(s_t) and H(alpha_t) (B,);
+        with K states per image (B, K, H), each gains the K axis.
 
         With the Gumbel estimator log p(s_t) is None: the straight-through one-hot carries the gradient.
         """
         context, alpha = self.attention(keys, features, h)  # eq. 4-5; soft: expected context (section 4.2)
         if self.mode == "soft" or (not self.training and self.hard_inference == "expectation"):
             return context, alpha, None, None
-        rows = torch.arange(features.size(0), device=features.device)
+        # each row's image, broadcast against the location indices (B,) or (B, K)
+        images = torch.arange(features.size(0), device=features.device).view(-1, *[1] * (h.dim() - 2))
         if not self.training:  # hard attention at inference: the most likely location
-            return features[rows, alpha.argmax(dim=-1)], alpha, None, None
+            return features[images, alpha.argmax(dim=-1)], alpha, None, None
         locations = Categorical(probs=alpha, validate_args=False)
         if self.hard_estimator == "gumbel":
-            z, log_prob = self._gumbel_location(alpha, features), None  # (B, D)
+            z, log_prob = self._gumbel_location(alpha, features), None  # (B, [K,] D)
         else:
-            s = locations.sample()  # (B,): s_t ~ Multinoulli_L(alpha_t) (section 4.1)
-            z = features[rows, s]  # (B, D): z_t = a_{s_t}
-            log_prob = locations.log_prob(s)  # (B,)
+            s = locations.sample()  # (B, [K]): s_t ~ Multinoulli_L(alpha_t) (section 4.1)
+            z = features[images, s]  # (B, [K,] D): z_t = a_{s_t}
+            log_prob = locations.log_prob(s)  # (B, [K])
         if expect is not None:
-            z = torch.where(expect.unsqueeze(1), context, z)
+            z = torch.where(expect.unsqueeze(-1), context, z)
             log_prob = None if log_prob is None else log_prob.masked_fill(expect, 0.0)
         return z, alpha, log_prob, locations.entropy()
 
     def _gumbel_location(self, alpha: Tensor, features: Tensor) -> Tensor:
         """z_t = a_{s_t} for s_t = argmax_i(log alpha_ti + g_i), g ~ Gumbel(0, 1), with the gradient of the
         relaxed weights softmax((log alpha_t + g) / tau) (straight-through Gumbel-softmax, Jang et al. 2017)."""
-        weights = F.gumbel_softmax(alpha.clamp_min(1e-12).log(), tau=self.gumbel_tau, hard=True)  # (B, L) one-hot
-        return torch.bmm(weights.unsqueeze(1), features).squeeze(1)  # (B, D)
+        weights = F.gumbel_softmax(alpha.clamp_min(1e-12).log(), tau=self.gumbel_tau, hard=True)  # (B, [K,] L)
+        if weights.dim() == 2:
+            return torch.bmm(weights.unsqueeze(1), features).squeeze(1)  # (B, D)
+        return torch.bmm(weights, features)  # (B, K, D)

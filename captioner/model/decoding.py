@@ -2,8 +2,13 @@
 
 Each function computes the attention keys once per image, then runs at most ``max_len`` steps with
 finished rows masked. Nothing is read back from the device inside the step loop except, every
-``EXIT_CHECK_INTERVAL`` steps, whether every image is done. <pad> and <start> are never generated.
+``EXIT_CHECK_INTERVAL`` steps, whether every image is done. <pad> and <start> are never generated, nor
+<unk> when its ``unk_id`` is given (the vocabulary's: a caption never says "unknown word").
 Call them on a decoder in eval mode.
+
+Two constraints apply to every method, on the device: ``min_len`` forbids <end> before that many
+words, and ``no_repeat_ngram_size`` = n forbids a word that would complete an n-gram already in the
+caption (0 turns either off). Where they leave a row no word at all, <end> is allowed there.
 """
 
 from __future__ import annotations
@@ -31,31 +36,76 @@ class Generation:
     lengths: Tensor  # (B,) long, the <end> token included
 
 
+@dataclass(frozen=True)
+class Constraints:
+    """What a caption may not do: end before ``min_len`` words, repeat an n-gram (n = ``no_repeat_ngram_size``)."""
+
+    end_id: int
+    min_len: int = 0
+    no_repeat_ngram_size: int = 0
+
+    def apply(self, log_probs: Tensor, words: Tensor | None, step: int) -> Tensor:
+        """Set -inf, in place, in the log-probs (..., V) of step ``step`` (0-based) for the words the
+        constraints forbid after ``words`` (..., step), each row's caption so far; return them.
+
+        A word is blocked when the last n - 1 words followed by it form an n-gram that already occurs
+        in the row. A row left with no word gets its <end> back. No value is read back to the host.
+        """
+        if not (self.min_len or self.no_repeat_ngram_size):
+            return log_probs
+        end = log_probs[..., self.end_id].clone()  # (...,)
+        if step < self.min_len:
+            log_probs[..., self.end_id] = float("-inf")
+        n = self.no_repeat_ngram_size
+        if n and step >= n:
+            ngrams = words.unfold(-1, n, 1)  # (..., step - n + 1, n): every n-gram so far
+            prefix = words[..., step - n + 1:].unsqueeze(-2)  # (..., 1, n - 1): the next n-gram's first words
+            repeats = (ngrams[..., :-1] == prefix).all(-1)  # (..., step - n + 1)
+            # the word each repeat would complete; the others point at <pad>, which is -inf already
+            blocked = torch.where(repeats, ngrams[..., -1], PAD_ID)
+            log_probs.scatter_(-1, blocked, float("-inf"))
+        stuck = log_probs.isneginf().all(-1)  # (...,)
+        log_probs[..., self.end_id] = torch.where(stuck, end, log_probs[..., self.end_id])
+        return log_probs
+
+
 @torch.no_grad()
-def greedy(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int
-           ) -> Generation:
-    """Emit the most likely word at each step for the features (B, L, D)."""
-    return _decode(decoder, features, max_len, start_id, end_id, lambda log_probs: log_probs.argmax(dim=-1))
+def greedy(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
+           min_len: int = 0, no_repeat_ngram_size: int = 0, unk_id: int | None = None) -> Generation:
+    """Emit the most likely allowed word at each step for the features (B, L, D)."""
+    return _decode(decoder, features, max_len, start_id, _constraints(end_id, max_len, min_len, no_repeat_ngram_size),
+                   lambda log_probs: log_probs.argmax(dim=-1), unk_id)
 
 
 @torch.no_grad()
 def sample(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
-           temperature: float = 1.0, generator: torch.Generator | None = None) -> Generation:
-    """Sample each word from softmax(logits / temperature); scores use the untempered log-probs."""
+           temperature: float = 1.0, generator: torch.Generator | None = None, min_len: int = 0,
+           no_repeat_ngram_size: int = 0, unk_id: int | None = None) -> Generation:
+    """Sample each word from softmax(logits / temperature) over the allowed words; scores use the
+    untempered log-probs."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
         raise ConfigError(f"temperature={temperature!r} must be a number > 0")
+    constraints = _constraints(end_id, max_len, min_len, no_repeat_ngram_size)
 
     def choose(log_probs: Tensor) -> Tensor:
         probs = (log_probs / temperature).softmax(dim=-1)  # (B, V)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
 
-    return _decode(decoder, features, max_len, start_id, end_id, choose)
+    return _decode(decoder, features, max_len, start_id, constraints, choose, unk_id)
 
 
-def _decode(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
-            choose: Callable[[Tensor], Tensor]) -> Generation:
-    """One caption per image, ``choose`` picking each next token (B,) from the log-probs (B, V)."""
+def _constraints(end_id: int, max_len: int, min_len: int, no_repeat_ngram_size: int) -> Constraints:
+    """Check the length options and return the constraints (ConfigError naming a bad value)."""
     check_range("max_len", max_len, 1, kind=int)
+    check_range("min_len", min_len, 0, max_len - 1, kind=int)
+    check_range("no_repeat_ngram_size", no_repeat_ngram_size, 0, kind=int)
+    return Constraints(end_id, min_len, no_repeat_ngram_size)
+
+
+def _decode(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, constraints: Constraints,
+            choose: Callable[[Tensor], Tensor], unk_id: int | None) -> Generation:
+    """One caption per image, ``choose`` picking each next token (B,) from the allowed log-probs (B, V)."""
+    end_id = constraints.end_id
     batch = features.size(0)
     keys = decoder.attention.keys(features)  # (B, L, A), once per image
     state = decoder.init_state(features)
@@ -64,10 +114,13 @@ def _decode(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, star
     scores = features.new_zeros(batch, dtype=torch.float32)
     lengths = torch.zeros(batch, dtype=torch.long, device=features.device)
     words, alphas = [], []
+    history = tokens.new_empty(batch, 0) if constraints.no_repeat_ngram_size else None  # (B, t) the words so far
     for t in range(max_len):
         logits, state, alpha, _, _ = decoder.step(tokens, state, features, keys)  # (B, V), (B, L)
-        log_probs = _word_log_probs(logits, start_id)  # (B, V)
+        log_probs = constraints.apply(_word_log_probs(logits, start_id, unk_id), history, t)  # (B, V)
         tokens = choose(log_probs).masked_fill(finished, PAD_ID)  # (B,)
+        if history is not None:
+            history = torch.cat([history, tokens.unsqueeze(1)], dim=1)
         scores += log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)
         lengths += ~finished
         words.append(tokens)
@@ -80,7 +133,8 @@ def _decode(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, star
 
 @torch.no_grad()
 def beam_search(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
-                beam_size: int = 3, length_penalty: float = 0.0) -> Generation:
+                beam_size: int = 3, length_penalty: float = 0.0, min_len: int = 0,
+                no_repeat_ngram_size: int = 0, unk_id: int | None = None) -> Generation:
     """Beam search over B images x K beams at once, returning the best caption of each image.
 
     Each step ranks the 2K best extensions (summed log-probs, never raw logits): those of the top K
@@ -89,28 +143,29 @@ def beam_search(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, 
     the sums). An image is done when its best finished hypothesis beats any score its live beams
     could still reach (score / lp(max_len), as log-probs only fall); at ``max_len`` the live beams
     compete too, so a caption is returned even when <end> was never emitted. Words, backpointers
-    and alphas are kept per step and the chosen caption is traced back at the end.
+    and alphas are kept per step and the chosen caption is traced back at the end. The features
+    (B, L, D) and keys (B, L, A) stay one copy per image: the decoder scores the K beams' states
+    (B, K, H) against them.
     """
     check_range("beam_size", beam_size, 1, kind=int)
-    check_range("max_len", max_len, 1, kind=int)
     check_range("length_penalty", length_penalty, 0.0)
+    constraints = _constraints(end_id, max_len, min_len, no_repeat_ngram_size)
     batch, beams, device = features.size(0), beam_size, features.device
     keys = decoder.attention.keys(features)  # (B, L, A), once per image
-    state = tuple(s.repeat_interleave(beams, dim=0) for s in decoder.init_state(features))  # (B*K, H)
-    features, keys = features.repeat_interleave(beams, dim=0), keys.repeat_interleave(beams, dim=0)
-    tokens = torch.full((batch * beams,), start_id, dtype=torch.long, device=device)  # (B*K,)
+    state = tuple(s.unsqueeze(1).expand(-1, beams, -1) for s in decoder.init_state(features))  # (B, K, H)
+    tokens = torch.full((batch, beams), start_id, dtype=torch.long, device=device)  # (B, K)
     scores = torch.full((batch, beams), float("-inf"), device=device)  # (B, K) live beams' log-probs
     scores[:, 0] = 0.0  # the K rows start identical: expand one of them
-    offsets = torch.arange(batch, device=device).unsqueeze(1) * beams  # (B, 1): first row of each image
     best = torch.full((batch,), float("-inf"), device=device)  # (B,) best finished score / lp
     best_step = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) step of its <end>
     best_row = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) beam that emitted it
     done = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
     words, parents, alphas = [], [], []  # per step: (B, K), (B, K), (B, K, L)
+    history = tokens.new_empty(batch, beams, 0) if no_repeat_ngram_size else None  # (B, K, t) each beam's words
     for t in range(max_len):
-        logits, state, alpha, _, _ = decoder.step(tokens, state, features, keys)  # (B*K, V), (B*K, L)
+        logits, state, alpha, _, _ = decoder.step(tokens, state, features, keys)  # (B, K, V), (B, K, L)
         vocab = logits.size(-1)
-        log_probs = _word_log_probs(logits, start_id).view(batch, beams, vocab)  # (B, K, V)
+        log_probs = constraints.apply(_word_log_probs(logits, start_id, unk_id), history, t)  # (B, K, V)
         candidates = (scores.unsqueeze(-1) + log_probs).view(batch, beams * vocab)  # (B, K*V)
         top, index = candidates.topk(2 * beams, dim=1)  # (B, 2K): at most K of them end with <end>
         parent, word = index // vocab, index % vocab  # (B, 2K)
@@ -122,11 +177,13 @@ def beam_search(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, 
         best_row = torch.where(better, parent.gather(1, pick.unsqueeze(1)).squeeze(1), best_row)
         scores, keep = top.masked_fill(word == end_id, float("-inf")).topk(beams, dim=1)  # (B, K)
         parent, word = parent.gather(1, keep), word.gather(1, keep)  # (B, K)
-        state = tuple(s.index_select(0, (offsets + parent).view(-1)) for s in state)  # follow the parents
-        tokens = word.view(-1)  # (B*K,)
+        state = tuple(_rows(s, parent) for s in state)  # follow the parents
+        if history is not None:
+            history = torch.cat([_rows(history, parent), word.unsqueeze(-1)], dim=-1)  # (B, K, t + 1)
+        tokens = word  # (B, K)
         words.append(word)
         parents.append(parent)
-        alphas.append(alpha.view(batch, beams, alpha.size(-1)))
+        alphas.append(alpha)
         done = best >= scores.max(dim=1).values / _penalty(max_len, length_penalty)
         if (t + 1) % EXIT_CHECK_INTERVAL == 0 and done.all():
             break
@@ -138,11 +195,18 @@ def beam_search(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, 
     return _trimmed(_trace(words, parents, alphas, end_step, row, end_id, torch.where(use_live, live, best)))
 
 
-def _word_log_probs(logits: Tensor, start_id: int) -> Tensor:
-    """log p(word) (B, V) in float32; -inf for <pad> and <start>, which are never generated."""
+def _rows(values: Tensor, parent: Tensor) -> Tensor:
+    """The rows (B, K, ...) of each image's beams that ``parent`` (B, K) names."""
+    return values.gather(1, parent.view(*parent.shape, *[1] * (values.dim() - 2)).expand_as(values))
+
+
+def _word_log_probs(logits: Tensor, start_id: int, unk_id: int | None) -> Tensor:
+    """log p(word) (..., V) in float32; -inf for <pad>, <start> and <unk>, which are never generated."""
     log_probs = logits.float().log_softmax(dim=-1)
-    log_probs[:, PAD_ID] = float("-inf")
-    log_probs[:, start_id] = float("-inf")
+    log_probs[..., PAD_ID] = float("-inf")
+    log_probs[..., start_id] = float("-inf")
+    if unk_id is not None:
+        log_probs[..., unk_id] = float("-inf")
     return log_probs
 
 

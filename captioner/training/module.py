@@ -41,10 +41,11 @@ class CaptionerModule(L.LightningModule):
                  encoder: dict | None = None, feature_norm: bool = False, self_attention: dict | None = None,
                  decoder: dict | None = None, loss: dict | None = None, optimizer: dict | None = None,
                  scheduler: dict | None = None, decoding: dict | None = None, compile: bool = False,
-                 nonfinite: str = "stop") -> None:
+                 nonfinite: str = "stop", nonfinite_check_interval: int = 50) -> None:
         super().__init__()
         check_choice("model.attention", attention, ("soft", "hard"))
         check_choice("model.nonfinite", nonfinite, NONFINITE)
+        check_range("model.nonfinite_check_interval", nonfinite_check_interval, 1, kind=int)
         self.save_hyperparameters(ignore=["vocab"])
         self.vocab = vocab
         self.net_config = {
@@ -59,13 +60,18 @@ class CaptionerModule(L.LightningModule):
         self.sched_cfg = {"name": "cosine", "warmup_steps": 0, "step_size": 10, "gamma": 0.5,
                           **(scheduler or {})}
         self.decode_cfg = {"method": "greedy", "beam_size": 3, "max_len": 20, "length_penalty": 0.0,
-                           "temperature": 1.0, **(decoding or {})}
+                           "temperature": 1.0, "min_len": 0, "no_repeat_ngram_size": 0, **(decoding or {})}
         check_choice("model.scheduler.name", self.sched_cfg["name"], SCHEDULERS)
         check_choice("model.decoding.method", self.decode_cfg["method"], DECODE_METHODS)
         check_range("model.decoding.beam_size", self.decode_cfg["beam_size"], 1, kind=int)
         check_range("model.decoding.max_len", self.decode_cfg["max_len"], 1, kind=int)
+        check_range("model.decoding.min_len", self.decode_cfg["min_len"], 0, self.decode_cfg["max_len"] - 1, kind=int)
+        check_range("model.decoding.no_repeat_ngram_size", self.decode_cfg["no_repeat_ngram_size"], 0, kind=int)
         self.compile_decoder = compile
         self.nonfinite = nonfinite
+        self.nonfinite_check_interval = nonfinite_check_interval
+        self._unchecked: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (epoch, step, loss, non-finite)
+        self._step_nonfinite: torch.Tensor | None = None  # whether the coming optimiser step must be skipped
         self.skips = SkipCounter()
         self._skips_reported = 0
         self._predictions: dict[int, list[str]] = {}
@@ -96,35 +102,89 @@ class CaptionerModule(L.LightningModule):
         self.model.decoder.anneal(self.global_step / max(1, int(self.trainer.estimated_stepping_batches)))
         terms = self.criterion(self._forward(batch), batch["captions"])
         loss = terms["loss"]
-        # Every rank takes the same decision, so a NaN on one rank never leaves the others waiting.
-        if not self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(loss)), all=True):
-            return self._nonfinite(loss)
+        self._watch(loss)
         size = batch["captions"].shape[0]
         self.log_dict({f"train/{k}": v.detach() for k, v in terms.items() if k != "loss"}, batch_size=size)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=size)
         return loss
 
-    def _nonfinite(self, loss: torch.Tensor) -> None:
-        """A NaN/inf loss: skip the batch (no backward, no parameter update) or stop with its step.
+    # A NaN/inf loss is handled without reading it back every step (a host synchronisation that stalls a
+    # GPU): the optimiser skips its step on the device, and the host looks at the losses every
+    # ``nonfinite_check_interval`` steps, before every checkpoint and at the end of each epoch.
+    def _watch(self, loss: torch.Tensor) -> None:
+        """Flag the coming optimiser step on the device when ``loss`` is not finite; keep it for the host check.
 
-        Returning None makes Lightning skip the backward pass and the optimiser's parameter update; the
-        step counter and the schedule still advance. Stopping raises before any update, so the weights and
-        the last checkpoint written (``last.ckpt``) are those of the last good step.
+        Every rank takes the same decision (the flags are summed over ranks), so a NaN on one rank never
+        leaves the others updating with the NaN gradients it shares with them.
         """
-        where = f"epoch {self.current_epoch}, step {self.global_step}"
+        nonfinite = (~torch.isfinite(loss.detach())).float()
+        nonfinite = self.trainer.strategy.reduce(nonfinite, reduce_op="sum") > 0  # () bool, on the device
+        self._unchecked.append((self.current_epoch, self.global_step, loss.detach(), nonfinite))
+        pending = self._step_nonfinite
+        self._step_nonfinite = nonfinite if pending is None else pending | nonfinite  # accumulated batches
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the whole optimiser step of a non-finite loss, on the device.
+
+        A skipped step changes nothing: not the parameters, not Adam's moments, not its step count (the
+        learning-rate schedule still advances, as Lightning steps it). Zeroing the loss would not do:
+        Adam would still move every parameter by its momentum and decay its moments, and NaN gradients
+        can come out of a zeroed NaN graph. The fused Adam of ``configure_optimizers`` takes the flag as
+        ``found_inf`` (the mechanism of ``torch.amp.GradScaler``); an optimiser without it (one loaded
+        from an older checkpoint, or on a device without fused kernels) drops the gradients instead,
+        which needs a host read of the flag every step.
+        """
+        nonfinite, self._step_nonfinite = self._step_nonfinite, None
+        if all(group.get("fused") for group in optimizer.param_groups):
+            if nonfinite is None:
+                optimizer.__dict__.pop("found_inf", None)
+            else:
+                optimizer.found_inf = nonfinite.float()  # 1.0: skip (GradScaler's convention)
+        elif nonfinite is not None and bool(nonfinite):
+            optimizer.zero_grad(set_to_none=True)  # parameters without gradients are not updated
+
+    def on_train_batch_end(self, outputs: Any, batch: dict, batch_idx: int) -> None:
+        """Look at the recorded losses every ``nonfinite_check_interval`` training steps."""
+        if len(self._unchecked) >= self.nonfinite_check_interval:
+            self._check_losses()
+
+    def _check_losses(self) -> None:
+        """Read the losses recorded since the last check back to the host (one synchronisation) and report
+        the non-finite ones: with model.nonfinite=skip one warning each, with stop an error for the first.
+
+        Their optimiser steps were skipped on the device, so the weights, and every checkpoint (this check
+        runs before each one is written), hold no update from a non-finite loss; stopping raises within
+        ``nonfinite_check_interval`` steps, and the last checkpoint written is from before the bad step.
+        """
+        if not self._unchecked:
+            return
+        unchecked, self._unchecked = self._unchecked, []
+        flags = torch.stack([nonfinite for *_, nonfinite in unchecked]).float()
+        losses = torch.stack([loss.float() for _, _, loss, _ in unchecked])
+        for (epoch, step, _, _), bad, value in zip(unchecked, *torch.stack([flags, losses]).tolist()):
+            if bad:
+                self._nonfinite(value, f"epoch {epoch}, step {step}")
+
+    def _nonfinite(self, value: float, where: str) -> None:
+        """Report a NaN/inf loss ``value`` of the training step ``where``: skipped (a warning) or stop.
+
+        Its optimiser step was skipped: no backward result reached the parameters; the step counter and
+        the schedule still advanced. Stopping raises NonFiniteLossError naming the last checkpoint written.
+        """
         if self.nonfinite == "skip":
-            log.warning("non-finite loss (%s) at %s: batch skipped, no parameter update", loss.item(), where)
-            return None
+            log.warning("non-finite loss (%s) at %s: batch skipped, no parameter update", value, where)
+            return
         saved = [path for c in self.trainer.checkpoint_callbacks for path in (c.last_model_path, c.best_model_path)
                  if path and os.path.isfile(path)]
         kept = (f"the last good checkpoint is {max(saved, key=os.path.getmtime)}" if saved
                 else "no checkpoint had been saved yet")
         raise NonFiniteLossError(
-            f"non-finite loss ({loss.item()}) at {where}; training stopped, {kept} "
+            f"non-finite loss ({value}) at {where}; training stopped, {kept} "
             "(model.nonfinite=skip skips such batches instead)")
 
     def on_train_epoch_end(self) -> None:
-        """Report unreadable training images once, with the first few names."""
+        """Check the last losses; report unreadable training images once, with the first few names."""
+        self._check_losses()
         self._report_skips()
 
     def _report_skips(self) -> None:
@@ -141,7 +201,10 @@ class CaptionerModule(L.LightningModule):
         groups = [{"params": rest, "lr": self.optim_cfg["lr"]}]
         if encoder:
             groups.append({"params": encoder, "lr": self.optim_cfg["encoder_lr"]})
-        optimizer = torch.optim.Adam(groups, weight_decay=self.optim_cfg["weight_decay"])
+        try:  # fused: one kernel per step, and it can skip a step on the device (on_before_optimizer_step)
+            optimizer = torch.optim.Adam(groups, weight_decay=self.optim_cfg["weight_decay"], fused=True)
+        except RuntimeError:  # no fused kernels for these parameters' device
+            optimizer = torch.optim.Adam(groups, weight_decay=self.optim_cfg["weight_decay"])
         scheduler = self._scheduler(optimizer)
         if scheduler is None:
             return {"optimizer": optimizer}
@@ -167,8 +230,9 @@ class CaptionerModule(L.LightningModule):
         """Decode a batch with the configured method (never teacher-forced)."""
         cfg = self.decode_cfg
         kwargs = dict(method=cfg["method"], beam_size=cfg["beam_size"], max_len=cfg["max_len"],
-                      temperature=cfg["temperature"], length_penalty=cfg["length_penalty"],
-                      start_id=self.vocab.start_id, end_id=self.vocab.end_id)
+                      temperature=cfg["temperature"], length_penalty=cfg["length_penalty"], min_len=cfg["min_len"],
+                      no_repeat_ngram_size=cfg["no_repeat_ngram_size"], start_id=self.vocab.start_id,
+                      end_id=self.vocab.end_id, unk_id=self.vocab.unk_id)
         if "features" in batch:
             return self.model.generate_from_features(self._features(batch), **kwargs)
         return self.model.generate(batch["images"], **kwargs)
@@ -241,7 +305,9 @@ class CaptionerModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Checkpoints carry the bundle metadata as plain data (model config, vocabulary, image size), so
-        ``captioner.model.captioner.load_model`` reads them with ``weights_only=True``."""
+        ``captioner.model.captioner.load_model`` reads them with ``weights_only=True``. The losses since
+        the last check are checked first: with model.nonfinite=stop a non-finite one stops before the write."""
+        self._check_losses()
         checkpoint[CHECKPOINT_KEY] = bundle_metadata(self.net_config, self.vocab,
                                                      {"image_size": self.trainer.datamodule.image_size})
 

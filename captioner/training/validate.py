@@ -149,9 +149,11 @@ MODEL_SCHEMA: dict[str, Any] = {
     "scheduler": {"name": _choice("cosine", "step", "none"), "warmup_steps": _int(0),
                   "step_size": _int(1), "gamma": _float(0.0, 1.0)},
     "decoding": {"method": _choice("greedy", "beam", "sample"), "beam_size": _int(1), "max_len": _int(1),
-                 "length_penalty": _float(0.0), "temperature": _float(1e-6)},
+                 "length_penalty": _float(0.0), "temperature": _float(1e-6), "min_len": _int(0),
+                 "no_repeat_ngram_size": _int(0)},
     "compile": _bool,
     "nonfinite": _choice("stop", "skip"),
+    "nonfinite_check_interval": _int(1),
 }
 
 DATA_SCHEMA: dict[str, Any] = {
@@ -288,6 +290,10 @@ def validate_config(cfg: dict[str, Any]) -> None:
     if trainer.get("min_epochs") is not None and trainer["min_epochs"] > trainer.get("max_epochs", 1):
         raise ConfigError(f"trainer.min_epochs={trainer['min_epochs']} must be <= trainer.max_epochs="
                           f"{trainer.get('max_epochs')}")
+    decoding = cfg["model"].get("decoding") or {}
+    if {"min_len", "max_len"} <= set(decoding) and decoding["min_len"] >= decoding["max_len"]:
+        raise ConfigError(f"model.decoding.min_len={decoding['min_len']} must be < model.decoding.max_len="
+                          f"{decoding['max_len']}")
     _check_named("callbacks", cfg.get("callbacks"), CALLBACK_RULES)
     _check_named("logger", cfg.get("logger"), LOGGER_RULES)
     model, data = cfg["model"], cfg["data"]
