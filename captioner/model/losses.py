@@ -108,8 +108,9 @@ class CaptionLoss(nn.Module):
     def _update_baseline(self, reward: Tensor, slot: Tensor, used: Tensor) -> None:
         """Per slot: b <- decay b + (1 - decay) mean r over the batch's steps of that slot, or b <- mean r
         the first time the slot is seen (no host sync)."""
-        sums = torch.zeros_like(self.baseline).index_add_(0, slot.flatten(), (reward * used).flatten())
-        counts = torch.zeros_like(self.baseline).index_add_(0, slot.flatten(), used.flatten())
+        dtype = self.baseline.dtype  # float32, whatever precision the rewards come in (autocast)
+        sums = torch.zeros_like(self.baseline).index_add_(0, slot.flatten(), (reward * used).flatten().to(dtype))
+        counts = torch.zeros_like(self.baseline).index_add_(0, slot.flatten(), used.flatten().to(dtype))
         present = counts > 0
         mean = sums / counts.clamp_min(1.0)
         moved = self.baseline_decay * self.baseline + (1.0 - self.baseline_decay) * mean
