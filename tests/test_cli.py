@@ -271,9 +271,9 @@ def test_attend_draws_one_panel_per_word(mode, bundles, inputs, figures, tmp_pat
         assert png.format == "PNG" and png.width > png.height  # the wide image's aspect ratio
     (figure,) = figures
     words = caption.split()
-    assert len(figure.axes) == 1 + len(words) == 4
-    assert [ax.get_title() for ax in figure.axes[1:]] == words
-    marks = [sum(isinstance(p, Rectangle) for p in ax.patches) for ax in figure.axes]
+    assert len(figure.axes) == 1 + len(words) + 1 == 5  # the image, a panel per word, the colour bar
+    assert [ax.get_title() for ax in figure.axes[1:-1]] == words
+    marks = [sum(isinstance(p, Rectangle) for p in ax.patches) for ax in figure.axes[:-1]]
     assert marks == [0] + [1 if mode == "hard" else 0] * 3  # hard attention: the attended cell is outlined
 
 

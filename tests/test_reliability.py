@@ -53,10 +53,12 @@ def train_losses(run: Path) -> dict[int, float]:
 
 
 def first_logged_lr(run: Path) -> tuple[int, float]:
-    """The first ``(step, lr-Adam)`` a run's LearningRateMonitor logged."""
+    """The first ``(step, learning rate of the decoder's group)`` a run's LearningRateMonitor logged."""
     with open(run / "csv" / "version_0" / "metrics.csv", newline="") as handle:
-        row = next(r for r in csv.DictReader(handle) if r["lr-Adam"])
-    return int(row["step"]), float(row["lr-Adam"])
+        rows = csv.DictReader(handle)
+        key = next(k for k in rows.fieldnames if k.startswith("lr-Adam"))  # "lr-Adam/pg1" beside the encoder's
+        row = next(r for r in rows if r[key])
+    return int(row["step"]), float(row[key])
 
 
 def copy_dataset(tiny_shapes: Path, dest: Path, images: bool = True) -> Path:

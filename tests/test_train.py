@@ -69,7 +69,7 @@ def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> N
     validate_config(OmegaConf.to_container(cfg, resolve=True))
     torch.manual_seed(0)
     module = instantiate(cfg.model, vocab=Vocabulary([f"w{i}" for i in range(20)]), _convert_="all").eval()
-    features = torch.randn(4, 36, module.model.encoder.out_channels)  # the demo's 6x6 grid
+    features, _ = module.model.encode(torch.randn(4, 3, 96, 96))  # what the demo's feature cache holds
     generation, _ = module.generate({"features": features})
     for row in range(4):
         words = generation.tokens[row, : generation.lengths[row]].tolist()
