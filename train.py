@@ -8,8 +8,10 @@
     python train.py train=false ckpt_path=<.ckpt>     # validate a checkpoint only
 
 Everything is composed from conf/ by Hydra; this file only wires the pieces together. Every run writes
-into a new folder, checkpoints are written atomically, and a user error (a config value, an override,
-a file) prints one line ``error: ...`` on stderr and exits with status 2.
+into a new folder (its composed config printed and saved there as config.yaml), checkpoints are written
+atomically, and a user error (a config value, an override, a file) prints one line ``error: ...`` on
+stderr and exits with status 2. A run that fails says so in its folder: the error in ``train.log`` and
+in a ``FAILED`` file.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -34,6 +37,7 @@ log = logging.getLogger("train")
 def resolve_checkpoint(path: str | None) -> str | None:
     """A checkpoint file, or a run folder whose ``checkpoints/last.ckpt`` is used; checked loadable."""
     from captioner.fileio import load_torch
+    from captioner.model.captioner import BUNDLE_FORMAT
 
     if path is None:
         return None
@@ -41,13 +45,25 @@ def resolve_checkpoint(path: str | None) -> str | None:
     if ckpt.is_dir():
         ckpt = ckpt / "checkpoints" / "last.ckpt"
     checkpoint = load_torch(ckpt, "checkpoint")
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+    if isinstance(checkpoint, dict) and checkpoint.get("format") == BUNDLE_FORMAT:
+        raise ConfigError(f"ckpt_path={path!r} is an inference bundle (weights for captioning, no optimiser or "
+                          "training state); to resume a run give its folder or its checkpoints/last.ckpt")
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint \
+            or "pytorch-lightning_version" not in checkpoint:
         raise ConfigError(f"ckpt_path={path!r}: {ckpt} is not a Lightning checkpoint of this project")
     return str(ckpt)
 
 
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertisements ("💡 Tip: ... try installing litlogger / litmodels")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip:")
+
+
 def log_lightning_to_the_run_log() -> None:
-    """Send Lightning's messages where the run's own go (stdout and ``train.log``), not to stderr.
+    """Send Lightning's messages where the run's own go (stdout and ``train.log``), not to stderr, without
+    its advertisements for its cloud services (printed on every run whatever the logger).
 
     On import Lightning gives its loggers stderr handlers of their own, so stderr would mix its progress
     messages with the errors.
@@ -56,6 +72,9 @@ def log_lightning_to_the_run_log() -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+    tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # rank_zero_info's logger
+    if not any(isinstance(f, _NoTips) for f in tips.filters):
+        tips.addFilter(_NoTips())
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -66,17 +85,23 @@ def train(cfg: DictConfig) -> float | None:
     from hydra.utils import instantiate
 
     from captioner.evaluation.results import write_metrics, write_results
+    from captioner.model.captioner import BUNDLE_NAME
     from captioner.training.checkpoint_io import AtomicCheckpointIO
+    from captioner.training.run_folder import print_config_tree
     from captioner.training.validate import check_environment, validate_config
 
     log_lightning_to_the_run_log()
     # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+    # Lightning's CombinedLoader builds torch's deprecated LeafSpec for every loader: its change to make.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    output_dir = Path(cfg.paths.output_dir)
+    print_config_tree(plain, output_dir)
     validate_config(plain)
     check_environment(plain)
     ckpt_path = resolve_checkpoint(cfg.ckpt_path)
     L.seed_everything(cfg.seed, workers=True)
-    output_dir = Path(cfg.paths.output_dir)
 
     datamodule = instantiate(cfg.data, _convert_="all")
     datamodule.setup("fit")
@@ -102,7 +127,7 @@ def train(cfg: DictConfig) -> float | None:
     write_results(output_dir / "val_captions.json",
                   {i: " ".join(w) for i, w in module.predictions["val"].items()})
     write_metrics(output_dir / "metrics.json", {k: float(v) for k, v in metrics.items()})
-    bundle = output_dir / "bundle.pt"
+    bundle = output_dir / BUNDLE_NAME
     module.export_bundle(str(bundle))
     print(summary(metrics, ckpt_path, bundle, output_dir))
     return metrics.get("val/bleu4")
@@ -146,20 +171,51 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+def stop_reason(exc: BaseException) -> str | None:
+    """One line for an exception that ends a run (None for a clean ``SystemExit``)."""
+    if isinstance(exc, SystemExit):
+        return None if exc.code in (0, None) else f"stopped with exit status {exc.code}"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (KeyboardInterrupt)"
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def finish_wandb(failed: bool) -> None:
+    """Close the W&B run that ``logger=wandb`` opened, if any, so that the next job of a sweep gets its own."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=1 if failed else 0)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point: user errors become one line on stderr and exit status 2.
 
-    Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only.
+    Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only. A run
+    that fails, whatever the reason, is marked so in its folder (``run_folder.mark_failed``).
     """
+    from captioner.training.run_folder import mark_failed
+
     logging.captureWarnings(True)
+    folder = HydraConfig.get().runtime.output_dir
+    failure: str | None = None
     try:
         return train(cfg)
     except CaptionerError as exc:
-        fail(str(exc))
+        failure = str(exc)
     except (CompactHydraException, OmegaConfBaseException) as exc:
         cause = exc.__cause__
-        fail(str(cause) if isinstance(cause, CaptionerError) else one_line(exc))
+        failure = str(cause) if isinstance(cause, CaptionerError) else one_line(exc)
+    except BaseException as exc:  # a crash or an interrupt: marked, then reported as Python reports it
+        failure = stop_reason(exc)
+        if failure is not None:
+            mark_failed(folder, failure)
+        raise
+    finally:
+        finish_wandb(failed=failure is not None)
+    mark_failed(folder, failure)
+    fail(failure)
 
 
 def cli() -> None:

@@ -1,14 +1,16 @@
-"""The ``captioner`` command: caption images, draw attention overlays, evaluate a model on a dataset.
+"""The captioner command: caption images, draw attention overlays, evaluate a model on a dataset.
 
     captioner caption IMAGE_OR_FOLDER_OR_GLOB... --model bundle.pt [--beam-size 3] [--json]
+    find photos -name '*.jpg' | captioner caption - --model bundle.pt
+    captioner caption --image-info image_info_test2014.json --images test2014/ --out DIR --model bundle.pt
     captioner attend IMAGE... --model bundle.pt --out overlay.png | --out DIR
     captioner evaluate --model bundle.pt|last.ckpt --shapes data/shapes --split test --out DIR
 
-``--model`` takes the ``bundle.pt`` that training exports or one of its Lightning checkpoints. Images are
-decoded in worker processes and captioned a batch at a time; a progress bar shows on stderr for many.
-A bad input file gets one line on stderr naming it and the reason; the other images are still captioned
-and the exit status is 1. A bad argument, model file or dataset gets one line and exit status 2. No
-traceback.
+--model takes a training run's folder, the bundle.pt that training exports there, or one of its Lightning
+checkpoints. Images are decoded in worker processes and captioned a batch at a time; a progress bar
+shows on stderr for many. A bad input file gets one line on stderr naming it and the reason; the other
+images are still captioned and the exit status is 1. A bad argument, model file or dataset gets one line
+and exit status 2. No traceback.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ from typing import Sequence
 
 import torch
 
+from captioner import __version__
 from captioner.data.dataset import Skipped
 from captioner.data.images import load_rgb
 from captioner.data.readers import Record
 from captioner.errors import CaptionerError, ConfigError, check_range
-from captioner.inference import caption_files
+from captioner.inference import Captioned, caption_files
 from captioner.model.captioner import LoadedModel, load_model
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 PROGRESS_MIN_IMAGES = 64
+STDIN = "-"  # among the inputs: read image paths from standard input, one per line
+DEFAULT_NAME = "captioner"  # the algorithm name in a results file for the COCO evaluation server
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -57,12 +62,18 @@ def expand_inputs(items: Sequence[str]) -> tuple[list[str], list[Skipped]]:
     """Files, folders (their image files, recursively, sorted) and globs -> image paths, plus input errors.
 
     A folder contributes the files whose suffix is in ``IMAGE_SUFFIXES``; a file given by name is always
-    kept, so that an unreadable one gets its own error.
+    kept, so that an unreadable one gets its own error. ``-`` reads more inputs from standard input, one
+    per line (blank lines ignored); ConfigError when it is given twice.
     """
+    if list(items).count(STDIN) > 1:
+        raise ConfigError(f"{STDIN} (standard input) is given more than once")
     paths: list[str] = []
     errors: list[Skipped] = []
     for item in items:
-        _expand(item, paths, errors)
+        lines = (line.rstrip("\r\n") for line in sys.stdin) if item == STDIN else [item]
+        for line in lines:
+            if line.strip():
+                _expand(line, paths, errors)
     return paths, errors
 
 
@@ -73,7 +84,7 @@ def _report(skipped: Skipped) -> None:
 
 def _inputs(args: argparse.Namespace) -> tuple[list[str], list[Skipped]]:
     """The image paths of the command line; input errors are reported at once and returned."""
-    paths, failed = expand_inputs(args.images)
+    paths, failed = expand_inputs(args.inputs)
     for skipped in failed:
         _report(skipped)
     return paths, failed
@@ -131,9 +142,32 @@ def _refuse_overwrite(target: Path, args: argparse.Namespace) -> None:
         raise ConfigError(f"--out {args.out}: {target} already exists; pass --force to overwrite it")
 
 
+def _print_result(result: Captioned, as_json: bool, image_id: int | None = None) -> None:
+    """One line on stdout: ``path<TAB>caption``, or a JSON object (image_id, path, caption, score, tokens)."""
+    if as_json:
+        line = {"image_id": image_id} if image_id is not None else {}
+        line.update(path=result.path, caption=result.caption, score=round(result.score, 4), tokens=result.words)
+        print(json.dumps(line), flush=True)
+    else:
+        print(f"{result.path}\t{result.caption}", flush=True)
+
+
 # ------------------------------------------------------------------------------------------ commands
 def cmd_caption(args: argparse.Namespace) -> int:
-    """Caption images; print ``path<TAB>caption`` or JSON lines (path, caption, score, tokens)."""
+    """Caption images; print ``path<TAB>caption`` or JSON lines (path, caption, score, tokens).
+
+    With ``--image-info``: caption the images a COCO image list names and write the evaluation server's
+    results file into ``--out``.
+    """
+    if args.image_info or args.out:
+        if args.inputs:
+            raise ConfigError("give images either as arguments or with --image-info, not both")
+        return _server_results(args, echo=True)
+    if not args.inputs:
+        raise ConfigError("give image files, folders or globs (- reads paths from standard input), "
+                          "or --image-info FILE --images DIR --out DIR")
+    if args.image_dir or args.name != DEFAULT_NAME or args.force:
+        raise ConfigError("--images, --name and --force go with --image-info and --out")
     decode = _decode_options(args)
     loaded = _load(args, _device(args.device))
     paths, failed = _inputs(args)
@@ -142,12 +176,50 @@ def cmd_caption(args: argparse.Namespace) -> int:
         if isinstance(result, Skipped):
             _report(result)
             failed.append(result)
-        elif args.json:
-            print(json.dumps({"path": result.path, "caption": " ".join(result.words),
-                              "score": round(result.score, 4), "tokens": result.words}), flush=True)
         else:
-            print(f"{result.path}\t{' '.join(result.words)}", flush=True)
+            _print_result(result, args.json)
     return 1 if failed else 0
+
+
+def _server_results(args: argparse.Namespace, echo: bool) -> int:
+    """Caption every image of ``--image-info`` and write ``captions_<split>_<name>_results.json`` to ``--out``.
+
+    ``echo`` prints each caption as ``caption`` does. The file is written only when every image was
+    captioned (the server needs a caption for each image id); unreadable images are reported one per
+    line and the exit status is 1.
+    """
+    from captioner.data.readers import read_image_info
+    from captioner.evaluation.results import server_results_name, write_results
+
+    if not (args.image_info and args.image_dir and args.out):
+        raise ConfigError("--image-info, --images and --out go together: the COCO image list, the folder of "
+                          "its images and the folder for the results file")
+    decode = _decode_options(args)
+    target = Path(args.out) / server_results_name(args.image_info, args.name)
+    _refuse_overwrite(target, args)
+    records = read_image_info(args.image_info, args.image_dir)
+    if not records:
+        raise ConfigError(f"--image-info {args.image_info} lists no images")
+    loaded = _load(args, _device(args.device))
+    paths = [record.image_path for record in records]
+    captions: dict[int, str] = {}
+    failed: list[Skipped] = []
+    results = caption_files(loaded, paths, args.batch_size, args.workers, _progress(args, len(paths)), **decode)
+    for record, result in zip(records, results):
+        if isinstance(result, Skipped):
+            _report(result)
+            failed.append(result)
+            continue
+        captions[record.image_id] = result.caption
+        if echo:
+            _print_result(result, args.json, record.image_id)
+    if failed:
+        print(f"error: {len(failed)} of {len(records)} images could not be read (listed above); {target} was "
+              "not written, since the evaluation server needs a caption for every image", file=sys.stderr)
+        return 1
+    write_results(target, captions)
+    print(f"results: {target} ({len(captions)} images)", file=sys.stderr)
+    return 0
 
 
 def cmd_attend(args: argparse.Namespace) -> int:
@@ -166,8 +238,6 @@ def cmd_attend(args: argparse.Namespace) -> int:
     if single or (out.is_dir() and any(out.iterdir())):
         _refuse_overwrite(out, args)
     loaded = _load(args, device)
-    decoder = loaded.model.decoder
-    mark_locations = decoder.mode == "hard" and decoder.hard_inference == "argmax"
     paths, failed = _inputs(args)
     if single and len(paths) > 1:
         raise ConfigError(f"--out {out}: {len(paths)} images need a folder, not a .png file")
@@ -178,27 +248,35 @@ def cmd_attend(args: argparse.Namespace) -> int:
             _report(result)
             failed.append(result)
             continue
-        caption = " ".join(result.words)
         target = out if single else out / f"{len(entries):04d}_{Path(result.path).stem}.png"
-        # hard attention at inference attends to the most likely cell: mark it in each panel
-        locations = result.alphas.argmax(dim=1).tolist() if mark_locations else None  # (T,)
         draw_overlay(load_rgb(result.path), result.words, result.alphas, result.grid, target,
-                     locations=locations, title=caption)
-        entries.append(GalleryEntry(image=result.path, caption=caption, overlay=target))
-        print(f"{result.path}\t{caption}\t{target}", flush=True)
+                     locations=result.locations, title=result.caption)
+        entries.append(GalleryEntry(image=result.path, caption=result.caption, overlay=target))
+        print(f"{result.path}\t{result.caption}\t{target}", flush=True)
     if not single and entries:
         print(f"gallery: {write_gallery(out, entries)}", file=sys.stderr)
     return 1 if failed else 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Decode a dataset split; report BLEU (nltk) and the coco-caption suite; write results and metrics."""
-    from captioner.evaluation.report import evaluate_split
+    """Decode a dataset split; report BLEU (nltk) and the coco-caption suite; write results, metrics and the
+    scores of each image. With ``--image-info`` (images without captions) write the server's results file."""
+    from captioner.evaluation.report import METRICS_FILE, PER_IMAGE_FILE, RESULTS_FILE, evaluate_split
 
+    datasets = [name for name in ("shapes", "karpathy", "coco_captions", "image_info") if getattr(args, name)]
+    if len(datasets) != 1:
+        raise ConfigError("give exactly one dataset: --shapes ROOT, --karpathy FILE --images ROOT, "
+                          "--coco-captions FILE --images DIR, or --image-info FILE --images DIR")
+    if args.instances and not args.coco_captions:
+        raise ConfigError("--instances goes with --coco-captions")
+    if args.image_info:
+        print(f"{args.image_info} lists images without captions: nothing to score; writing the results file "
+              "for the evaluation server", file=sys.stderr)
+        return _server_results(args, echo=False)
     decode = _decode_options(args)
     device = _device(args.device)
     out = Path(args.out)
-    for name in ("results.json", "metrics.json"):
+    for name in (RESULTS_FILE, METRICS_FILE, PER_IMAGE_FILE):
         _refuse_overwrite(out / name, args)
     records = _records(args)
     loaded = _load(args, device)
@@ -211,40 +289,51 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _records(args: argparse.Namespace) -> list[Record]:
-    """The records of ``--split`` from the one dataset the arguments name."""
+    """The records of ``--split`` from the one dataset the arguments name (shapes, Karpathy or COCO)."""
     from captioner.data import sources
 
-    chosen = [name for name in ("shapes", "karpathy", "coco_captions") if getattr(args, name)]
-    if len(chosen) != 1:
-        raise ConfigError("give exactly one dataset: --shapes ROOT, --karpathy FILE --images ROOT, "
-                          "or --coco-captions FILE --images DIR")
-    if args.instances and not args.coco_captions:
-        raise ConfigError("--instances goes with --coco-captions")
     if args.shapes:
-        if args.images:
+        if args.image_dir:
             raise ConfigError("--images goes with --karpathy or --coco-captions; --shapes has its own")
         return sources.ShapesSource(args.shapes).records(args.split)
-    if not args.images:
+    if not args.image_dir:
         raise ConfigError("--images is required with --karpathy and --coco-captions")
     if args.karpathy:
-        source = sources.KarpathySource(args.karpathy, args.images)
+        source = sources.KarpathySource(args.karpathy, args.image_dir)
     else:
-        entry = {"captions": args.coco_captions, "images": args.images, "instances": args.instances}
+        entry = {"captions": args.coco_captions, "images": args.image_dir, "instances": args.instances}
         source = sources.CocoSource({args.split: entry})
     source.prepare()
     return source.records(args.split)
 
 
 # ------------------------------------------------------------------------------------------- parser
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default after its help (not for required options, flags, or no default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if action.required or not action.option_strings or default is None or default is False \
+                or default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
-    parser = argparse.ArgumentParser(prog="captioner", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="captioner", description=__doc__, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
 
     def common(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--model", required=True, help="inference bundle (bundle.pt) or training checkpoint")
-        sub.add_argument("--method", choices=("beam", "greedy", "sample"), default="beam")
-        sub.add_argument("--beam-size", type=int, default=3)
+        sub.add_argument("--model", required=True,
+                         help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint")
+        sub.add_argument("--method", choices=("beam", "greedy", "sample"), default="beam", help="decoding method")
+        sub.add_argument("--beam-size", type=int, default=3, help="captions kept per image by beam search")
         sub.add_argument("--max-len", type=int, default=20, help="maximum words per caption")
         sub.add_argument("--temperature", type=float, default=1.0, help="for --method sample")
         sub.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha for beam search")
@@ -252,35 +341,49 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--no-repeat-ngram-size", type=int, default=0,
                          help="no n-gram of this many words twice in a caption (0: off)")
         sub.add_argument("--batch-size", type=int, default=32, help="images encoded and decoded together")
-        sub.add_argument("--workers", type=int, default=2, help="image-decoding processes (0: in this one)")
+        sub.add_argument("--workers", type=int, default=2, help="image-decoding processes; 0 decodes in this one")
         sub.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         sub.add_argument("--no-progress", action="store_true",
                          help=f"no progress bar on stderr (shown from {PROGRESS_MIN_IMAGES} images)")
 
-    caption = commands.add_parser("caption", help="caption image files, folders and globs")
-    caption.add_argument("images", nargs="+")
+    def server(sub: argparse.ArgumentParser, images: str) -> None:
+        sub.add_argument("--image-info", metavar="FILE",
+                         help="COCO image list (image_info_test2014.json, or a captions file such as "
+                              "captions_val2014.json): caption its images and write the evaluation server's "
+                              "results file captions_<split>_<name>_results.json into --out")
+        sub.add_argument("--images", dest="image_dir", metavar="DIR", help=images)
+        sub.add_argument("--name", default=DEFAULT_NAME,
+                         help="algorithm name in the results file name (letters, digits, hyphens)")
+
+    inputs_help = "image files, folders (searched recursively) and globs; - reads paths from standard input"
+    caption = command("caption", "caption image files, folders and globs, or the images of a COCO image list")
+    caption.add_argument("inputs", nargs="*", metavar="IMAGE", help=inputs_help)
     common(caption)
     caption.add_argument("--json", action="store_true", help="JSON lines: path, caption, score, tokens")
+    server(caption, "folder of the --image-info images")
+    caption.add_argument("--out", metavar="DIR", help="folder for the --image-info results file")
+    caption.add_argument("--force", action="store_true", help="overwrite an existing results file")
     caption.set_defaults(func=cmd_caption)
 
-    attend = commands.add_parser("attend", help="draw the attention map of every generated word")
-    attend.add_argument("images", nargs="+")
+    attend = command("attend", "draw the attention map of every generated word")
+    attend.add_argument("inputs", nargs="+", metavar="IMAGE", help=inputs_help)
     common(attend)
     attend.add_argument("--out", required=True, help="FILE.png for one image, or a folder (with index.html)")
     attend.add_argument("--force", action="store_true", help="overwrite an existing --out")
     attend.set_defaults(func=cmd_attend)
 
-    evaluate = commands.add_parser("evaluate", help="BLEU and coco-caption metrics on a dataset split")
+    evaluate = command("evaluate", "BLEU and coco-caption metrics on a dataset split")
     common(evaluate)
-    evaluate.add_argument("--split", choices=("train", "val", "test"), default="test")
+    evaluate.add_argument("--split", choices=("train", "val", "test"), default="test",
+                          help="split of --shapes and --karpathy (and the name of the --coco-captions one)")
     evaluate.add_argument("--shapes", help="root of the built-in dataset")
     evaluate.add_argument("--karpathy", help="Karpathy split file (dataset_coco.json, dataset_flickr8k.json, ...)")
     evaluate.add_argument("--coco-captions", help="COCO captions file (captions_val2014.json, ...)")
     evaluate.add_argument("--instances", help="COCO instances file (boxes for attention correctness)")
-    evaluate.add_argument("--images", help="image root or folder")
-    evaluate.add_argument("--out", required=True, help="folder for results.json and metrics.json")
+    server(evaluate, "image root (--karpathy) or folder (--coco-captions, --image-info)")
+    evaluate.add_argument("--out", required=True, help="folder for results.json, metrics.json and per_image.json")
     evaluate.add_argument("--no-coco", action="store_true", help="skip the Java coco-caption suite")
-    evaluate.add_argument("--force", action="store_true", help="overwrite results.json and metrics.json")
+    evaluate.add_argument("--force", action="store_true", help="overwrite the files of an earlier --out")
     evaluate.set_defaults(func=cmd_evaluate)
     return parser
 

@@ -1,19 +1,26 @@
-"""Batched captioning of image files: decode in worker processes, encode and decode a batch at a time."""
+"""Batched captioning: of image files (decoded in worker processes), and of images given in memory
+(the Python API's ``model.caption``); the encoder and the decoder run once per batch."""
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, Union
 
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.data.dataset import Skipped, build_transform
-from captioner.data.images import ImageError, load_rgb
+from captioner.data.images import ImageError, load_rgb, to_rgb
+from captioner.errors import check_range
 from captioner.model.captioner import LoadedModel
+
+ImageLike = Union[str, os.PathLike, Image.Image, torch.Tensor]  # a file, a PIL image or a tensor (3, H, W)
+Images = Union[ImageLike, Sequence[ImageLike], torch.Tensor]  # one image, a list, or a batch tensor (B, 3, H, W)
 
 
 class ImageFiles(Dataset):
@@ -44,11 +51,36 @@ def _keep_list(items: list) -> list:
 class Captioned:
     """One captioned image."""
 
-    path: str
+    path: str | None  # the image file; None for an image given in memory
     words: list[str]
     score: float  # the decoder's score: summed log-probability (beam: with its length penalty)
     alphas: torch.Tensor  # (T, L): the attention used for each word, T = len(words)
     grid: tuple[int, int]  # (H, W) with H * W = L
+    locations: list[int] | None = None  # hard attention decoded by argmax: the cell each word attended
+    image: Image.Image | torch.Tensor | None = None  # the image given in memory (files are read from path)
+
+    @property
+    def caption(self) -> str:
+        """The caption as one string."""
+        return " ".join(self.words)
+
+
+def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, **decode) -> list[Captioned]:
+    """Caption preprocessed images (B, 3, S, S) in one encoder and decoder call; ``path`` left None."""
+    model, vocab = loaded.model, loaded.vocab
+    device = next(model.parameters()).device
+    generation, grid = model.generate(pixels.to(device), start_id=vocab.start_id, end_id=vocab.end_id,
+                                      unk_id=vocab.unk_id, **decode)
+    tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
+    # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
+    argmax = model.decoder.mode == "hard" and model.decoder.hard_inference == "argmax"
+    results = []
+    for row in range(tokens.size(0)):
+        words = vocab.decode(tokens[row].tolist())
+        maps = alphas[row, : len(words)].float()  # (T, L)
+        results.append(Captioned(None, words, float(scores[row]), maps, grid,
+                                 locations=maps.argmax(dim=1).tolist() if argmax else None))
+    return results
 
 
 def caption_files(loaded: LoadedModel, paths: Sequence[str], batch_size: int = 32, workers: int = 0,
@@ -60,8 +92,6 @@ def caption_files(loaded: LoadedModel, paths: Sequence[str], batch_size: int = 3
     ``Skipped(path, reason)``. ``decode`` holds ``Captioner.generate`` options (method, beam_size,
     max_len, temperature, length_penalty, min_len, no_repeat_ngram_size). ``progress`` shows a bar on stderr.
     """
-    model, vocab = loaded.model, loaded.vocab
-    device = next(model.parameters()).device
     batches = math.ceil(len(paths) / batch_size)
     loader = DataLoader(ImageFiles(paths, loaded.image_size), batch_size=batch_size,
                         num_workers=min(workers, batches), collate_fn=_keep_list)
@@ -71,14 +101,47 @@ def caption_files(loaded: LoadedModel, paths: Sequence[str], batch_size: int = 3
             good = [i for i, item in enumerate(items) if not isinstance(item, Skipped)]
             captioned: dict[int, Captioned] = {}
             if good:
-                images = torch.stack([items[i] for i in good]).to(device)  # (B, 3, S, S)
-                generation, grid = model.generate(images, start_id=vocab.start_id, end_id=vocab.end_id,
-                                                unk_id=vocab.unk_id, **decode)
-                tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
-                for row, i in enumerate(good):
-                    words = vocab.decode(tokens[row].tolist())
-                    captioned[i] = Captioned(paths[first + i], words, float(scores[row]),
-                                             alphas[row, : len(words)].float(), grid)
+                pixels = torch.stack([items[i] for i in good])  # (B, 3, S, S)
+                for i, result in zip(good, _caption_batch(loaded, pixels, **decode)):
+                    result.path = paths[first + i]
+                    captioned[i] = result
             for i, item in enumerate(items):
                 yield captioned.get(i, item)
             bar.update(len(items))
+
+
+def _one_image(images: Images) -> bool:
+    """False for a list or tuple of images or a batch tensor (B, C, H, W), True for anything else."""
+    if isinstance(images, torch.Tensor):
+        return images.dim() != 4
+    return not isinstance(images, (list, tuple))
+
+
+def caption_images(loaded: LoadedModel, images: Images, batch_size: int = 32,
+                   **decode) -> Captioned | list[Captioned]:
+    """Caption image files, PIL images or image tensors, ``batch_size`` at a time, on the model's device.
+
+    ``images`` is one image or a list of them (mixed kinds allowed), or a batch tensor (B, 3, H, W). A
+    tensor is a torchvision image, not normalised: uint8 in [0, 255] or float in [0, 1]. Every image is
+    brought to RGB (``data.images``) and preprocessed as in training (``data.dataset.build_transform``).
+    Returns one Captioned per image (a single one for a single image): the caption, its score, the
+    attention maps ``alphas`` (T, H*W) on ``grid``; an image given in memory is kept in ``image`` for
+    ``show_attention``. ``decode`` holds ``Captioner.generate`` options (method, beam_size, max_len, ...).
+    Raises ImageError for a file that cannot be read, TypeError or ValueError for another kind of object.
+    """
+    check_range("batch_size", batch_size, 1, kind=int)
+    single = _one_image(images)
+    items = [images] if single else list(images)
+    transform = build_transform(loaded.image_size, train=False)
+    results: list[Captioned] = []
+    for start in range(0, len(items), batch_size):
+        chunk = items[start:start + batch_size]
+        pictures = [load_rgb(item) if isinstance(item, (str, os.PathLike)) else to_rgb(item) for item in chunk]
+        pixels = torch.stack([transform(picture) for picture in pictures])  # (B, 3, S, S)
+        for item, result in zip(chunk, _caption_batch(loaded, pixels, **decode)):
+            if isinstance(item, (str, os.PathLike)):
+                result.path = os.fspath(item)
+            else:
+                result.image = item
+            results.append(result)
+    return results[0] if single else results

@@ -6,7 +6,7 @@ import warnings
 import pytest
 from nltk.translate.bleu_score import sentence_bleu
 
-from captioner.evaluation.bleu import corpus_bleu_scores
+from captioner.evaluation.bleu import corpus_bleu_scores, image_bleu_scores
 
 CAT = "the cat sat on the mat".split()
 CAT_REF = "the cat is on the mat".split()
@@ -75,3 +75,18 @@ def test_strings_instead_of_tokens_raise():
         corpus_bleu_scores({1: [CAT]}, {1: "the cat sat on the mat"})
     with pytest.raises(TypeError, match="lists of tokens"):
         corpus_bleu_scores({1: ["the cat is on the mat"]}, {1: CAT})
+
+
+def test_each_image_alone_is_a_corpus_of_one():
+    refs = {7: [CAT_REF], 8: [CAT, CAT_REF], 9: ["a red circle".split()]}
+    hyps = {9: "a blue circle".split(), 7: CAT, 8: CAT}
+    per_image = image_bleu_scores(refs, hyps)
+    assert list(per_image) == [7, 8, 9]
+    assert per_image[7] == corpus_bleu_scores({7: [CAT_REF]}, {7: CAT})  # the hand-checked example
+    assert per_image[7]["bleu1"] == pytest.approx(5 / 6)
+    assert per_image[8] == pytest.approx({"bleu1": 1.0, "bleu2": 1.0, "bleu3": 1.0, "bleu4": 1.0})
+    assert per_image[9]["bleu1"] == pytest.approx(2 / 3) and per_image[9]["bleu2"] == pytest.approx(0.0, abs=1e-12)
+    corpus = corpus_bleu_scores(refs, hyps)  # pooled counts: not the mean of the images' scores
+    assert corpus["bleu2"] != pytest.approx(sum(s["bleu2"] for s in per_image.values()) / 3)
+    with pytest.raises(ValueError, match="no references"):
+        image_bleu_scores(refs, {5: CAT})

@@ -4,6 +4,7 @@ argument), never a traceback; the good images are still captioned."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -23,15 +24,16 @@ import numpy as np
 import pytest
 import torch
 from matplotlib.patches import Rectangle
+from nltk.translate.bleu_score import sentence_bleu
 from PIL import Image
 
 from captioner import cli
 from captioner.data.shapes import generate_shapes
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import Vocabulary, tokenize
 from captioner.evaluation.cococaption import java_available
 from captioner.model.captioner import build_captioner, load_model, save_bundle
 from captioner.viz import overlay
-from conftest import run_train
+from conftest import ROOT, run_train
 
 CONFIG = {"encoder": {"name": "resnet18"},
           "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
@@ -243,6 +245,65 @@ def test_console_script_streams_and_exit_status(bundles, inputs, tmp_path):
     assert proc.stderr.splitlines() == [f"error: {missing}: file not found"]
 
 
+def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path, monkeypatch, capsys):
+    folder, good, _ = inputs
+    missing = str(tmp_path / "missing.png")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{good[1]}\n\n{missing}\r\n{good[2]}\n"))
+    code = cli.main(["caption", good[0], "-", str(folder / "24_wide.PNG"), "--model", bundles["soft"],
+                     "--max-len", "1", "--workers", "0"])
+    out, err = capsys.readouterr()
+    assert code == 1  # the missing file named on standard input
+    assert [line.split("\t")[0] for line in out.splitlines()] == [good[0], good[1], good[2],
+                                                                  str(folder / "24_wide.PNG")]
+    assert err.splitlines() == [f"error: {missing}: file not found"]
+    assert cli.main(["caption", "-", "-", "--model", bundles["soft"]]) == 2
+    assert "given more than once" in capsys.readouterr().err
+
+
+def test_paths_piped_into_the_command(bundles, inputs):
+    good = inputs[1][:2]
+    proc = subprocess.run([sys.executable, "-m", "captioner.cli", "caption", "-", "--model", bundles["soft"],
+                           "--max-len", "2"], input="\n".join(good) + "\n", capture_output=True, text=True,
+                          timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split("\t")[0] for line in proc.stdout.splitlines()] == good
+
+
+def test_version_and_help_show_every_default_in_plain_text(capsys):
+    from captioner import __version__
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"captioner {__version__}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", __version__)
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in {"": parser, **commands}.items():
+        assert cli.main([name, "--help"] if name else ["--help"]) == 0
+        text = capsys.readouterr().out
+        assert "`" not in text, (name, text)  # no reStructuredText markup
+        flat = " ".join(text.split())
+        for action in sub._actions:
+            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                shown = f"(default: {action.default})"
+                assert shown in flat, (name, action.option_strings, shown)
+    assert "(default: 0.0)" in " ".join(commands["caption"].format_help().split())  # a zero default too
+
+
+def test_model_takes_a_run_folder(bundles, inputs, tmp_path, capsys):
+    run = tmp_path / "runs" / "2026-01-01_00-00-00"
+    run.mkdir(parents=True)
+    shutil.copy(bundles["soft"], run / "bundle.pt")
+    image = inputs[1][0]
+    common = [image, "--max-len", MAX_LEN, "--workers", "0", "--method", "greedy"]
+    assert cli.main(["caption", *common, "--model", str(run)]) == 0
+    from_folder = capsys.readouterr().out
+    assert cli.main(["caption", *common, "--model", str(run / "bundle.pt")]) == 0
+    assert from_folder == capsys.readouterr().out and from_folder.startswith(image)
+    (run / "bundle.pt").unlink()
+    assert cli.main(["caption", *common, "--model", str(run)]) == 2
+    _one_error_line(capsys.readouterr().err, run, "is a folder without bundle.pt")
+
+
 # ------------------------------------------------------------------------------------------- attend
 @pytest.fixture
 def figures(monkeypatch) -> list:
@@ -351,7 +412,7 @@ def _other_vocabulary(raw: dict) -> None:
 
 BAD_MODELS: dict[str, tuple[Callable[[str, Path], None] | None, str]] = {
     "missing": (None, "model file not found"),
-    "directory": (lambda bundle, path: path.mkdir(), "is not a file"),
+    "folder without a bundle": (lambda bundle, path: path.mkdir(), "is a folder without bundle.pt"),
     "garbage bytes": (lambda bundle, path: path.write_bytes(os.urandom(4096)), "truncated or corrupt"),
     "text": (lambda bundle, path: path.write_text("hello"), "truncated or corrupt"),
     "truncated": (lambda bundle, path: path.write_bytes(Path(bundle).read_bytes()[:50_000]), "truncated or corrupt"),
@@ -441,6 +502,19 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
     correctness = metrics["attention_correctness"]
     assert correctness["words"] > 0 and 0.0 <= correctness["mean_mass"] <= 1.0
     assert "0-1 scale" in stdout and "nltk BLEU4" in stdout and "attention correctness" in stdout
+    per_image = json.loads((out / "per_image.json").read_text())
+    assert [row["image_id"] for row in per_image] == sorted(expected_ids)
+    captions = {ann["image_id"]: ann["caption"] for ann in results.dataset["annotations"]}
+    references = json.loads((data / "annotations" / "captions_test.json").read_text())["annotations"]
+    for row in per_image:
+        assert set(row) == {"image_id", "file", "caption", "references", "bleu1", "bleu2", "bleu3", "bleu4"}
+        assert row["caption"] == captions[row["image_id"]] and Path(row["file"]).stem == f"{row['image_id']:06d}"
+        assert sorted(row["references"]) == sorted(a["caption"] for a in references
+                                                   if a["image_id"] == row["image_id"])
+        expected = sentence_bleu([tokenize(r) for r in row["references"]], row["caption"].split(), weights=(1.0,))
+        assert row["bleu1"] == pytest.approx(expected) and 0.0 <= row["bleu4"] <= row["bleu1"] <= 1.0
+    assert max(row["bleu1"] for row in per_image) > 0.0
+    assert "per image:" in stdout
     assert cli.main(args) == 2 and "pass --force" in capsys.readouterr().err
 
 
@@ -455,6 +529,121 @@ def test_evaluate_refuses_a_missing_dataset(dataset, message, bundles, tmp_path,
     _one_error_line(capsys.readouterr().err, "", message)
 
 
+# ------------------------------------------------------------------------- COCO evaluation server
+def _image_info(shapes: Path, folder: Path, split: str = "test2014") -> Path:
+    """An image_info file as COCO ships for its test images (images only, no annotations) for the test
+    split of ``shapes``, with the image files under ``folder``; ids out of order as COCO lists them."""
+    folder.mkdir(parents=True)
+    images = []
+    for path in sorted((shapes / "images" / "test").glob("*.png"), reverse=True):
+        name = f"COCO_{split}_{int(path.stem):012d}.png"
+        shutil.copy(path, folder / name)
+        images.append({"id": int(path.stem), "file_name": name, "width": 96, "height": 96,
+                       "license": 1, "coco_url": "", "date_captured": ""})
+    info = {"info": {"description": "test"}, "licenses": [], "images": images,
+            "categories": [{"id": 1, "name": "person", "supercategory": "person"}]}
+    target = folder.parent / f"image_info_{split}.json"
+    target.write_text(json.dumps(info))
+    return target
+
+
+def test_caption_an_image_info_file_for_the_evaluation_server(bundles, shapes, tmp_path, capsys):
+    info = _image_info(shapes, tmp_path / "test2014")
+    out = tmp_path / "server"
+    args = ["caption", "--image-info", str(info), "--images", str(tmp_path / "test2014"), "--out", str(out),
+            "--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0", "--name", "sat-soft"]
+    assert cli.main(args) == 0
+    stdout, err = capsys.readouterr()
+    target = out / "captions_test2014_sat-soft_results.json"
+    assert sorted(out.iterdir()) == [target]
+    assert err.splitlines() == [f"results: {target} (6 images)"]
+    rows = json.loads(target.read_text())
+    ids = [image["id"] for image in json.loads(info.read_text())["images"]]
+    assert sorted(row["image_id"] for row in rows) == sorted(ids)  # every id once
+    for row in rows:
+        assert list(row) == ["image_id", "caption"]  # exactly the server's format
+        assert type(row["image_id"]) is int and isinstance(row["caption"], str)
+        assert len(row["caption"].split()) == 3 and set(row["caption"].split()) <= set(SHAPE_WORDS)
+    printed = dict(line.split("\t") for line in stdout.splitlines())
+    assert {Path(p).name for p in printed} == {i["file_name"] for i in json.loads(info.read_text())["images"]}
+    with contextlib.redirect_stdout(io.StringIO()):
+        from pycocotools.coco import COCO
+
+        accepted = COCO(str(info)).loadRes(str(target))  # pycocotools' own check of a results file
+    assert sorted(accepted.getImgIds()) == sorted(ids)
+
+    assert cli.main(args) == 2  # never overwritten without --force
+    assert "pass --force" in capsys.readouterr().err
+    assert cli.main([*args, "--force", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted(line["image_id"] for line in lines) == sorted(ids)
+
+
+def test_an_unreadable_image_of_an_image_info_file_is_named_and_nothing_written(bundles, shapes, tmp_path,
+                                                                               capsys):
+    info = _image_info(shapes, tmp_path / "val2014", split="val2014")
+    broken = sorted((tmp_path / "val2014").glob("*.png"))[2]
+    broken.write_bytes(broken.read_bytes()[:100])
+    missing = sorted((tmp_path / "val2014").glob("*.png"))[4]
+    missing.unlink()
+    out = tmp_path / "server"
+    for command in ("caption", "evaluate"):
+        code = cli.main([command, "--image-info", str(info), "--images", str(tmp_path / "val2014"), "--out",
+                         str(out), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"])
+        stdout, err = capsys.readouterr()
+        assert code == 1 and "Traceback" not in err
+        lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert lines[0].startswith(f"error: {broken}: truncated or corrupt image data")
+        assert lines[1] == f"error: {missing}: file not found"
+        assert lines[2].startswith("error: 2 of 6 images could not be read") and "not written" in lines[2]
+        assert "captions_val2014_captioner_results.json" in lines[2]
+        assert not out.exists()  # an incomplete file would be refused by the server: none is written
+
+
+def test_evaluate_writes_the_server_file_for_an_image_info_file(bundles, shapes, tmp_path, capsys):
+    info = _image_info(shapes, tmp_path / "test2014")
+    common = ["--images", str(tmp_path / "test2014"), "--model", bundles["soft"], "--max-len", MAX_LEN,
+              "--workers", "0", "--method", "greedy"]
+    assert cli.main(["evaluate", "--image-info", str(info), "--out", str(tmp_path / "a"), *common]) == 0
+    stdout, err = capsys.readouterr()
+    assert stdout == "" and "nothing to score" in err
+    assert cli.main(["caption", "--image-info", str(info), "--out", str(tmp_path / "b"), *common]) == 0
+    capsys.readouterr()
+    name = "captions_test2014_captioner_results.json"
+    assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+    # The file as a captions file: told what it is and what to do instead of "no 'annotations'"
+    assert cli.main(["evaluate", "--coco-captions", str(info), "--out", str(tmp_path / "c"), *common]) == 2
+    _one_error_line(capsys.readouterr().err, info, "has no 'annotations': it lists images without captions")
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--name", "my_model"], "--name 'my_model': use letters, digits and hyphens only"),
+    (["--rename", "test_images.json"], "cannot tell the COCO split from this file name"),
+    (["--drop", "--out"], "--image-info, --images and --out go together"),
+    (["--extra", "photo.jpg"], "give images either as arguments or with --image-info, not both"),
+    (["--duplicate"], "image 1 repeats image id"),
+])
+def test_a_bad_image_info_request_is_one_line_and_exit_2(change, message, bundles, shapes, tmp_path, capsys):
+    info = _image_info(shapes, tmp_path / "test2014")
+    args = ["caption", "--image-info", str(info), "--images", str(tmp_path / "test2014"), "--out",
+            str(tmp_path / "out"), "--model", bundles["soft"]]
+    if change[0] == "--name":
+        args += change
+    elif change[0] == "--rename":
+        args[2] = str(info.rename(info.with_name(change[1])))
+    elif change[0] == "--drop":
+        args = args[:5] + args[7:]
+    elif change[0] == "--extra":
+        args.insert(1, change[1])
+    else:
+        data = json.loads(info.read_text())
+        data["images"][1]["id"] = data["images"][0]["id"]
+        info.write_text(json.dumps(data))
+    assert cli.main(args) == 2
+    _one_error_line(capsys.readouterr().err, "", message)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not java_available(), reason="the coco-caption suite needs java")
 def test_evaluate_runs_the_coco_caption_suite(bundles, shapes, tmp_path, capsys):
@@ -462,11 +651,14 @@ def test_evaluate_runs_the_coco_caption_suite(bundles, shapes, tmp_path, capsys)
     assert cli.main(["evaluate", "--model", bundles["soft"], "--shapes", str(shapes), "--out", str(out),
                      "--method", "greedy", "--max-len", MAX_LEN, "--workers", "0"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
-    suite = metrics["coco_caption"]
-    assert sorted(suite) == ["BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "CIDEr", "METEOR", "ROUGE-L"]
-    assert suite["BLEU-1"] == pytest.approx(metrics["bleu"]["bleu1"], abs=0.01)  # same words, PTB-tokenised
+    suite = metrics["coco_caption"]  # COCOEvalCap's names, beside nltk's "bleu" section
+    assert list(suite) == ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"]
+    assert suite["Bleu_1"] == pytest.approx(metrics["bleu"]["bleu1"], abs=0.01)  # same words, PTB-tokenised
     assert "SPICE is not computed" in metrics["spice"]
     assert "coco METEOR" in capsys.readouterr().out
+    per_image = json.loads((out / "per_image.json").read_text())
+    assert len(per_image) == 6 and all(set(suite) <= set(row) for row in per_image)
+    assert max(row["CIDEr"] for row in per_image) > min(row["CIDEr"] for row in per_image) >= 0.0
 
 
 @pytest.mark.slow

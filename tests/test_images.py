@@ -7,9 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from captioner.data.images import ImageError, load_rgb
+from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.errors import DataError
 
 RED, BLUE, WHITE = (255, 0, 0), (0, 0, 255), (255, 255, 255)
@@ -184,3 +185,17 @@ def test_decompression_bomb_is_refused(tmp_path, monkeypatch, limit):
 def test_image_error_survives_pickling():
     error = pickle.loads(pickle.dumps(ImageError("a/b.jpg", "file is empty")))
     assert str(error) == "a/b.jpg: file is empty" and error.reason == "file is empty"
+
+
+def test_an_image_in_memory_becomes_the_rgb_image_of_its_file(tmp_path):
+    rng = np.random.default_rng(0)
+    grey = Image.fromarray(rng.integers(0, 256, (9, 7), dtype=np.uint8), "L")
+    expected = pixels(save(grey, tmp_path / "grey.png"))
+    levels = torch.from_numpy(np.asarray(grey).copy())[None]  # (1, H, W) uint8
+    for image in (grey, levels, levels.expand(3, -1, -1), levels.double() / 255, levels.float() / 255):
+        converted = to_rgb(image)
+        assert converted.mode == "RGB" and np.asarray(converted).astype(int).tolist() == expected.tolist()
+    with pytest.raises(ValueError, match=r"in \[0, 1\] \(not normalised\), got \[-0.5, 1\]"):
+        to_rgb(torch.tensor([[[-0.5, 1.0]]]))
+    with pytest.raises(TypeError, match="not a ndarray"):
+        to_rgb(np.zeros((3, 4, 4)))

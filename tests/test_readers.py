@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from captioner.data.readers import Box, Record, read_coco, read_karpathy
+from captioner.data.readers import Box, Record, read_coco, read_image_info, read_karpathy
 from captioner.errors import ConfigError, DataError
 
 
@@ -142,7 +142,9 @@ def no_annotations(data):
     (broken_caption, "annotation 1 has 'caption' of type int, expected str"),
     (unknown_image, "annotation 0 has 'image_id' 1234, which no entry of the file defines"),
     (missing_file_name, "image 1 has no 'file_name'"),
-    (no_annotations, "the file has no 'annotations'"),
+    (no_annotations, "the file has no 'annotations': it lists images without captions (an image_info file, as "
+                     "COCO ships for its test images), so there is nothing to score against; write its results "
+                     "file for the evaluation server with --image-info FILE --images DIR --out DIR"),
 ])
 def test_malformed_coco_captions(tmp_path, corrupt, problem):
     path = write(tmp_path / "annotations" / "x.json", corrupt(coco_captions(lambda i: f"{i}.jpg")))
@@ -220,3 +222,20 @@ def test_unknown_split_is_a_config_error(tmp_path):
         read_coco(captions, tmp_path, "restval")
     with pytest.raises(ConfigError):
         read_karpathy(captions, tmp_path, splits=("dev",))
+
+
+def test_read_image_info_lists_every_image_without_captions(tmp_path):
+    info = {"info": {}, "licenses": [], "categories": [],
+            "images": [{"id": 42, "file_name": "COCO_test2014_000000000042.jpg", "width": 640, "height": 480},
+                       {"id": 9, "file_name": "COCO_test2014_000000000009.jpg", "width": 200, "height": 100}]}
+    path = write(tmp_path / "image_info_test2014.json", info)
+    records = read_image_info(path, tmp_path / "test2014")
+    assert records == [Record(str(tmp_path / "test2014" / "COCO_test2014_000000000009.jpg"), 9, (), "test"),
+                       Record(str(tmp_path / "test2014" / "COCO_test2014_000000000042.jpg"), 42, (), "test")]
+    with pytest.raises(DataError, match="has no 'annotations': it lists images without captions"):
+        read_coco(path, tmp_path, "test")  # an image_info file where a captions file was expected
+    info["images"][1]["id"] = 42
+    with pytest.raises(DataError, match="image 1 repeats image id 42"):
+        read_image_info(write(path, info), tmp_path)
+    with pytest.raises(DataError, match="image 0 has no 'file_name'"):
+        read_image_info(write(path, {"images": [{"id": 1}]}), tmp_path)

@@ -160,7 +160,8 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
     folders = sorted(p.name for p in tmp_path.iterdir())
     assert folders == ["run", "run_1", "run_2", "run_3"]
     layouts = sorted(sorted(p.name for p in (tmp_path / name).iterdir()) for name in folders[1:])
-    assert layouts == [[".hydra", "train.log"], [".hydra", "train.log"], ["0", "multirun.yaml"]]
+    # each failed run says so in its folder (FAILED); the sweep's job folder 0 holds its own
+    assert layouts == [[".hydra", "FAILED", "train.log"], [".hydra", "FAILED", "train.log"], ["0", "multirun.yaml"]]
 
 
 # -------------------------------------------------------------------------------------- 2. atomic writes
@@ -355,7 +356,7 @@ def test_a_missing_dataset_file_stops_train_py_before_any_work(tmp_path: Path) -
     proc = run_train(["data=flickr30k", f"paths.data_dir={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"],
                      check=False, timeout=300)
     assert "data.source.split_file=" in error_line(proc) and "dataset_flickr30k.json': file not found" in proc.stderr
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".hydra", "train.log"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".hydra", "FAILED", "config.yaml", "train.log"]
     assert not (tmp_path / "data").exists()
 
 

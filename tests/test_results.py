@@ -10,7 +10,8 @@ import pytest
 import torch
 from pycocotools.coco import COCO
 
-from captioner.evaluation.results import SCALE, write_metrics, write_results
+from captioner.errors import ConfigError
+from captioner.evaluation.results import SCALE, server_results_name, write_metrics, write_results
 
 
 def test_results_are_coco_server_format_sorted_by_image_id(tmp_path):
@@ -63,3 +64,23 @@ def test_metrics_accept_only_their_own_scale_and_refuse_unknown_types(tmp_path):
     with pytest.raises(TypeError, match="'when'"):
         write_metrics(tmp_path / "m.json", {"when": object()})
     assert not (tmp_path / "m.json").exists()
+
+
+@pytest.mark.parametrize("image_list, name, expected", [
+    ("annotations/image_info_test2014.json", "sat-soft", "captions_test2014_sat-soft_results.json"),
+    ("image_info_test-dev2015.json", "captioner", "captions_test-dev2015_captioner_results.json"),
+    ("/data/coco/captions_val2014.json", "Model2", "captions_val2014_Model2_results.json"),
+])
+def test_the_server_results_file_is_named_as_the_server_asks(image_list, name, expected):
+    assert server_results_name(image_list, name) == expected
+
+
+@pytest.mark.parametrize("image_list, name, message", [
+    ("my_test_images.json", "x", "cannot tell the COCO split from this file name"),
+    ("image_info_test2014.json.bak", "x", "cannot tell the COCO split"),
+    ("image_info_test2014.json", "my_model", "use letters, digits and hyphens only"),
+    ("image_info_test2014.json", "", "use letters, digits and hyphens only"),
+])
+def test_a_results_file_name_the_server_would_misread_is_refused(image_list, name, message):
+    with pytest.raises(ConfigError, match=message):
+        server_results_name(image_list, name)

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
+import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
-from captioner.training.validate import validate_config
+from captioner.errors import ConfigError
+from captioner.training.run_folder import mark_failed, print_config_tree
+from captioner.training.validate import check_environment, validate_config
 from conftest import ROOT, run_train, tiny_overrides
 
 CONF = ROOT / "conf"
@@ -53,7 +61,7 @@ def test_every_experiment_composes_validates_and_instantiates(experiment: str, t
     ("data", ["shapes", "coco", "coco_karpathy", "flickr8k", "flickr30k"]),
     ("model", ["soft", "hard"]),
     ("trainer", ["cpu", "gpu", "ddp", "ddp_cpu", "multi_node"]),
-    ("logger", ["csv", "tensorboard", "none"]),
+    ("logger", ["csv", "tensorboard", "wandb", "mlflow", "none"]),
 ])
 def test_every_group_option_composes_and_validates(group: str, options: list[str], tmp_path: Path) -> None:
     for option in options:
@@ -83,10 +91,142 @@ def test_a_user_error_is_one_line_on_stderr_and_exit_2(tmp_path: Path) -> None:
     proc = run_train(["model.decoding.beam_size=0", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: model.decoding.beam_size=0 must be >= 1"]
+    (run,) = (tmp_path / "train" / "runs").iterdir()  # the failed run's folder says why it failed
+    assert (run / "FAILED").read_text() == "model.decoding.beam_size=0 must be >= 1\n"
+    assert "[ERROR] - run failed: model.decoding.beam_size=0 must be >= 1" in (run / "train.log").read_text()
+    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["decoding"]["beam_size"] == 0
     proc = run_train([f"ckpt_path={tmp_path / 'missing.ckpt'}", f"paths.log_dir={tmp_path}"], check=False,
                      timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "does not exist" in proc.stderr
+
+
+def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
+    from captioner.data.vocab import Vocabulary
+    from captioner.model.captioner import build_captioner, save_bundle
+
+    vocab = Vocabulary(["a", "circle"])
+    config = {"encoder": {"name": "resnet18"}, "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8}}
+    save_bundle(tmp_path / "bundle.pt", build_captioner(config, len(vocab)), vocab, config, {"image_size": 64})
+    proc = run_train([f"ckpt_path={tmp_path / 'bundle.pt'}", f"paths.log_dir={tmp_path}"], check=False,
+                     timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"error: ckpt_path='{tmp_path / 'bundle.pt'}' is an inference bundle (weights for captioning, no "
+        "optimiser or training state); to resume a run give its folder or its checkpoints/last.ckpt"]
+
+
+def test_the_config_is_printed_as_a_tree_and_saved(tmp_path: Path, monkeypatch, capsys) -> None:
+    plain = OmegaConf.to_container(compose_cfg([], tmp_path), resolve=True)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # rich is not installed
+    print_config_tree(plain, tmp_path / "run")
+    printed = capsys.readouterr().out
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert printed == f"config (saved as {tmp_path / 'run' / 'config.yaml'}):\n{saved}\n"
+    assert yaml.safe_load(saved) == plain  # resolved: no ${...} left
+    assert "${" not in saved
+    sections = [line.split(":")[0] for line in saved.splitlines() if line and not line.startswith(" ")]
+    assert sections[:6] == ["data", "model", "trainer", "callbacks", "logger", "paths"]
+    assert set(sections) == set(plain)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a DDP worker neither prints nor writes
+    print_config_tree(plain, tmp_path / "worker")
+    assert capsys.readouterr().out == "" and not (tmp_path / "worker").exists()
+
+
+def test_the_config_tree_is_drawn_with_rich_when_installed(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("rich")
+    plain = OmegaConf.to_container(compose_cfg([], tmp_path), resolve=True)
+    print_config_tree(plain, tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [f"config (saved as {tmp_path / 'config.yaml'}):", "config"]
+    branches = [line[4:].split(":")[0].strip() for line in lines if line.startswith(("├── ", "└── "))]
+    first = ["data", "model", "trainer", "callbacks", "logger", "paths"]
+    assert branches == first + [key for key in plain if key not in first]
+    assert any("beam_size: 3" in line for line in lines) and "seed: 0" in " ".join(lines)
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == plain
+
+
+def test_a_crash_or_interrupt_marks_the_run_failed(tmp_path: Path) -> None:
+    import train
+
+    assert train.stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore")) == \
+        "RuntimeError: CUDA out of memory. Tried to allocate"
+    assert train.stop_reason(KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
+    assert train.stop_reason(SystemExit(1)) == "stopped with exit status 1"
+    assert train.stop_reason(SystemExit(0)) is None
+    log_file = tmp_path / "train.log"
+    handler = logging.FileHandler(log_file)
+    logging.getLogger().addHandler(handler)
+    try:
+        mark_failed(tmp_path, "RuntimeError: boom")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    assert (tmp_path / "FAILED").read_text() == "RuntimeError: boom\n"
+    assert log_file.read_text() == "run failed: RuntimeError: boom\n"
+
+
+def test_a_logger_whose_package_is_missing_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    plain = OmegaConf.to_container(compose_cfg(["logger=wandb"], tmp_path), resolve=True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "wandb" else real(name))
+    with pytest.raises(ConfigError, match=r'logger.wandb needs the wandb package, which is not installed: '
+                                          r'pip install -e "\.\[wandb\]"'):
+        check_environment(plain)
+
+
+def test_finish_wandb_closes_an_open_run_only(monkeypatch) -> None:
+    import train
+
+    finished = []
+    fake = types.SimpleNamespace(run=None, finish=lambda exit_code: finished.append(exit_code))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    train.finish_wandb(failed=False)
+    fake.run = object()
+    train.finish_wandb(failed=True)
+    assert finished == [1]
+
+
+def _short_run(tiny_shapes: Path, tmp_path: Path, logger: list[str]) -> list[str]:
+    """A training run of two steps and one validation, with ``logger`` instead of the CSV logger."""
+    base = [o for o in tiny_overrides(tiny_shapes, tmp_path) if o != "logger=csv"]
+    return [*base, *logger, "trainer.max_epochs=1", "+trainer.limit_train_batches=2", "trainer.log_every_n_steps=1",
+            "test=false"]
+
+
+@pytest.mark.slow
+def test_wandb_logger_offline(tiny_shapes: Path, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("wandb")
+    import train
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    cfg = compose_cfg(_short_run(tiny_shapes, tmp_path, ["logger=wandb", "logger.wandb.offline=true"]), tmp_path)
+    try:
+        train.train(cfg)
+    finally:
+        train.finish_wandb(failed=False)
+    (run,) = (Path(cfg.paths.output_dir) / "wandb").glob("offline-run-*")
+    (log_file,) = run.glob("run-*.wandb")
+    history = log_file.read_bytes()
+    assert b"val/bleu4" in history and b"train/loss" in history  # what Lightning logged, kept offline
+
+
+@pytest.mark.slow
+def test_mlflow_logger_to_a_local_folder(tiny_shapes: Path, tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    import train
+    from mlflow.tracking import MlflowClient
+
+    cfg = compose_cfg(_short_run(tiny_shapes, tmp_path, ["logger=mlflow"]), tmp_path)
+    train.train(cfg)
+    client = MlflowClient(cfg.logger.mlflow.tracking_uri)
+    assert cfg.logger.mlflow.tracking_uri == f"sqlite:///{tmp_path}/mlflow/mlflow.db"
+    (run,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+    metrics = json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
+    assert run.data.metrics["val/bleu4"] == pytest.approx(metrics["val/bleu4"])
+    assert run.data.tags["run_folder"] == cfg.paths.output_dir
+    assert run.info.status == "FINISHED"
 
 
 @pytest.mark.parametrize("extra", [
@@ -102,6 +242,7 @@ def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path) -> No
     train.train(cfg)
     out = Path(cfg.paths.output_dir)
     assert (out / "bundle.pt").is_file()
+    assert yaml.safe_load((out / "config.yaml").read_text()) == OmegaConf.to_container(cfg, resolve=True)
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0.0 <= metrics["val/bleu1"] <= 1.0
 
@@ -110,7 +251,8 @@ def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path) -> No
 def test_training_improves_bleu_far_above_an_untrained_model(tiny_shapes: Path, tmp_path: Path) -> None:
     base = tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache")
     untrained = run_train([*base, "train=false", "test=false", "hydra.run.dir=" + str(tmp_path / "untrained")])
-    trained = run_train([*base, "trainer.max_epochs=12", "test=false", "callbacks.early_stopping=null"])
+    trained = run_train([*base, "trainer.max_epochs=12", "test=false", "callbacks.early_stopping=null",
+                         "trainer.enable_progress_bar=true"])
     before = json.loads((tmp_path / "untrained" / "metrics.json").read_text())
     after = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert before["val/bleu4"] < 0.05
@@ -118,6 +260,10 @@ def test_training_improves_bleu_far_above_an_untrained_model(tiny_shapes: Path, 
     assert after["val/bleu1"] > before["val/bleu1"] + 0.3
     assert "inference bundle:" in trained.stdout and "BLEU-4" in trained.stdout
     assert after["val/attention_correctness"] > 0.0
+    assert re.search(r"val/bleu4(=|: )0\.\d{3}\b", trained.stdout)  # in the progress bar (tqdm's or rich's)
+    output = trained.stdout + trained.stderr
+    assert "GPU available" in output  # Lightning's own messages stay, its advertisement and torch's
+    assert "litlogger" not in output and "LeafSpec" not in output  # deprecation of Lightning's code go
 
 
 @pytest.mark.slow

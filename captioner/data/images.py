@@ -1,4 +1,5 @@
-"""Decode any image file Pillow can read into an 8-bit RGB image, or fail with one clear line."""
+"""Decode any image file Pillow can read into an 8-bit RGB image, or fail with one clear line; bring an
+image given in memory (a PIL image or an image tensor) to the same form."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
+from torchvision.transforms.v2.functional import to_pil_image
 
 from captioner.errors import DataError
 
@@ -51,6 +54,32 @@ def load_rgb(path: str | Path) -> Image.Image:
         raise ImageError(path, "permission denied") from None
     except Exception as exc:  # Pillow's decoders raise OSError, SyntaxError, ValueError, EOFError, ...
         raise ImageError(path, f"truncated or corrupt image data ({_first_line(exc)})") from None
+
+
+def to_rgb(image: Image.Image | torch.Tensor) -> Image.Image:
+    """An image given in memory as the 8-bit RGB image ``load_rgb`` would give for its file.
+
+    A PIL image of any mode is converted as ``load_rgb`` converts a decoded file (upright by its EXIF
+    orientation). A tensor is a torchvision image, not normalised: (3, H, W) or (1, H, W), uint8 in
+    [0, 255] or floating point in [0, 1]. Raises TypeError for another kind of object and ValueError for a
+    tensor of another shape or range.
+    """
+    if isinstance(image, Image.Image):
+        return _to_rgb(ImageOps.exif_transpose(image))
+    if not isinstance(image, torch.Tensor):
+        raise TypeError(f"an image is a file path, a PIL image or a tensor, not a {type(image).__name__}")
+    if image.dim() != 3 or image.size(0) not in (1, 3) or image.size(1) == 0 or image.size(2) == 0:
+        raise ValueError(f"an image tensor is (3, H, W) or (1, H, W), got {tuple(image.shape)}")
+    image = image.detach().cpu()
+    if image.is_floating_point():
+        low, high = float(image.min()), float(image.max())
+        if not (0.0 <= low and high <= 1.0):
+            raise ValueError(f"a floating-point image tensor holds values in [0, 1] (not normalised), got "
+                             f"[{low:.3g}, {high:.3g}]")
+        image = (image.double() * 255.0).round().to(torch.uint8)  # the nearest level, as for 16-bit files
+    elif image.dtype != torch.uint8:
+        raise ValueError(f"an image tensor is uint8 or floating point, got {image.dtype}")
+    return to_pil_image(image.expand(3, -1, -1))
 
 
 def _check_file(path: Path) -> None:

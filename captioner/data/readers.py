@@ -63,6 +63,23 @@ def read_coco(captions_file: str | Path, image_dir: str | Path, split: str,
     return records
 
 
+def read_image_info(info_file: str | Path, image_dir: str | Path) -> list[Record]:
+    """Records without captions of every image a COCO image list names, sorted by image id.
+
+    The file is an ``image_info`` file as COCO ships for its test images (``image_info_test2014.json``:
+    ``images`` with ``id`` and ``file_name``, no annotations); a captions file also works (its captions are
+    not read). Raises DataError for a missing or malformed file, or an image id listed twice.
+    """
+    data = _read_object(info_file, "COCO image list")
+    _check_images(data, info_file, {"file_name": str})
+    records: dict[int, Record] = {}
+    for index, image in enumerate(data["images"]):
+        if image["id"] in records:
+            _fail(info_file, f"image {index} repeats image id {image['id']}")
+        records[image["id"]] = Record(str(Path(image_dir) / image["file_name"]), image["id"], (), "test")
+    return [record for _, record in sorted(records.items())]
+
+
 def read_karpathy(split_file: str | Path, image_root: str | Path,
                   splits: Sequence[str] = SPLITS, restval_as_train: bool = True) -> list[Record]:
     """Records of a Karpathy split file (``dataset_coco.json``, ``dataset_flickr8k.json``, ...).
@@ -140,6 +157,10 @@ def _coco_index(path: str | Path, what: str, check: Callable[[dict, str | Path],
 def _check_captions(data: dict, path: str | Path) -> None:
     """Raise DataError unless ``data`` has the structure of a COCO captions file."""
     image_ids = _check_images(data, path, {"file_name": str})
+    if "annotations" not in data:
+        _fail(path, "the file has no 'annotations': it lists images without captions (an image_info file, "
+                    "as COCO ships for its test images), so there is nothing to score against; write its "
+                    "results file for the evaluation server with --image-info FILE --images DIR --out DIR")
     for index, ann in enumerate(_field(data, "annotations", list, "the file", path)):
         where = f"annotation {index}"
         _field(ann, "id", int, where, path)

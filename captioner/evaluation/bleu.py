@@ -28,6 +28,26 @@ def scored_ids(references: Mapping[int, Sequence], hypotheses: Mapping[int, obje
     return sorted(hypotheses)
 
 
+def _checked(references: Mapping[int, list[list[str]]], hypotheses: Mapping[int, list[str]]
+             ) -> tuple[list[int], list[list[list[str]]], list[list[str]]]:
+    """The scored image ids with their references and hypotheses, in id order; see ``corpus_bleu_scores``."""
+    image_ids = scored_ids(references, hypotheses)
+    list_of_references = [references[i] for i in image_ids]
+    hyps = [hypotheses[i] for i in image_ids]
+    for image_id, refs, hyp in zip(image_ids, list_of_references, hyps):
+        if not isinstance(hyp, list) or any(not isinstance(ref, list) for ref in refs):
+            raise TypeError(f"image {image_id}: captions must be lists of tokens, not strings")
+    return image_ids, list_of_references, hyps
+
+
+def _bleu(list_of_references: list[list[list[str]]], hyps: list[list[str]]) -> dict[str, float]:
+    """``{"bleu1": ..., "bleu4": ...}`` of nltk's corpus BLEU, its zero-count warnings suppressed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scores = corpus_bleu(list_of_references, hyps, weights=list(BLEU_WEIGHTS))
+    return {f"bleu{n}": float(score) for n, score in enumerate(scores, start=1)}
+
+
 def corpus_bleu_scores(references: dict[int, list[list[str]]],
                        hypotheses: dict[int, list[str]]) -> dict[str, float]:
     """Corpus BLEU-1..4 in [0, 1] of tokenised ``hypotheses`` against tokenised ``references``.
@@ -41,13 +61,17 @@ def corpus_bleu_scores(references: dict[int, list[list[str]]],
     Raises ValueError when there is nothing to score, or when an image of ``hypotheses`` has no
     references; TypeError when a caption is a string instead of a token list.
     """
-    image_ids = scored_ids(references, hypotheses)
-    list_of_references = [references[i] for i in image_ids]
-    hyps = [hypotheses[i] for i in image_ids]
-    for image_id, refs, hyp in zip(image_ids, list_of_references, hyps):
-        if not isinstance(hyp, list) or any(not isinstance(ref, list) for ref in refs):
-            raise TypeError(f"image {image_id}: captions must be lists of tokens, not strings")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        scores = corpus_bleu(list_of_references, hyps, weights=list(BLEU_WEIGHTS))
-    return {f"bleu{n}": float(score) for n, score in enumerate(scores, start=1)}
+    _, list_of_references, hyps = _checked(references, hypotheses)
+    return _bleu(list_of_references, hyps)
+
+
+def image_bleu_scores(references: dict[int, list[list[str]]],
+                      hypotheses: dict[int, list[str]]) -> dict[int, dict[str, float]]:
+    """BLEU-1..4 of each image alone (its hypothesis against its references), as ``corpus_bleu_scores``
+    computes them for a corpus of one image: image id -> ``{"bleu1": ..., "bleu4": ...}``.
+
+    Without smoothing, an image whose hypothesis shares no n-gram of some order with its references
+    scores 0 from that order up. Raises as ``corpus_bleu_scores`` does.
+    """
+    image_ids, list_of_references, hyps = _checked(references, hypotheses)
+    return {i: _bleu([refs], [hyp]) for i, refs, hyp in zip(image_ids, list_of_references, hyps)}

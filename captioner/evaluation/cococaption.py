@@ -30,6 +30,9 @@ SPICE_NOTE = (
     "pycocoevalcap.spice.spice.Spice on a networked machine to add it."
 )
 
+# The names of pycocoevalcap's COCOEvalCap (its ``eval`` and ``imgToEval`` keys), SPICE aside.
+METRICS = ("Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr")
+
 JAVA_MISSING = (
     "the coco-caption scorer needs Java: its PTB tokeniser and METEOR run `java`, and no working "
     "`java` was found on PATH; install a Java runtime (e.g. openjdk-17-jre-headless) or use the "
@@ -105,16 +108,17 @@ def _start_meteor() -> Meteor:
         raise CaptionerError(f"METEOR could not start java: {exc}") from None
 
 
-def _meteor_score(meteor: Meteor, gts: dict[int, list[str]], res: dict[int, list[str]]) -> float:
-    """Corpus METEOR of tokenised captions from a started :class:`Meteor`."""
+def _meteor_scores(meteor: Meteor, gts: dict[int, list[str]],
+                   res: dict[int, list[str]]) -> tuple[float, list[float]]:
+    """Corpus and per-image METEOR of tokenised captions from a started :class:`Meteor`."""
     try:
-        score, _ = meteor.compute_score(gts, res)
+        score, scores = meteor.compute_score(gts, res)
     except (ValueError, OSError) as exc:
         meteor.meteor_p.kill()
         stderr = meteor.meteor_p.stderr.read().decode("utf-8", errors="replace").strip()
         last = stderr.splitlines()[-1] if stderr else str(exc)
         raise CaptionerError(f"METEOR (java) failed: {last}") from None
-    return float(score)
+    return float(score), [float(s) for s in scores]
 
 
 def _stop_meteor(meteor: Meteor) -> None:
@@ -126,14 +130,16 @@ def _stop_meteor(meteor: Meteor) -> None:
     meteor.meteor_p.wait()
 
 
-def coco_caption_scores(references: dict[int, list[str]],
-                        hypotheses: dict[int, str]) -> dict[str, float]:
+def coco_caption_scores(references: dict[int, list[str]], hypotheses: dict[int, str]
+                        ) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
     """Score raw ``hypotheses`` (image id -> caption) against raw ``references`` (image id -> captions).
 
     Only the images in ``hypotheses`` are scored, each against all of its references (``references``
-    may hold more images). Returns ``{"BLEU-1".."BLEU-4", "METEOR", "ROUGE-L", "CIDEr"}`` as floats on
-    the 0-1 scale (CIDEr is not bounded by 1); SPICE is skipped, see :data:`SPICE_NOTE`. CIDEr's idf
-    comes from the scored references, so it needs several images to be meaningful.
+    may hold more images). Returns the corpus scores and the scores of each image, both named as
+    pycocoevalcap's ``COCOEvalCap`` names them (its ``eval`` and ``imgToEval``, :data:`METRICS`:
+    ``Bleu_1``..``Bleu_4``, ``METEOR``, ``ROUGE_L``, ``CIDEr``), as floats on the 0-1 scale (CIDEr is not
+    bounded by 1); SPICE is skipped, see :data:`SPICE_NOTE`. CIDEr's idf comes from the scored
+    references, so it needs several images to be meaningful.
 
     Raises ValueError for no hypotheses or an image without references, TypeError for a caption
     that is not a string, and CaptionerError when Java is missing or a java scorer fails.
@@ -150,14 +156,14 @@ def coco_caption_scores(references: dict[int, list[str]],
     meteor = _start_meteor()
     try:
         gts, res = _tokenize(refs, hyps)
-        bleu, _ = Bleu(4).compute_score(gts, res, verbose=0)
-        rouge, _ = Rouge().compute_score(gts, res)
-        cider, _ = Cider().compute_score(gts, res)
-        meteor_score = _meteor_score(meteor, gts, res)
+        bleu, bleu_per_image = Bleu(4).compute_score(gts, res, verbose=0)
+        rouge, rouge_per_image = Rouge().compute_score(gts, res)
+        cider, cider_per_image = Cider().compute_score(gts, res)
+        meteor_score, meteor_per_image = _meteor_scores(meteor, gts, res)
     finally:
         _stop_meteor(meteor)
-    scores = {f"BLEU-{n}": float(b) for n, b in enumerate(bleu, start=1)}
-    scores["METEOR"] = meteor_score
-    scores["ROUGE-L"] = float(rouge)
-    scores["CIDEr"] = float(cider)
-    return scores
+    corpus = dict(zip(METRICS, [*bleu, meteor_score, rouge, cider]))
+    columns = [*bleu_per_image, meteor_per_image, rouge_per_image, cider_per_image]  # each in gts order
+    per_image = {i: {name: float(column[row]) for name, column in zip(METRICS, columns)}
+                 for row, i in enumerate(gts)}
+    return {name: float(value) for name, value in corpus.items()}, per_image

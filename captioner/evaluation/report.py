@@ -1,4 +1,5 @@
-"""Evaluate a model on a dataset split: decode every image once, score, write results and metrics JSON."""
+"""Evaluate a model on a dataset split: decode every image once, score, write results, metrics and the
+scores of each image as JSON."""
 
 from __future__ import annotations
 
@@ -9,23 +10,31 @@ from captioner.data.dataset import Skipped
 from captioner.data.readers import Record
 from captioner.data.vocab import tokenize
 from captioner.errors import DataError
-from captioner.evaluation.bleu import corpus_bleu_scores
+from captioner.evaluation.bleu import corpus_bleu_scores, image_bleu_scores
 from captioner.evaluation.cococaption import SPICE_NOTE, coco_caption_scores, java_available
 from captioner.evaluation.correctness import AttentionCorrectness
 from captioner.evaluation.results import SCALE, write_metrics, write_results
+from captioner.fileio import write_json
 from captioner.inference import caption_files
 from captioner.model.captioner import LoadedModel
+
+RESULTS_FILE = "results.json"
+METRICS_FILE = "metrics.json"
+PER_IMAGE_FILE = "per_image.json"
 
 
 def evaluate_split(loaded: LoadedModel, records: Sequence[Record], out_dir: Path, batch_size: int = 32,
                    workers: int = 0, coco: bool = True, progress: bool = False, **decode
                    ) -> tuple[dict, list[Skipped]]:
-    """Decode ``records`` and write ``results.json`` (COCO server format) and ``metrics.json`` to ``out_dir``.
+    """Decode ``records``; write ``results.json`` (COCO server format), ``metrics.json`` and ``per_image.json``.
 
-    Every image is decoded once and scored against all its references: nltk BLEU-1..4 always, the
-    coco-caption suite when ``coco`` and Java is present, attention correctness where records have
-    boxes. Unreadable images are left out (counted in ``skipped_images``). Returns the metrics, with a
-    printable ``table`` (scores are fractions in [0, 1]), and the unreadable images.
+    Every image is decoded once and scored against all its references: nltk BLEU-1..4 always (the
+    project's ``bleu1``..``bleu4``), the coco-caption suite when ``coco`` and Java is present (named as
+    ``COCOEvalCap`` names them: ``Bleu_1``..``Bleu_4``, ``METEOR``, ``ROUGE_L``, ``CIDEr``), attention
+    correctness where records have boxes. ``per_image.json`` lists every decoded image, sorted by id, with
+    its file, caption, references and the same scores for it alone (``COCOEvalCap.imgToEval``'s), to sort
+    and read the worst captions. Unreadable images are left out (counted in ``skipped_images``). Returns the
+    metrics, with a printable ``table`` (scores are fractions in [0, 1]), and the unreadable images.
     Raises DataError when there are no records or none could be decoded.
     """
     if not records:
@@ -45,20 +54,28 @@ def evaluate_split(loaded: LoadedModel, records: Sequence[Record], out_dir: Path
     if not captions:
         raise DataError(f"none of the {len(by_path)} images could be decoded")
     hypotheses = {i: " ".join(w) for i, w in captions.items()}
-    write_results(out_dir / "results.json", hypotheses)
+    write_results(out_dir / RESULTS_FILE, hypotheses)
     scored = [r for r in records if r.image_id in captions]
+    references = {r.image_id: [tokenize(c) for c in r.captions] for r in scored}
     metrics: dict = {"scale": SCALE, "images": len(scored), "skipped_images": len(skipped),
                      "decoding": decode}
-    metrics["bleu"] = corpus_bleu_scores({r.image_id: [tokenize(c) for c in r.captions] for r in scored},
-                                         captions)
+    metrics["bleu"] = corpus_bleu_scores(references, captions)
+    per_image = {r.image_id: {"image_id": r.image_id, "file": r.image_path, "caption": hypotheses[r.image_id],
+                              "references": list(r.captions)} for r in scored}
+    for image_id, scores in image_bleu_scores(references, captions).items():
+        per_image[image_id].update(scores)
     if coco and java_available():
-        metrics["coco_caption"] = coco_caption_scores({r.image_id: list(r.captions) for r in scored}, hypotheses)
+        suite, suite_per_image = coco_caption_scores({r.image_id: list(r.captions) for r in scored}, hypotheses)
+        metrics["coco_caption"] = suite
         metrics["spice"] = SPICE_NOTE
+        for image_id, scores in suite_per_image.items():
+            per_image[image_id].update(scores)
     elif coco:
         metrics["coco_caption"] = "skipped: Java was not found (pycocoevalcap needs java on PATH)"
     if correctness.words:
         metrics["attention_correctness"] = correctness.compute()
-    write_metrics(out_dir / "metrics.json", metrics)
+    write_metrics(out_dir / METRICS_FILE, metrics)
+    write_json(out_dir / PER_IMAGE_FILE, [per_image[i] for i in sorted(per_image)])
     metrics["table"] = format_table(metrics, out_dir)
     return metrics, skipped
 
@@ -78,6 +95,7 @@ def format_table(metrics: dict, out_dir: Path) -> str:
         ac = metrics["attention_correctness"]
         lines.append(f"  attention correctness {ac['mean_mass']:.3f} over {ac['words']} object words "
                      f"(uniform attention would give {ac['uniform_mass']:.3f})")
-    lines.append(f"results: {out_dir / 'results.json'}")
-    lines.append(f"metrics: {out_dir / 'metrics.json'}")
+    lines.append(f"results:   {out_dir / RESULTS_FILE}")
+    lines.append(f"metrics:   {out_dir / METRICS_FILE}")
+    lines.append(f"per image: {out_dir / PER_IMAGE_FILE}")
     return "\n".join(lines)

@@ -9,11 +9,33 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import re
+from pathlib import Path
 from typing import Any, Mapping
 
+from captioner.errors import ConfigError
 from captioner.fileio import write_json
 
 SCALE = "0-1 (multiply by 100 for the paper's tables)"
+_COCO_FILE = re.compile(r"(?:image_info|captions)_(?P<split>[A-Za-z0-9-]+)\.json")
+_ALGORITHM = re.compile(r"[A-Za-z0-9-]+")
+
+
+def server_results_name(image_list: str | os.PathLike, name: str) -> str:
+    """``captions_<split>_<name>_results.json``, the file name the COCO evaluation server asks for.
+
+    The split (``test2014``, ``val2014``, ...) comes from the name of the COCO file listing the images
+    (``image_info_test2014.json``, ``captions_val2014.json``). Raises ConfigError for another file name, or a
+    ``name`` that is not letters, digits and hyphens (the server splits the file name at underscores).
+    """
+    match = _COCO_FILE.fullmatch(Path(image_list).name)
+    if match is None:
+        raise ConfigError(f"{image_list}: cannot tell the COCO split from this file name; keep the name COCO "
+                          "gives it (image_info_test2014.json, captions_val2014.json, ...)")
+    if not _ALGORITHM.fullmatch(name):
+        raise ConfigError(f"--name {name!r}: use letters, digits and hyphens only (the evaluation server reads "
+                          "the results file name as captions_<split>_<name>_results.json)")
+    return f"captions_{match['split']}_{name}_results.json"
 
 
 def write_results(path: str | os.PathLike, captions: dict[int, str]) -> None:

@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -26,8 +27,12 @@ from captioner.model.decoding import Generation, beam_search, greedy, sample
 from captioner.model.encoder import Encoder
 from captioner.model.self_attention import SelfAttentionStack
 
+if TYPE_CHECKING:
+    from captioner.inference import Captioned, Images
+
 BUNDLE_FORMAT = "captioner-bundle"
 BUNDLE_VERSION = 1
+BUNDLE_NAME = "bundle.pt"  # the bundle's file name in a training run's folder
 METHODS = ("greedy", "sample", "beam")
 _SECTIONS = ("encoder", "feature_norm", "self_attention", "decoder")
 _SELF_ATTENTION_KEYS = ("blocks", "heads", "positional")
@@ -371,14 +376,32 @@ class LoadedModel:
     config: dict  # the model config (``build_captioner``'s)
     image_size: int  # images are resized to image_size x image_size, as in training
 
+    def caption(self, images: Images, batch_size: int = 32, **decode: object) -> Captioned | list[Captioned]:
+        """Caption image files, PIL images or image tensors; see :func:`captioner.inference.caption_images`.
+
+        One image gives one :class:`~captioner.inference.Captioned` (``.caption``, ``.score``, ``.alphas``
+        (T, H*W) on ``.grid``), a list or a batch tensor (B, 3, H, W) a list of them. ``decode`` holds
+        ``Captioner.generate`` options (method, beam_size, max_len, ...).
+        """
+        from captioner.inference import caption_images  # inference builds on this module
+
+        return caption_images(self, images, batch_size, **decode)
+
 
 def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedModel:
-    """Load an inference bundle (``save_bundle``) or a Lightning checkpoint written by training.
+    """Load an inference bundle (``save_bundle``), a Lightning checkpoint written by training, or the
+    bundle of a training run's folder (``<run>/bundle.pt``).
 
     Both are read with ``weights_only=True``. Raises BundleError (one line naming the file) for a
     missing, truncated or foreign file, one carrying pickled code, a vocabulary, config or weights
-    that do not fit together, or a file without the image size the model was trained with.
+    that do not fit together, a file without the image size the model was trained with, or a run
+    folder without a bundle.
     """
+    if os.path.isdir(path):
+        folder, path = path, os.path.join(path, BUNDLE_NAME)
+        if not os.path.isfile(path):
+            raise BundleError(f"{folder} is a folder without {BUNDLE_NAME} (a run writes it when training ends); "
+                              "give a run folder that finished, or one of its checkpoints/*.ckpt files")
     raw = load_torch(path, what="model file", map_location=map_location)
     if isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT:
         where = f"bundle {path}"

@@ -291,7 +291,7 @@ class CaptionerModule(L.LightningModule):
             log.warning("no %s image could be decoded: BLEU not computed", split)
             return
         for name, value in corpus_bleu_scores(references, hypotheses).items():
-            self.log(f"{split}/{name}", value)
+            self.log(f"{split}/{name}", value, prog_bar=name == "bleu4")
         merged = AttentionCorrectness.merge(correctness)
         if merged.words:
             self.log(f"{split}/attention_correctness", merged.compute()["mean_mass"])

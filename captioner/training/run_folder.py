@@ -1,4 +1,6 @@
-"""A Hydra callback that gives every run a folder of its own before Hydra writes anything into it.
+"""A training run's folder: created new for every run, holding the composed config, marked when the run fails.
+
+A Hydra callback gives every run a folder of its own before Hydra writes anything into it.
 
 Run folders are named by the second the run starts (``conf/hydra/default.yaml``), so two runs started in
 the same second, or a ``hydra.run.dir`` that names an earlier run, would share a folder: the second run
@@ -6,21 +8,37 @@ would rewrite the first one's ``.hydra/`` files, metrics, bundle and checkpoints
 creates the folder first (``fileio.new_folder``): when it already exists the run goes to ``<dir>_1``,
 ``<dir>_2``, ... instead. The DDP worker processes that Lightning starts (``LOCAL_RANK`` > 0) and the
 non-zero ranks of an external launcher reuse the folder of the process that started the run.
+
+The run prints its composed config as a tree and saves it (resolved) as ``config.yaml``; a run that fails
+writes its one-line error into its log file and into ``FAILED``, so a failed run's folder says so.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, read_write
+from omegaconf import DictConfig, OmegaConf, read_write
 
-from captioner.fileio import new_folder
+from captioner.fileio import atomic_write, new_folder
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
+CONFIG_FILE = "config.yaml"  # the composed config, resolved
+FAILED_FILE = "FAILED"  # written by a run that failed: its one-line error
+TREE_ORDER = ("data", "model", "trainer", "callbacks", "logger", "paths")  # printed first, in this order
+
+log = logging.getLogger("train")
+
+
+def first_process() -> bool:
+    """True in the process that started the run (not a DDP worker or a non-zero rank of a launcher)."""
+    return all(os.environ.get(name, "0") == "0" for name in RANK_VARIABLES)
 
 
 class NewRunFolder(Callback):
@@ -40,10 +58,61 @@ def _claim(config: DictConfig, mode: str) -> None:
 
     The folder is also added to Hydra's own overrides, from which each job of a sweep is composed again.
     """
-    if any(os.environ.get(name, "0") != "0" for name in RANK_VARIABLES):
+    if not first_process():
         return
     HydraConfig.instance().set_config(config)  # resolves ${hydra:...} and ${now:...} in the folder name
     folder = new_folder(config.hydra[mode].dir)
     with read_write(config.hydra):
         config.hydra[mode].dir = str(folder)
         config.hydra.overrides.hydra.append(f"hydra.{mode}.dir={json.dumps(str(folder))}")
+
+
+def _ordered(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's sections in ``TREE_ORDER``, then the rest in their own order."""
+    return {**{key: config[key] for key in TREE_ORDER if key in config},
+            **{key: value for key, value in config.items() if key not in TREE_ORDER}}
+
+
+def print_config_tree(config: Mapping[str, Any], folder: str | os.PathLike) -> None:
+    """Print the resolved config ``config`` (plain data) as a tree and save it as ``folder/config.yaml``.
+
+    The tree is drawn with rich when it is installed (one branch per section, as the Lightning-Hydra
+    template does), else printed as YAML under a heading. Only the first process of a run does either.
+    """
+    if not first_process():
+        return
+    ordered = _ordered(config)
+    text = OmegaConf.to_yaml(ordered)
+    with atomic_write(Path(folder) / CONFIG_FILE, "w") as handle:
+        handle.write(text)
+    print(f"config (saved as {Path(folder) / CONFIG_FILE}):", flush=True)
+    if importlib.util.find_spec("rich") is None:
+        print(text, flush=True)
+        return
+    import rich
+    from rich.syntax import Syntax
+    from rich.tree import Tree
+
+    tree = Tree("config")
+    for key, value in ordered.items():
+        if isinstance(value, (dict, list)):
+            tree.add(key).add(Syntax(OmegaConf.to_yaml(value).rstrip("\n"), "yaml", word_wrap=True))
+        else:
+            tree.add(OmegaConf.to_yaml({key: value}).rstrip("\n"))
+    rich.print(tree)
+
+
+def mark_failed(folder: str | os.PathLike, message: str) -> None:
+    """Record that the run in ``folder`` failed: ``message`` (one line) into its log files and ``FAILED``.
+
+    Only the log files get the line (the console has it on stderr already). Only the first process of a
+    run writes.
+    """
+    if not first_process():
+        return
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "run failed: %s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    with atomic_write(Path(folder) / FAILED_FILE, "w") as handle:
+        handle.write(message + "\n")

@@ -9,6 +9,7 @@ on this machine: the dataset files, the vocabulary file, the checkpoint to resum
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from pathlib import Path
 from typing import Any, Callable
@@ -194,7 +195,13 @@ CALLBACK_RULES: dict[str, dict[str, Rule]] = {
 LOGGER_RULES: dict[str, dict[str, Rule]] = {
     "CSVLogger": {"save_dir": _str},
     "TensorBoardLogger": {"save_dir": _str},
+    "WandbLogger": {"save_dir": _str, "offline": _bool, "project": _str_or_none, "name": _str_or_none,
+                    "id": _str_or_none, "group": _str_or_none, "log_model": _choice(True, False, "all")},
+    "MLFlowLogger": {"experiment_name": _str, "run_name": _str_or_none, "tracking_uri": _str_or_none,
+                     "artifact_location": _str_or_none, "log_model": _choice(True, False, "all")},
 }
+# The optional package each logger needs, and the extra of pyproject.toml that installs it.
+LOGGER_PACKAGES: dict[str, str] = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
 SOURCE_RULES: dict[str, dict[str, Rule]] = {
     "CocoSource": {},  # splits: see _check_coco_splits
     "KarpathySource": {"split_file": _str, "image_root": _str, "restval_as_train": _bool},
@@ -315,7 +322,8 @@ def _require(key: str, path: Any, kind: str, hint: str = DATASET_HELP) -> None:
 
 
 def check_environment(cfg: dict[str, Any]) -> None:
-    """Raise ConfigError for a file the config needs that is missing, or an accelerator this machine lacks.
+    """Raise ConfigError for a file the config needs that is missing, a logger's package that is not
+    installed, or an accelerator this machine lacks.
 
     Dataset files (COCO and Karpathy sources), ``data.vocab_file`` and ``ckpt_path`` must exist; the built-in
     dataset's root and the feature cache are created on first use.
@@ -334,6 +342,11 @@ def check_environment(cfg: dict[str, Any]) -> None:
     if cfg["data"].get("vocab_file"):
         _require("data.vocab_file", cfg["data"]["vocab_file"], "file",
                  "a vocabulary JSON file written by Vocabulary.save")
+    for name, node in (cfg.get("logger") or {}).items():
+        package = LOGGER_PACKAGES.get(node["_target_"].rsplit(".", 1)[-1]) if node else None
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"logger.{name} needs the {package} package, which is not installed: "
+                              f"pip install -e \".[{package}]\"")
     if cfg.get("ckpt_path") is not None and not Path(cfg["ckpt_path"]).exists():
         raise ConfigError(f"ckpt_path={cfg['ckpt_path']!r} does not exist")
     accelerator = cfg["trainer"].get("accelerator", "auto")

@@ -1,0 +1,168 @@
+"""The Python API for notebooks: ``from captioner import load_model, show_attention``; ``model.caption`` on
+file paths, PIL images and image tensors gives the same captions and attention as the command line."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+from PIL import Image
+from torchvision.transforms.v2.functional import pil_to_tensor
+
+import captioner
+from captioner.data.images import ImageError
+from captioner.data.vocab import Vocabulary
+from captioner.inference import Captioned, caption_files
+from captioner.model.captioner import build_captioner, save_bundle
+from conftest import ROOT
+
+CONFIG = {"encoder": {"name": "resnet18"},
+          "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
+WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
+IMAGE_SIZE = 96  # resnet18: a 3x3 attention grid
+GREEDY = {"method": "greedy", "max_len": 4}
+
+
+def _bundle(path: Path, mode: str) -> Path:
+    torch.manual_seed(0)
+    vocab = Vocabulary(WORDS)
+    config = {**CONFIG, "decoder": {**CONFIG["decoder"], "mode": mode}}
+    model = build_captioner(config, len(vocab)).eval()
+    with torch.no_grad():
+        model.decoder.classifier.bias[vocab.end_id] = -1e4  # captions of exactly max_len words
+    save_bundle(path, model, vocab, config, preprocess={"image_size": IMAGE_SIZE})
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """A training run's folder holding a (soft attention) bundle."""
+    folder = tmp_path_factory.mktemp("runs") / "2026-01-01_00-00-00"
+    folder.mkdir()
+    _bundle(folder / "bundle.pt", "soft")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(run: Path) -> captioner.LoadedModel:
+    return captioner.load_model(run)  # a run folder means its bundle.pt
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> list[Path]:
+    """Three images of different sizes and modes."""
+    folder = tmp_path_factory.mktemp("photos")
+    paths = []
+    for i, (size, mode) in enumerate((((64, 48), "RGB"), ((40, 90), "L"), ((96, 96), "RGBA"))):
+        torch.manual_seed(i)
+        pixels = (torch.rand(size[1], size[0], 3) * 255).to(torch.uint8).numpy()
+        paths.append(folder / f"{i}.png")
+        Image.fromarray(pixels).convert(mode).save(paths[-1])
+    return paths
+
+
+def test_import_captioner_is_cheap_and_names_its_api():
+    code = "import sys, captioner; print(sorted(m for m in ('torch', 'lightning', 'matplotlib') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.stdout.strip() == "[]", proc.stderr
+    assert {"load_model", "show_attention", "Captioned", "LoadedModel", "__version__"} <= set(dir(captioner))
+    assert captioner.load_model is captioner.model.captioner.load_model
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        captioner.nothing  # noqa: B018
+
+
+def test_a_path_a_pil_image_and_tensors_give_the_same_caption_and_attention(model, photos):
+    image = Image.open(photos[1])
+    rgb = image.convert("RGB")
+    uint8 = pil_to_tensor(rgb)  # (3, H, W) uint8, as torchvision.io.read_image gives
+    results = [model.caption(source, **GREEDY) for source in
+               (photos[1], str(photos[1]), image, uint8, uint8.float() / 255, pil_to_tensor(image.convert("L")))]
+    first = results[0]
+    assert isinstance(first, Captioned) and len(first.words) == 4 and first.caption == " ".join(first.words)
+    assert first.path == str(photos[1]) and first.image is None
+    assert first.alphas.shape == (4, 9) and first.grid == (3, 3)
+    assert torch.allclose(first.alphas.sum(dim=1), torch.ones(4), atol=1e-5)
+    assert isinstance(first.score, float) and first.score < 0  # a summed log-probability
+    for other in results[1:]:
+        assert other.words == first.words
+        assert other.score == pytest.approx(first.score, abs=1e-5)
+        assert torch.allclose(other.alphas, first.alphas, atol=1e-6)
+    assert results[2].path is None and results[2].image is image  # kept for show_attention
+    (files,) = list(caption_files(model, [str(photos[1])], **GREEDY))  # the command line's path
+    assert files.words == first.words and torch.equal(files.alphas, first.alphas)
+
+
+def test_a_list_or_a_batch_tensor_gives_one_result_per_image_in_order(model, photos):
+    one_by_one = [model.caption(p, **GREEDY) for p in photos]
+    batched = model.caption([str(p) for p in photos], batch_size=2, **GREEDY)
+    assert [r.words for r in batched] == [r.words for r in one_by_one]
+    assert [r.path for r in batched] == [str(p) for p in photos]
+    for a, b in zip(batched, one_by_one):
+        assert torch.allclose(a.alphas, b.alphas, atol=1e-5)
+    square = [pil_to_tensor(Image.open(p).convert("RGB").resize((50, 50))) for p in photos]
+    stacked = model.caption(torch.stack(square), **GREEDY)  # (B, 3, H, W)
+    assert [r.words for r in stacked] == [model.caption(t, **GREEDY).words for t in square]
+    assert model.caption([], **GREEDY) == []
+
+
+def test_decoding_options_reach_generate(model, photos):
+    assert len(model.caption(photos[0], method="greedy", max_len=2).words) == 2
+    greedy = model.caption(photos[0], **GREEDY)
+    assert model.caption(photos[0], method="beam", beam_size=1, max_len=4).words == greedy.words  # beam of one
+    with pytest.raises(TypeError, match="no_such_option"):
+        model.caption(photos[0], no_such_option=1)
+
+
+@pytest.mark.parametrize("image, error, message", [
+    (123, TypeError, "not a int"),
+    (torch.rand(2, 3), ValueError, r"\(3, H, W\) or \(1, H, W\), got \(2, 3\)"),
+    (torch.rand(4, 8, 8), ValueError, r"got \(4, 8, 8\)"),
+    (torch.rand(3, 8, 8) * 2 - 1, ValueError, "values in \\[0, 1\\] \\(not normalised\\)"),
+    (torch.zeros(3, 8, 8, dtype=torch.int64), ValueError, "uint8 or floating point"),
+    ("missing.jpg", ImageError, "missing.jpg: file not found"),
+])
+def test_what_cannot_be_captioned_is_one_clear_error(model, image, error, message):
+    with pytest.raises(error, match=message):
+        model.caption(image, **GREEDY)
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_show_attention_draws_one_panel_per_word(mode, photos, tmp_path):
+    model = captioner.load_model(_bundle(tmp_path / f"{mode}.pt", mode))
+    for source in (photos[0], Image.open(photos[0]), pil_to_tensor(Image.open(photos[0]).convert("RGB"))):
+        result = model.caption(source, **GREEDY)
+        fig = captioner.show_attention(result)
+        assert isinstance(fig, Figure)
+        panels = fig.axes[1:1 + len(result.words)]
+        assert len(fig.axes) == 1 + len(result.words) + bool(result.words)  # image, words, colour bar
+        assert [ax.get_title() for ax in panels] == result.words
+        assert fig.get_suptitle() == result.caption
+        marks = [sum(isinstance(p, Rectangle) for p in ax.patches) for ax in panels]
+        assert marks == [1 if mode == "hard" else 0] * len(result.words)  # hard: the attended cell outlined
+        height, width = fig.axes[0].images[0].get_array().shape[:2]
+        assert (width, height) == Image.open(photos[0]).size  # the image itself, not the model's input
+    if mode == "hard":
+        assert result.locations == result.alphas.argmax(dim=1).tolist()
+    result.image = None
+    with pytest.raises(ValueError, match="pass image="):
+        captioner.show_attention(result)
+    assert len(captioner.show_attention(result, image=photos[0]).axes) == 1 + len(result.words) + 1  # + colour bar
+
+
+def test_the_readme_example_runs(run, photos, tmp_path, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Python API.*?```python\n(.*?)```", readme, re.DOTALL).group(1)
+    assert "from captioner import load_model, show_attention" in block
+    shutil.copy(photos[0], tmp_path / "photo.jpg")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(block.replace("outputs/train/runs/<run>", str(run)), namespace)  # noqa: S102
+    assert isinstance(namespace["fig"], Figure)
+    assert (tmp_path / "photo_attention.png").is_file()
