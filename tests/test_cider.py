@@ -39,7 +39,9 @@ def coco_cider(references: list[list[list[str]]], hypotheses: list[list[str]]) -
 def test_equals_pycocoevalcap_per_image_and_for_the_corpus(seed: int) -> None:
     references, hypotheses = random_corpus(seed)
     expected_mean, expected = coco_cider(references, hypotheses)
-    scores = CiderD(references).score(hypotheses, range(len(hypotheses)))
+    cider = CiderD(references)
+    assert len(cider) == len(references)
+    scores = cider.score(hypotheses, range(len(hypotheses)))
     assert scores.dtype == torch.float64 and scores.shape == (len(hypotheses),)
     np.testing.assert_allclose(scores.numpy(), expected, rtol=0, atol=1e-6)
     assert expected.max() > 1.0 and (expected == 0).any()  # the corpus has good and hopeless hypotheses

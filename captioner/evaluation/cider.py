@@ -120,8 +120,13 @@ class CiderD:
         squares = weight.new_zeros(captions, self.n).index_put_((caption, order), weight.square(), accumulate=True)
         return squares.sqrt()
 
+    def __len__(self) -> int:
+        """The number of images in the corpus."""
+        return self.ref_counts.numel()
+
     @property
     def device(self) -> torch.device:
+        """Where the tables are (and the token ids to score must be)."""
         return self.keys.device
 
     def score_ids(self, tokens: Tensor, lengths: Tensor, images: Tensor) -> Tensor:
