@@ -214,7 +214,7 @@ def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
 
 
 def test_scst_settings_are_checked() -> None:
-    from captioner.training.validate import validate_config
+    from captioner.training.validate import check_environment, validate_config
 
     cfg = compose_cfg(["experiment=demo_scst"])
     assert cfg["model"]["objective"] == "scst" and cfg["model"]["scst"] == {"samples": 5, "baseline": "mean"}
@@ -231,6 +231,8 @@ def test_scst_settings_are_checked() -> None:
     bad = {**cfg, "model": {**cfg["model"], "objective": "rl"}}
     with pytest.raises(ConfigError, match="model.objective='rl' is not valid; choose one of: cross_entropy, scst"):
         validate_config(bad)
+    with pytest.raises(ConfigError, match="init_from='/no/such/run' does not exist"):
+        check_environment({**cfg, "init_from": "/no/such/run"})
 
 
 def compose_cfg(overrides: list[str]) -> dict:
