@@ -5,6 +5,7 @@
     python train.py -m model=soft,hard                # a sweep
     python train.py experiment=coco_soft              # the paper's COCO recipe
     python train.py ckpt_path=outputs/train/runs/<run>  # resume a run from its last checkpoint
+    python train.py experiment=demo_scst ckpt_path=outputs/train/runs/<run>  # SCST from that run's model
     python train.py train=false ckpt_path=<.ckpt>     # validate a checkpoint only
 
 Everything is composed from conf/ by Hydra; this file only wires the pieces together. Every run writes
@@ -26,32 +27,12 @@ from typing import NoReturn
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from captioner.errors import CaptionerError, ConfigError
+from captioner.errors import CaptionerError
 
 log = logging.getLogger("train")
-
-
-def resolve_checkpoint(path: str | None) -> str | None:
-    """A checkpoint file, or a run folder whose ``checkpoints/last.ckpt`` is used; checked loadable."""
-    from captioner.fileio import load_torch
-    from captioner.model.captioner import BUNDLE_FORMAT
-
-    if path is None:
-        return None
-    ckpt = Path(path)
-    if ckpt.is_dir():
-        ckpt = ckpt / "checkpoints" / "last.ckpt"
-    checkpoint = load_torch(ckpt, "checkpoint")
-    if isinstance(checkpoint, dict) and checkpoint.get("format") == BUNDLE_FORMAT:
-        raise ConfigError(f"ckpt_path={path!r} is an inference bundle (weights for captioning, no optimiser or "
-                          "training state); to resume a run give its folder or its checkpoints/last.ckpt")
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint \
-            or "pytorch-lightning_version" not in checkpoint:
-        raise ConfigError(f"ckpt_path={path!r}: {ckpt} is not a Lightning checkpoint of this project")
-    return str(ckpt)
 
 
 class _NoTips(logging.Filter):
@@ -88,6 +69,7 @@ def train(cfg: DictConfig) -> float | None:
     from captioner.model.captioner import BUNDLE_NAME
     from captioner.training.checkpoint_io import AtomicCheckpointIO
     from captioner.training.run_folder import print_config_tree
+    from captioner.training.start import model_settings, resolve_start
     from captioner.training.validate import check_environment, validate_config
 
     log_lightning_to_the_run_log()
@@ -100,12 +82,20 @@ def train(cfg: DictConfig) -> float | None:
     print_config_tree(plain, output_dir)
     validate_config(plain)
     check_environment(plain)
-    ckpt_path = resolve_checkpoint(cfg.ckpt_path)
+    start = resolve_start(cfg.ckpt_path, cfg.init_from, cfg.model.objective)
+    ckpt_path = start.resume
     L.seed_everything(cfg.seed, workers=True)
+    if start.model is not None:  # the model of the checkpoint, not of the config
+        with open_dict(cfg):
+            for key, value in model_settings(start.model, plain, output_dir).items():
+                OmegaConf.update(cfg, key, value, merge=False)
+        print_config_tree(OmegaConf.to_container(cfg, resolve=True), output_dir)  # the config that runs
 
     datamodule = instantiate(cfg.data, _convert_="all")
     datamodule.setup("fit")
     module = instantiate(cfg.model, vocab=datamodule.vocab, _convert_="all")
+    if start.init is not None:
+        module.model.load_state_dict(start.model.model.state_dict())
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
     loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
@@ -137,11 +127,14 @@ def summary(metrics: dict, ckpt_path: str | None, bundle: Path, output_dir: Path
     """The lines a user acts on: the scores and where the files are."""
     lines = ["", "validation BLEU (0-1, nltk corpus BLEU over all references, decoded, not teacher-forced):"]
     lines.append("  " + "  ".join(f"BLEU-{n} {metrics.get(f'val/bleu{n}', float('nan')):.4f}" for n in range(1, 5)))
+    if "val/cider" in metrics:
+        lines.append(f"  CIDEr-D {metrics['val/cider']:.4f} (coco-caption's CIDEr on these tokens)")
     if "val/attention_correctness" in metrics:
         lines.append(f"  attention correctness (attention mass inside the named object's box): "
                      f"{metrics['val/attention_correctness']:.3f}")
     if "test/bleu4" in metrics:
-        lines.append("test BLEU: " + "  ".join(f"BLEU-{n} {metrics[f'test/bleu{n}']:.4f}" for n in range(1, 5)))
+        lines.append("test BLEU: " + "  ".join(f"BLEU-{n} {metrics[f'test/bleu{n}']:.4f}" for n in range(1, 5))
+                     + f"  CIDEr-D {metrics.get('test/cider', float('nan')):.4f}")
     lines.append(f"checkpoint:       {ckpt_path}")
     lines.append(f"inference bundle: {bundle}")
     lines.append(f"run folder:       {output_dir}")

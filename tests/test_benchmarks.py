@@ -17,7 +17,8 @@ import pytest
 from conftest import ROOT
 
 BENCHMARKS = ROOT / "benchmarks"
-SCRIPTS = ("common", "train_step", "captioning", "data_loading", "profile_ops", "attention_ablation")
+SCRIPTS = ("common", "train_step", "captioning", "data_loading", "profile_ops", "attention_ablation", "scst_step",
+           "scst_demo")
 
 
 @pytest.fixture
@@ -134,3 +135,35 @@ def test_attention_ablation_scores_named_shapes_by_scene_size(tiny_shapes: Path,
         with_red_circle = sum(("red", "circle") in shapes[i] for i in ids)
         assert precision == pytest.approx(with_red_circle / len(ids), abs=5e-4)
         assert recall == pytest.approx(with_red_circle / (size * len(ids)), abs=5e-4)
+
+
+def test_scst_step_times_the_reward_inside_the_step(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("scst_step")
+    rows = table(stdout, "SCST step: rollout + CIDEr-D reward + self-critical loss + backward + Adam", 4)
+    assert [(row["attention"], row["baseline"]) for row in rows] == [
+        ("soft", "mean"), ("soft", "greedy"), ("hard", "mean"), ("hard", "greedy")]
+    assert all(row["images x samples"] == "2 x 5" and 0 < float(row["reward %"]) < 100 for row in rows)
+
+
+def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(tiny_shapes: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from captioner.data.vocab import Vocabulary
+    from captioner.model.captioner import build_captioner, save_bundle
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    demo = importlib.import_module("scst_demo")
+    assert demo.repeats_a_bigram("a red circle and a red square".split())
+    assert not demo.repeats_a_bigram("a red circle and a blue circle".split())
+    config = {"encoder": {"name": "resnet18", "weights": None, "grid": 2}, "decoder": {"embed_dim": 8,
+              "hidden_dim": 8, "attention_dim": 8}}
+    vocab = Vocabulary(["a", "red", "circle"])
+    save_bundle(tmp_path / "random.pt", build_captioner(config, len(vocab)), vocab, config, {"image_size": 64})
+    demo.main([str(tmp_path / "random.pt"), "--data", str(tiny_shapes)])
+    sys.modules.pop("scst_demo")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("24 val images")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    assert [row[:2] for row in rows] == [["model", "decoding"], ["references", "written"], ["random.pt", "greedy"],
+                                         ["random.pt", "beam 3"]]
+    assert all(float(row[2]) >= 0 and float(row[3]) >= 0 for row in rows[2:])

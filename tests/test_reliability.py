@@ -245,12 +245,12 @@ def test_a_bad_checkpoint_is_one_line_through_train_py(damage: str, message: str
     (lambda p: (p / "checkpoints").mkdir(parents=True), "checkpoint not found"),
 ])
 def test_resolve_checkpoint_refuses_every_kind_of_bad_file(write, message: str, tmp_path: Path) -> None:
-    import train
+    from captioner.training.start import resolve_start
 
     path = tmp_path / "run"
     write(path)
     with pytest.raises((BundleError, ConfigError), match=message):
-        train.resolve_checkpoint(str(path))
+        resolve_start(str(path), None, "cross_entropy")
 
 
 # --------------------------------------------------------------------------------------------- 4. bad data

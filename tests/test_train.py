@@ -113,7 +113,8 @@ def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         f"error: ckpt_path='{tmp_path / 'bundle.pt'}' is an inference bundle (weights for captioning, no "
-        "optimiser or training state); to resume a run give its folder or its checkpoints/last.ckpt"]
+        "optimiser or training state); to resume a run give its folder or its checkpoints/last.ckpt, to start a "
+        "new run from its weights give init_from"]
 
 
 def test_the_config_is_printed_as_a_tree_and_saved(tmp_path: Path, monkeypatch, capsys) -> None:

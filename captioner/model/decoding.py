@@ -242,3 +242,52 @@ def _trimmed(generation: Generation) -> Generation:
     steps = int(generation.lengths.max()) if generation.lengths.numel() else 0
     return Generation(generation.tokens[:, :steps], generation.scores, generation.alphas[:, :steps],
                       generation.lengths)
+
+
+@dataclass
+class Rollout:
+    """Captions sampled with their log-probabilities kept differentiable, for a policy-gradient step.
+
+    N = B images x k samples; the samples of image b are rows b*k .. b*k + k - 1.
+    """
+
+    tokens: Tensor  # (N, T) long: no <start>, <end> where emitted, PAD_ID after it
+    lengths: Tensor  # (N,) long, the <end> token included
+    log_probs: Tensor  # (N, T) log p(w_t) (+ log alpha_t(s_t) for hard attention), 0 after the end
+
+
+def rollout(decoder: ShowAttendTellDecoder, features: Tensor, samples: int, max_len: int, start_id: int,
+            end_id: int, generator: torch.Generator | None = None, unk_id: int | None = None) -> Rollout:
+    """Sample ``samples`` captions for each image of ``features`` (B, L, D) from the decoder's policy.
+
+    All B x k captions advance together, one decoder step for all of them per word (keys and initial
+    state computed once per image). Words are drawn from softmax over the vocabulary without <pad> and
+    <start> (and <unk> when ``unk_id`` is given); the log-probability of each drawn word stays in the graph. In training mode hard attention
+    draws a location s_t ~ alpha_t at every step as well (Xu et al. section 4.1): its log-probability is
+    added to the word's, so the gradient of a reward covers both choices (REINFORCE on the joint action).
+    """
+    check_range("samples", samples, 1, kind=int)
+    check_range("max_len", max_len, 1, kind=int)
+    rows, device = features.size(0) * samples, features.device
+    keys = decoder.attention.keys(features).repeat_interleave(samples, dim=0)  # (N, L, A)
+    state = tuple(s.repeat_interleave(samples, dim=0) for s in decoder.init_state(features))  # (N, H) x 2
+    features = features.repeat_interleave(samples, dim=0)  # (N, L, D)
+    tokens = torch.full((rows,), start_id, dtype=torch.long, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
+    never = torch.tensor([PAD_ID, start_id, *([] if unk_id is None else [unk_id])], device=device)  # never drawn
+    words, log_probs = [], []
+    for t in range(max_len):
+        logits, state, _, location_log_prob, _ = decoder.step(tokens, state, features, keys)  # (N, V)
+        log_p = logits.float().index_fill(1, never, float("-inf")).log_softmax(dim=-1)  # (N, V)
+        tokens = torch.multinomial(log_p.detach().exp(), 1, generator=generator).squeeze(1)  # (N,)
+        chosen = log_p.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (N,)
+        if location_log_prob is not None:
+            chosen = chosen + location_log_prob
+        words.append(tokens.masked_fill(finished, PAD_ID))
+        log_probs.append(chosen.masked_fill(finished, 0.0))
+        lengths += ~finished
+        finished = finished | (tokens == end_id)
+        if (t + 1) % EXIT_CHECK_INTERVAL == 0 and finished.all():
+            break
+    return Rollout(torch.stack(words, dim=1), lengths, torch.stack(log_probs, dim=1))

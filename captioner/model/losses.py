@@ -1,5 +1,6 @@
 """Training loss of Show, Attend and Tell: masked cross-entropy, doubly stochastic regularisation and,
-for hard attention, the REINFORCE terms of eq. 12 (Xu et al. 2015)."""
+for hard attention, the REINFORCE terms of eq. 12 (Xu et al. 2015); and the self-critical loss that
+fine-tunes a trained captioner on a caption metric (Rennie et al. 2017)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captioner.errors import check_choice, check_range
+from captioner.errors import ConfigError, check_choice, check_range
 from captioner.model.decoder import DecoderOutput
 
 
@@ -116,3 +117,56 @@ class CaptionLoss(nn.Module):
         moved = self.baseline_decay * self.baseline + (1.0 - self.baseline_decay) * mean
         self.baseline.copy_(torch.where(present, torch.where(self.baseline_seen, moved, mean), self.baseline))
         self.baseline_seen.logical_or_(present)
+
+
+SCST_BASELINES = ("mean", "greedy")
+
+
+def check_scst_samples(baseline: str, samples: int) -> None:
+    """ConfigError when the mean baseline would have no other sample to average (fewer than 2 per image)."""
+    if baseline == "mean" and samples < 2:
+        raise ConfigError("model.scst.baseline=mean compares each sample with the image's other samples: "
+                          "it needs model.scst.samples >= 2")
+
+
+class SelfCriticalLoss(nn.Module):
+    """Self-critical sequence training (Rennie et al. 2017): REINFORCE on sampled captions, with the model's
+    own captions as the baseline.
+
+    The gradient of the expected reward is estimated from the k captions sampled per image as
+    -(r(w^s) - b) * grad log p(w^s) (Rennie et al. eq. 7-9). The baseline b is the reward of the image's
+    greedy caption ("greedy", Rennie et al.) or the mean reward of the image's other k - 1 samples
+    ("mean", which needs no extra decoding and leaves the estimate unbiased). The surrogate is summed over
+    the sampled tokens and divided by their number.
+    """
+
+    def __init__(self, baseline: str = "mean") -> None:
+        super().__init__()
+        check_choice("baseline", baseline, SCST_BASELINES)
+        self.baseline = baseline
+
+    def forward(self, log_probs: Tensor, lengths: Tensor, rewards: Tensor,
+                greedy_rewards: Tensor | None = None) -> dict[str, Tensor]:
+        """Loss terms for B images x k samples.
+
+        ``log_probs`` (B*k, T) holds the log-probability of each sampled token (0 after the end; the
+        samples of image b are rows b*k .. b*k + k - 1), ``lengths`` (B*k,) the number of sampled
+        tokens, ``rewards`` (B, k) the samples' rewards, ``greedy_rewards`` (B,) those of the greedy
+        captions (needed by the greedy baseline). Returns "loss" (the surrogate to minimise), "reward"
+        (the samples' mean reward) and, for the greedy baseline, "greedy_reward" (the greedy captions').
+        """
+        batch, samples = rewards.shape
+        if self.baseline == "greedy":
+            if greedy_rewards is None:
+                raise ValueError("the greedy baseline needs the greedy captions' rewards")
+            baseline = greedy_rewards.unsqueeze(1).expand(batch, samples)  # (B, k)
+        else:
+            check_scst_samples(self.baseline, samples)
+            baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (samples - 1)  # (B, k): the others' mean
+        advantage = (rewards - baseline).reshape(-1, 1).detach().to(log_probs.dtype)  # (B*k, 1)
+        mask = torch.arange(log_probs.size(1), device=log_probs.device) < lengths.unsqueeze(1)  # (B*k, T)
+        loss = -(advantage * log_probs * mask).sum() / mask.sum().clamp_min(1)
+        terms = {"loss": loss, "reward": rewards.mean()}
+        if self.baseline == "greedy":
+            terms["greedy_reward"] = greedy_rewards.mean()
+        return terms

@@ -1,7 +1,9 @@
 """LightningModule: the captioning losses, optimisers and a validation that really decodes.
 
+Training optimises cross-entropy (``objective=cross_entropy``) or fine-tunes a trained model with
+self-critical sequence training (``objective=scst``: CIDEr-D of sampled captions as the reward).
 Validation never teacher-forces BLEU: it decodes (greedy or beam), gathers the captions of every rank,
-counts each image once and scores them against all references with nltk's corpus BLEU.
+counts each image once and scores them against all references with nltk's corpus BLEU and CIDEr-D.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from captioner.data.dataset import SkipCounter
 from captioner.data.vocab import Vocabulary
 from captioner.errors import CaptionerError, check_choice, check_range
 from captioner.evaluation.bleu import corpus_bleu_scores
+from captioner.evaluation.cider import CiderD, corpus_cider_d
 from captioner.evaluation.correctness import AttentionCorrectness
 from captioner.model.captioner import CHECKPOINT_KEY, Captioner, build_captioner, bundle_metadata, save_bundle
-from captioner.model.decoding import Generation
-from captioner.model.losses import CaptionLoss
+from captioner.model.decoding import Generation, greedy, rollout
+from captioner.model.losses import SCST_BASELINES, CaptionLoss, SelfCriticalLoss, check_scst_samples
 
 log = logging.getLogger(__name__)
 
 DECODE_METHODS = ("greedy", "beam", "sample")
 SCHEDULERS = ("cosine", "step", "none")
 NONFINITE = ("stop", "skip")
+OBJECTIVES = ("cross_entropy", "scst")
 
 
 class NonFiniteLossError(CaptionerError):
@@ -35,17 +39,20 @@ class NonFiniteLossError(CaptionerError):
 
 
 class CaptionerModule(L.LightningModule):
-    """Show, Attend and Tell training: masked cross-entropy + doubly stochastic (+ REINFORCE for hard)."""
+    """Show, Attend and Tell training: masked cross-entropy + doubly stochastic (+ REINFORCE for hard), or
+    self-critical sequence training of a trained model (``objective="scst"``, settings in ``scst``)."""
 
     def __init__(self, vocab: Vocabulary, attention: str = "soft", scorer: str = "additive",
                  encoder: dict | None = None, feature_norm: bool = False, self_attention: dict | None = None,
                  decoder: dict | None = None, loss: dict | None = None, optimizer: dict | None = None,
                  scheduler: dict | None = None, decoding: dict | None = None, compile: bool = False,
-                 nonfinite: str = "stop", nonfinite_check_interval: int = 50) -> None:
+                 nonfinite: str = "stop", nonfinite_check_interval: int = 50, objective: str = "cross_entropy",
+                 scst: dict | None = None) -> None:
         super().__init__()
         check_choice("model.attention", attention, ("soft", "hard"))
         check_choice("model.nonfinite", nonfinite, NONFINITE)
         check_range("model.nonfinite_check_interval", nonfinite_check_interval, 1, kind=int)
+        check_choice("model.objective", objective, OBJECTIVES)
         self.save_hyperparameters(ignore=["vocab"])
         self.vocab = vocab
         self.net_config = {
@@ -67,6 +74,13 @@ class CaptionerModule(L.LightningModule):
         check_range("model.decoding.max_len", self.decode_cfg["max_len"], 1, kind=int)
         check_range("model.decoding.min_len", self.decode_cfg["min_len"], 0, self.decode_cfg["max_len"] - 1, kind=int)
         check_range("model.decoding.no_repeat_ngram_size", self.decode_cfg["no_repeat_ngram_size"], 0, kind=int)
+        self.objective = objective
+        self.scst_cfg = {"samples": 5, "baseline": "mean", **(scst or {})}
+        check_range("model.scst.samples", self.scst_cfg["samples"], 1, kind=int)
+        check_choice("model.scst.baseline", self.scst_cfg["baseline"], SCST_BASELINES)
+        check_scst_samples(self.scst_cfg["baseline"], self.scst_cfg["samples"])
+        self.self_critical = SelfCriticalLoss(self.scst_cfg["baseline"])
+        self.cider: CiderD | None = None  # the SCST reward: CIDEr-D against the training references
         self.compile_decoder = compile
         self.nonfinite = nonfinite
         self.nonfinite_check_interval = nonfinite_check_interval
@@ -100,13 +114,49 @@ class CaptionerModule(L.LightningModule):
         if batch["captions"].numel() == 0:
             return None
         self.model.decoder.anneal(self.global_step / max(1, int(self.trainer.estimated_stepping_batches)))
-        terms = self.criterion(self._forward(batch), batch["captions"])
+        if self.objective == "scst":
+            terms = self.self_critical_terms(batch)
+        else:
+            terms = self.criterion(self._forward(batch), batch["captions"])
         loss = terms["loss"]
         self._watch(loss)
         size = batch["captions"].shape[0]
         self.log_dict({f"train/{k}": v.detach() for k, v in terms.items() if k != "loss"}, batch_size=size)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=size)
         return loss
+
+    def on_fit_start(self) -> None:
+        """SCST: CIDEr-D's document frequencies and reference vectors of the training split, built once
+        on this rank's device (every rank holds the whole table and scores its own shard's samples)."""
+        if self.objective == "scst":
+            references = self.trainer.datamodule.references("train")  # in the order of batch["indices"]
+            self.cider = CiderD(list(references.values()), words=self.vocab.itos, device=self.device)
+
+    def self_critical_terms(self, batch: dict) -> dict[str, torch.Tensor]:
+        """SCST loss terms of a batch: k captions sampled per image, scored by CIDEr-D against its references
+        (``self.cider``, rows ``batch["indices"]``)."""
+        encoded = (self._features(batch),) if "features" in batch else self.model.encode(batch["images"])
+        features = self.model.attend_grid(*self.model.finish_encoding(*encoded))  # (B, L, C)
+        samples, images = self.scst_cfg["samples"], batch["indices"]  # images: rows of the reward's corpus
+        ids = dict(max_len=self.decode_cfg["max_len"], start_id=self.vocab.start_id, end_id=self.vocab.end_id,
+                   unk_id=self.vocab.unk_id)
+        drawn = rollout(self.model.decoder, features, samples, **ids)
+        rewards = self._rewards(drawn.tokens, drawn.lengths, images.repeat_interleave(samples))
+        greedy_rewards = None
+        if self.scst_cfg["baseline"] == "greedy":
+            self.model.decoder.eval()  # no dropout; hard attention takes the most likely location
+            try:
+                best = greedy(self.model.decoder, features.detach(), **ids)
+            finally:
+                self.model.decoder.train()
+            greedy_rewards = self._rewards(best.tokens, best.lengths, images)
+        return self.self_critical(drawn.log_probs, drawn.lengths, rewards.view(-1, samples), greedy_rewards)
+
+    def _rewards(self, tokens: torch.Tensor, lengths: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        """CIDEr-D (N,) of captions (N, T) with ``lengths`` counting a final <end>, against corpus ``images``."""
+        last = tokens.gather(1, (lengths - 1).clamp_min(0).unsqueeze(1)).squeeze(1)  # (N,)
+        words = lengths - ((last == self.vocab.end_id) & (lengths > 0)).long()  # (N,) without <end>
+        return self.cider.score_ids(tokens, words, images).float()
 
     # A NaN/inf loss is handled without reading it back every step (a host synchronisation that stalls a
     # GPU): the optimiser skips its step on the device, and the host looks at the losses every
@@ -292,6 +342,7 @@ class CaptionerModule(L.LightningModule):
             return
         for name, value in corpus_bleu_scores(references, hypotheses).items():
             self.log(f"{split}/{name}", value, prog_bar=name == "bleu4")
+        self.log(f"{split}/cider", corpus_cider_d(references, hypotheses))
         merged = AttentionCorrectness.merge(correctness)
         if merged.words:
             self.log(f"{split}/attention_correctness", merged.compute()["mean_mass"])

@@ -16,15 +16,16 @@ from typing import Any, Callable
 
 from captioner.errors import ConfigError, check_choice, check_range
 from captioner.model.attention import ATTENTION_TYPES
+from captioner.model.losses import SCST_BASELINES, check_scst_samples
 
 PRECISIONS = ("32-true", "32", "64-true", "64", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16",
               "transformer-engine", "transformer-engine-float16")
 ACCELERATORS = ("cpu", "gpu", "cuda", "mps", "tpu", "auto")
 # What CaptionerModule logs, so what a checkpoint or early-stopping callback can monitor.
-MONITORS = ("val/bleu1", "val/bleu2", "val/bleu3", "val/bleu4", "val/loss", "val/attention_correctness",
+MONITORS = ("val/bleu1", "val/bleu2", "val/bleu3", "val/bleu4", "val/cider", "val/loss", "val/attention_correctness",
             "train/loss")
-TOP_LEVEL = ("task_name", "seed", "ckpt_path", "train", "test", "data", "model", "trainer", "logger", "callbacks",
-             "paths")
+TOP_LEVEL = ("task_name", "seed", "ckpt_path", "init_from", "train", "test", "data", "model", "trainer", "logger",
+             "callbacks", "paths")
 DATASET_HELP = "see data/README.md for where dataset files go"
 
 Rule = Callable[[str, Any], None]
@@ -155,6 +156,8 @@ MODEL_SCHEMA: dict[str, Any] = {
     "compile": _bool,
     "nonfinite": _choice("stop", "skip"),
     "nonfinite_check_interval": _int(1),
+    "objective": _choice("cross_entropy", "scst"),
+    "scst": {"samples": _int(1), "baseline": _choice(*SCST_BASELINES)},
 }
 
 DATA_SCHEMA: dict[str, Any] = {
@@ -308,6 +311,10 @@ def validate_config(cfg: dict[str, Any]) -> None:
         _not_a_file("data.feature_cache", data["feature_cache"])
     _int(0, 2**32 - 1)("seed", cfg.get("seed", 0))
     _str_or_none("ckpt_path", cfg.get("ckpt_path"))
+    _str_or_none("init_from", cfg.get("init_from"))
+    scst = model.get("scst") or {}
+    if {"baseline", "samples"} <= scst.keys():
+        check_scst_samples(scst["baseline"], scst["samples"])
     _bool("train", cfg.get("train", True))
     _bool("test", cfg.get("test", True))
 
@@ -325,8 +332,8 @@ def check_environment(cfg: dict[str, Any]) -> None:
     """Raise ConfigError for a file the config needs that is missing, a logger's package that is not
     installed, or an accelerator this machine lacks.
 
-    Dataset files (COCO and Karpathy sources), ``data.vocab_file`` and ``ckpt_path`` must exist; the built-in
-    dataset's root and the feature cache are created on first use.
+    Dataset files (COCO and Karpathy sources), ``data.vocab_file``, ``ckpt_path`` and ``init_from`` must exist;
+    the built-in dataset's root and the feature cache are created on first use.
     """
     source = cfg["data"]["source"]
     name = source["_target_"].rsplit(".", 1)[-1]
@@ -347,8 +354,9 @@ def check_environment(cfg: dict[str, Any]) -> None:
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"logger.{name} needs the {package} package, which is not installed: "
                               f"pip install -e \".[{package}]\"")
-    if cfg.get("ckpt_path") is not None and not Path(cfg["ckpt_path"]).exists():
-        raise ConfigError(f"ckpt_path={cfg['ckpt_path']!r} does not exist")
+    for key in ("ckpt_path", "init_from"):
+        if cfg.get(key) is not None and not Path(cfg[key]).exists():
+            raise ConfigError(f"{key}={cfg[key]!r} does not exist")
     accelerator = cfg["trainer"].get("accelerator", "auto")
     if accelerator in ("gpu", "cuda"):
         import torch

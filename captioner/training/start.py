@@ -1,0 +1,125 @@
+"""Where a run starts: from scratch, resuming a run, or a new run from the model of another.
+
+``ckpt_path`` resumes a run: weights, optimiser, schedule, epoch and callbacks continue from a Lightning
+checkpoint (a run folder means its ``checkpoints/last.ckpt``). ``init_from`` starts a new run from the
+model of another (a run folder means its ``bundle.pt``, the checkpoint that run selected; a ``.ckpt`` or
+bundle file is taken as given): only the weights are loaded, epoch, optimiser and schedule start afresh.
+
+A run resumes only a checkpoint written with its own objective (``model.objective``); a checkpoint of
+the other objective cannot be resumed and is taken as ``init_from``, and so is a bundle by an SCST run (a
+cross-entropy run refuses a bundle as ``ckpt_path``: it cannot be resumed, and ``init_from`` says the other). So
+``python train.py experiment=demo_scst ckpt_path=<cross-entropy run>`` starts self-critical training from
+the cross-entropy model, and ``ckpt_path=<that SCST run>`` resumes it.
+
+Either way the run's model (architecture, vocabulary, image size) is the checkpoint's: ``model_settings``
+gives the config values that describe it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from captioner.errors import ConfigError
+from captioner.fileio import load_torch
+from captioner.model.captioner import BUNDLE_FORMAT, LoadedModel, load_model
+from captioner.model.decoder import ShowAttendTellDecoder
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OBJECTIVE = "cross_entropy"  # what checkpoints written before model.objective existed trained
+
+
+@dataclass(frozen=True)
+class Start:
+    """How a run starts; all None: from scratch with the config's model."""
+
+    resume: str | None = None  # the Lightning checkpoint that training resumes
+    init: str | None = None  # the checkpoint or bundle whose weights a new run starts from
+    model: LoadedModel | None = None  # the model of ``init`` or ``resume``
+
+
+def _checkpoint_file(path: str) -> Path:
+    """``path``, or the ``checkpoints/last.ckpt`` of a run folder."""
+    folder = Path(path)
+    return folder / "checkpoints" / "last.ckpt" if folder.is_dir() else folder
+
+
+def _weights_file(path: str) -> str:
+    """The file a new run takes its model from: a run folder's ``bundle.pt`` (else its ``last.ckpt``)."""
+    folder = Path(path)
+    if folder.is_dir() and (folder / "bundle.pt").is_file():
+        return str(folder / "bundle.pt")
+    return str(_checkpoint_file(path))
+
+
+def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str) -> Start:
+    """Decide how a run with ``model.objective=objective`` starts from ``ckpt_path`` and ``init_from``.
+
+    Raises ConfigError (or BundleError) for a file that is neither a checkpoint nor a bundle of this
+    project, when ``init_from`` is given beside a ``ckpt_path`` that cannot be resumed, and for SCST
+    with neither (it fine-tunes a trained model).
+    """
+    resume = init = None
+    if init_from is not None:
+        init = _weights_file(init_from)
+    if ckpt_path is not None:
+        ckpt = _checkpoint_file(ckpt_path)
+        raw = load_torch(ckpt, "checkpoint")
+        bundle = isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT
+        if not bundle and (not isinstance(raw, dict) or "state_dict" not in raw
+                           or "pytorch-lightning_version" not in raw):
+            raise ConfigError(f"ckpt_path={ckpt_path!r}: {ckpt} is not a Lightning checkpoint of this project")
+        if bundle and objective != "scst":
+            raise ConfigError(f"ckpt_path={ckpt_path!r} is an inference bundle (weights for captioning, no "
+                              "optimiser or training state); to resume a run give its folder or its "
+                              "checkpoints/last.ckpt, to start a new run from its weights give init_from")
+        if not bundle and (raw.get("hyper_parameters") or {}).get("objective", DEFAULT_OBJECTIVE) == objective:
+            resume = str(ckpt)
+        elif init is not None:
+            raise ConfigError(f"ckpt_path={ckpt_path!r} cannot be resumed by a model.objective={objective} run "
+                              f"and would start it from its weights, as init_from={init_from!r} does: give one")
+        else:
+            init = _weights_file(ckpt_path)
+            log.info("ckpt_path=%s was not written by a model.objective=%s run: a new run starts from its "
+                     "weights (as init_from does)", ckpt_path, objective)
+    source = init or resume
+    if source is None and objective == "scst":
+        raise ConfigError("model.objective=scst fine-tunes a trained captioner: give ckpt_path=<a cross-entropy "
+                          "run folder, its checkpoint or bundle.pt>")
+    if source is None:
+        return Start()
+    log.info("%s %s, with its architecture, vocabulary and image size",
+             "starting from the weights of" if init else "resuming", source)
+    return Start(resume=resume, init=init, model=load_model(source))
+
+
+def model_settings(model: LoadedModel, config: dict[str, Any], output_dir: Path) -> dict[str, Any]:
+    """The config values (``"section.key"`` -> value) that make the checkpoint's ``model`` the run's.
+
+    Its architecture and image size, and its vocabulary, written to ``<output_dir>/vocab.json`` for
+    ``data.vocab_file``. The values that differ from ``config`` (the composed config, plain) are logged.
+    """
+    net = model.config
+    decoder = dict(net.get("decoder") or {})
+    defaults = inspect.signature(ShowAttendTellDecoder).parameters
+    vocab_file = Path(output_dir) / "vocab.json"
+    model.vocab.save(vocab_file)
+    settings = {
+        "model.attention": decoder.pop("mode", defaults["mode"].default),
+        "model.scorer": decoder.pop("attention", defaults["attention"].default),
+        "model.encoder": dict(net.get("encoder") or {}),
+        "model.feature_norm": net.get("feature_norm", False),
+        "model.self_attention": dict(net.get("self_attention") or {}),
+        "model.decoder": decoder,
+        "data.image_size": model.image_size,
+        "data.vocab_file": str(vocab_file),
+    }
+    changed = [key for key, value in settings.items()
+               if config.get(key.split(".")[0], {}).get(key.split(".")[1]) != value]
+    if changed:
+        log.info("from the checkpoint, not the config: %s", ", ".join(changed))
+    return settings

@@ -1,0 +1,332 @@
+"""Self-critical sequence training: the batched policy rollout, the self-critical loss, and SCST runs of
+train.py (from a cross-entropy run, resumed, under DDP)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from captioner.errors import ConfigError
+from captioner.model import decoding
+from captioner.model.decoder import ShowAttendTellDecoder
+from captioner.model.decoding import PAD_ID, rollout
+from captioner.model.losses import SelfCriticalLoss
+from conftest import run_train, tiny_overrides
+
+START, END = 1, 2
+V, D, L = 12, 6, 4
+
+
+def make_decoder(mode: str = "soft", seed: int = 0) -> ShowAttendTellDecoder:
+    torch.manual_seed(seed)
+    return ShowAttendTellDecoder(V, D, 16, 16, 16, mode=mode, dropout=0.0)
+
+
+def features_for(batch: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, L, D, generator=torch.Generator().manual_seed(seed))
+
+
+def teacher_forced_log_probs(decoder: ShowAttendTellDecoder, features: torch.Tensor, tokens: torch.Tensor,
+                             samples: int) -> torch.Tensor:
+    """log p of each token of ``tokens`` (N, T) under teacher forcing, over the words rollout may draw."""
+    captions = torch.cat([torch.full((tokens.size(0), 1), START), tokens], dim=1)  # (N, T+1)
+    index = torch.arange(features.size(0)).repeat_interleave(samples)
+    logits = decoder(features, captions, index).logits  # (N, T, V)
+    logits[..., [PAD_ID, START]] = float("-inf")
+    return logits.log_softmax(-1).gather(2, tokens.unsqueeze(2)).squeeze(2)  # (N, T)
+
+
+def test_rollout_samples_k_captions_per_image_with_their_log_probs() -> None:
+    decoder, features = make_decoder().eval(), features_for(3)
+    torch.manual_seed(0)
+    drawn = rollout(decoder, features, 4, 9, START, END)
+    rows, steps = drawn.tokens.shape
+    assert rows == 12 and steps <= 9 and drawn.log_probs.shape == (12, steps) and drawn.lengths.shape == (12,)
+    mask = torch.arange(steps) < drawn.lengths.unsqueeze(1)
+    assert bool((drawn.tokens[~mask] == PAD_ID).all()) and bool((drawn.log_probs[~mask] == 0).all())
+    assert not bool(((drawn.tokens == PAD_ID) | (drawn.tokens == START))[mask].any())
+    ended = drawn.lengths < steps
+    last = drawn.tokens.gather(1, (drawn.lengths - 1).unsqueeze(1)).squeeze(1)
+    assert bool((last[ended] == END).all())
+    assert drawn.log_probs.requires_grad
+    # each token's log-probability is the policy's for that token given the sampled prefix
+    expected = teacher_forced_log_probs(decoder, features, drawn.tokens, 4)
+    assert_close(drawn.log_probs[mask], expected[mask], atol=1e-5, rtol=0)
+    # the samples of one image differ (it is sampling, not k copies of one caption)
+    assert len({tuple(row) for row in drawn.tokens[:4].tolist()}) > 1
+
+
+def test_rollout_runs_all_samples_at_once_without_host_reads_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    decoder = make_decoder().eval()
+    with torch.no_grad():
+        decoder.classifier.bias[END] = float("-inf")  # never ends: every step runs
+    steps, reads = [], []
+    decoder.lstm.register_forward_hook(lambda module, args, out: steps.append(args[0].shape[0]))
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+        return lambda self, *args: reads.append(name) or original(self, *args)
+
+    for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    rollout(decoder, features_for(3), 5, 12, START, END)
+    assert steps == [15] * 12  # one decoder step per word for the 3 x 5 captions together
+    assert reads == ["__bool__"] * (12 // decoding.EXIT_CHECK_INTERVAL)  # only the early-exit checks
+
+
+def test_hard_attention_rollout_carries_the_sampled_locations_in_the_policy_gradient() -> None:
+    decoder, features = make_decoder("hard").train(), features_for(2)
+    torch.manual_seed(1)
+    drawn = rollout(decoder, features, 3, 6, START, END)
+    drawn.log_probs.sum().backward()
+    # a sampled location a_s reaches the words without any gradient to the attention scorer: its
+    # gradient comes from log alpha(s), the location's own log-probability
+    assert decoder.attention.query.weight.grad.abs().sum() > 0
+    decoder.zero_grad()
+    drawn = rollout(decoder.eval(), features, 3, 6, START, END)  # eval: the most likely location, no sampling
+    drawn.log_probs.sum().backward()
+    assert decoder.attention.query.weight.grad is None or decoder.attention.query.weight.grad.abs().sum() == 0
+
+
+def test_self_critical_gradient_raises_samples_above_the_baseline_and_lowers_those_below() -> None:
+    log_probs = torch.zeros(6, 3, requires_grad=True)  # 2 images x 3 samples, 3 steps
+    lengths = torch.tensor([3, 3, 3, 2, 3, 1])
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [2.0, 2.0, 2.0]])
+    terms = SelfCriticalLoss("mean")(log_probs, lengths, rewards)
+    terms["loss"].backward()
+    # advantages: r_i minus the mean of the image's other samples
+    advantage = torch.tensor([0.75, -0.75, 0.0, 0.0, 0.0, 0.0])
+    mask = (torch.arange(3) < lengths.unsqueeze(1)).float()
+    assert_close(log_probs.grad, -advantage.unsqueeze(1) * mask / mask.sum())
+    assert terms.keys() == {"loss", "reward"} and terms["reward"].item() == pytest.approx(7.5 / 6)
+
+    log_probs.grad = None
+    terms = SelfCriticalLoss("greedy")(log_probs, lengths, rewards, greedy_rewards=torch.tensor([0.5, 3.0]))
+    terms["loss"].backward()
+    assert terms["greedy_reward"].item() == pytest.approx(1.75)
+    advantage = torch.tensor([0.5, -0.5, 0.0, -1.0, -1.0, -1.0])  # r_i minus the greedy caption's reward
+    assert_close(log_probs.grad, -advantage.unsqueeze(1) * mask / mask.sum())
+    with pytest.raises(ValueError, match="greedy captions' rewards"):
+        SelfCriticalLoss("greedy")(log_probs, lengths, rewards)
+    with pytest.raises(ConfigError, match="samples >= 2"):
+        SelfCriticalLoss("mean")(log_probs[:2], lengths[:2], rewards[:, :1])
+    with pytest.raises(ConfigError, match="baseline='best' is not valid"):
+        SelfCriticalLoss("best")
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_one_self_critical_step_makes_the_better_sample_likelier_and_the_worse_less_likely(mode: str) -> None:
+    decoder, features = make_decoder(mode, seed=3).train(), features_for(1, seed=3)
+    torch.manual_seed(4)
+    drawn = rollout(decoder, features, 2, 6, START, END)
+    assert not torch.equal(drawn.tokens[0], drawn.tokens[1])
+    decoder.eval()  # scored without location sampling: the words' probabilities alone
+    before = teacher_forced_log_probs(decoder, features, drawn.tokens, 2).detach()
+    mask = torch.arange(drawn.tokens.size(1)) < drawn.lengths.unsqueeze(1)
+    optimizer = torch.optim.SGD(decoder.parameters(), lr=0.5)
+    loss = SelfCriticalLoss("mean")(drawn.log_probs, drawn.lengths, torch.tensor([[1.0, 0.0]]))["loss"]
+    loss.backward()
+    optimizer.step()
+    after = teacher_forced_log_probs(decoder, features, drawn.tokens, 2).detach()
+    gain = ((after - before) * mask).sum(dim=1)  # change of log p(caption)
+    assert gain[0] > 0 > gain[1]
+
+
+# ------------------------------------------------------------------- where a run starts (start.py)
+NET = {"encoder": {"name": "resnet18", "weights": None, "trainable_stages": 0, "stage": "layer2", "grid": 2},
+       "feature_norm": True, "self_attention": {},
+       "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8, "mode": "hard", "attention": "dot"}}
+
+
+def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
+    """A run folder as train.py leaves it: checkpoints/last.ckpt (written with ``objective``; None: before
+    model.objective existed) and bundle.pt, for a tiny hard-attention model."""
+    from captioner.data.vocab import Vocabulary
+    from captioner.fileio import save_torch
+    from captioner.model.captioner import CHECKPOINT_KEY, build_captioner, bundle_metadata, save_bundle
+
+    vocab = Vocabulary(["a", "red", "circle"])
+    model = build_captioner(NET, len(vocab))
+    hyper = {} if objective is None else {"objective": objective}
+    (folder / "checkpoints").mkdir(parents=True)
+    save_torch({"pytorch-lightning_version": "2.6.0", "epoch": 3, "hyper_parameters": hyper,
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                CHECKPOINT_KEY: bundle_metadata(NET, vocab, {"image_size": 64})}, folder / "checkpoints" / "last.ckpt")
+    if bundle:
+        save_bundle(folder / "bundle.pt", model, vocab, NET, {"image_size": 64})
+    return folder
+
+
+def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_another(tmp_path: Path) -> None:
+    from captioner.training.start import resolve_start
+
+    ce, scst = write_run(tmp_path / "ce", None), write_run(tmp_path / "scst", "scst")
+    start = resolve_start(str(ce), None, "cross_entropy")  # as before: resume
+    assert start.resume == str(ce / "checkpoints" / "last.ckpt") and start.init is None
+    start = resolve_start(str(ce), None, "scst")  # a cross-entropy run: SCST starts from its selected model
+    assert start.resume is None and start.init == str(ce / "bundle.pt")
+    assert start.model.config["decoder"]["mode"] == "hard" and start.model.vocab.itos[4:] == ["a", "red", "circle"]
+    start = resolve_start(str(ce / "checkpoints" / "last.ckpt"), None, "scst")  # a checkpoint file: that one
+    assert start.init == str(ce / "checkpoints" / "last.ckpt")
+    assert resolve_start(str(ce / "bundle.pt"), None, "scst").init == str(ce / "bundle.pt")  # a bundle too
+    start = resolve_start(str(scst), None, "scst")  # an SCST run: resumed
+    assert start.resume == str(scst / "checkpoints" / "last.ckpt") and start.init is None
+    assert start.model.image_size == 64  # the model comes from the checkpoint when resuming as well
+    start = resolve_start(None, str(ce), "cross_entropy")  # init_from: a new run from the weights, any objective
+    assert start.init == str(ce / "bundle.pt") and start.resume is None
+    crashed = write_run(tmp_path / "crashed", None, bundle=False)
+    assert resolve_start(str(crashed), None, "scst").init == str(crashed / "checkpoints" / "last.ckpt")
+    assert resolve_start(None, None, "cross_entropy").model is None
+
+
+@pytest.mark.parametrize("ckpt,init,message", [
+    (None, None, "model.objective=scst fine-tunes a trained captioner: give ckpt_path="),
+    ("ce", "ce", "cannot be resumed by a model.objective=scst run and would start it from its weights"),
+])
+def test_scst_needs_one_model_to_start_from(ckpt: str | None, init: str | None, message: str,
+                                            tmp_path: Path) -> None:
+    from captioner.training.start import resolve_start
+
+    write_run(tmp_path / "ce", None)
+    with pytest.raises(ConfigError, match=message):
+        resolve_start(ckpt and str(tmp_path / ckpt), init and str(tmp_path / init), "scst")
+
+
+def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
+    from captioner.data.vocab import Vocabulary
+    from captioner.training.start import model_settings, resolve_start
+
+    start = resolve_start(str(write_run(tmp_path / "ce", None)), None, "scst")
+    config = {"model": {"attention": "soft", "scorer": "additive", "decoder": {"embed_dim": 128}},
+              "data": {"image_size": 96}}
+    settings = model_settings(start.model, config, tmp_path / "out")
+    decoder = {k: v for k, v in NET["decoder"].items() if k not in ("mode", "attention")}
+    assert settings == {"model.attention": "hard", "model.scorer": "dot", "model.encoder": NET["encoder"],
+                        "model.feature_norm": True, "model.self_attention": {}, "model.decoder": decoder,
+                        "data.image_size": 64, "data.vocab_file": str(tmp_path / "out" / "vocab.json")}
+    assert Vocabulary.load(tmp_path / "out" / "vocab.json") == start.model.vocab
+
+
+def test_scst_settings_are_checked() -> None:
+    from captioner.training.validate import check_environment, validate_config
+
+    cfg = compose_cfg(["experiment=demo_scst"])
+    assert cfg["model"]["objective"] == "scst" and cfg["model"]["scst"] == {"samples": 5, "baseline": "mean"}
+    assert cfg["callbacks"]["model_checkpoint"]["monitor"] == "val/cider"
+    assert cfg["callbacks"]["early_stopping"]["monitor"] == "val/cider"
+    validate_config(cfg)
+    for key, value, message in [("samples", 1, "it needs model.scst.samples >= 2"),
+                                ("baseline", "best", "model.scst.baseline='best' is not valid"),
+                                ("samples", 0, "model.scst.samples=0 must be >= 1")]:
+        bad = {**cfg, "model": {**cfg["model"], "scst": {**cfg["model"]["scst"], key: value}}}
+        with pytest.raises(ConfigError, match=message):
+            validate_config(bad)
+    validate_config({**cfg, "model": {**cfg["model"], "scst": {"samples": 1, "baseline": "greedy"}}})
+    bad = {**cfg, "model": {**cfg["model"], "objective": "rl"}}
+    with pytest.raises(ConfigError, match="model.objective='rl' is not valid; choose one of: cross_entropy, scst"):
+        validate_config(bad)
+    with pytest.raises(ConfigError, match="init_from='/no/such/run' does not exist"):
+        check_environment({**cfg, "init_from": "/no/such/run"})
+
+
+def compose_cfg(overrides: list[str]) -> dict:
+    """conf/config.yaml composed with ``overrides``, resolved to plain data (Hydra's run-time values stubbed)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
+
+    from conftest import ROOT
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    with open_dict(cfg):
+        cfg.paths.root_dir = cfg.paths.output_dir = str(ROOT)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+# -------------------------------------------------------------------------------------- SCST training
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_self_critical_training_raises_the_greedy_captions_cider(attention: str) -> None:
+    """The module's SCST step, from random weights on 8 toy images: greedy CIDEr-D rises far above where
+    it started (every caption draws its reward from the image's own references). Hard attention learns
+    through the same policy gradient, its sampled locations included."""
+    from captioner.data.vocab import Vocabulary
+    from captioner.evaluation.cider import CiderD
+    from captioner.training.module import CaptionerModule
+
+    vocab = Vocabulary([f"w{i}" for i in range(10)])
+    references = [[[f"w{(i + j) % 10}" for j in range(3)], [f"w{(i + j) % 10}" for j in range(4)]]
+                  for i in range(8)]  # image i: "w_i w_i+1 w_i+2" and one word longer
+    torch.manual_seed(0)
+    module = CaptionerModule(vocab, attention=attention, encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
+                             feature_norm=True, decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16,
+                                                         "dropout": 0.0},
+                             decoding={"max_len": 6}, objective="scst")
+    module.cider = CiderD(references, words=vocab.itos)
+    features = torch.randn(8, 4, module.model.encoder.out_channels)
+    batch = {"features": features, "indices": torch.arange(8)}
+
+    def greedy_cider() -> float:
+        module.eval()
+        generation, _ = module.model.generate_from_features(features, method="greedy", max_len=6, end_id=END)
+        module.train()
+        return module.cider.score([vocab.decode(row) for row in generation.tokens.tolist()], range(8)).mean().item()
+
+    before = greedy_cider()
+    optimizer = torch.optim.Adam(module.parameters(), lr=3e-3)
+    rewards = []
+    for _ in range(120):
+        terms = module.self_critical_terms(batch)
+        optimizer.zero_grad()
+        terms["loss"].backward()
+        optimizer.step()
+        rewards.append(terms["reward"].item())
+    after = greedy_cider()
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 2.0, rewards
+    assert after > before + 2.5
+
+
+# ------------------------------------------------------------------------------ SCST runs of train.py
+@pytest.fixture(scope="module")
+def ce_run(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cross-entropy run on the tiny dataset: the model SCST starts from."""
+    out = tmp_path_factory.mktemp("ce")
+    run_train([*tiny_overrides(tiny_shapes, out, cache=out / "cache"), "trainer.max_epochs=4", "test=false",
+               "callbacks.early_stopping=null"])
+    return out / "run"
+
+
+def logged(run: Path, key: str) -> list[float]:
+    """The values of ``key`` in a run's CSV log, in order."""
+    with open(run / "csv" / "version_0" / "metrics.csv") as file:
+        return [float(row[key]) for row in csv.DictReader(file) if row.get(key)]
+
+
+@pytest.mark.slow
+def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(ce_run: Path, tiny_shapes: Path,
+                                                                    tmp_path: Path) -> None:
+    # save_top_k=-1: Lightning 2.6 rewrites last.ckpt at a validation only when it saves a top-k checkpoint
+    base = [*tiny_overrides(tiny_shapes, tmp_path, cache=ce_run.parent / "cache"), "experiment=demo_scst",
+            "test=false", "callbacks.early_stopping=null", "callbacks.model_checkpoint.save_top_k=-1",
+            "trainer.log_every_n_steps=1"]
+    first = run_train([*base, f"ckpt_path={ce_run}", "trainer.max_epochs=2", f"hydra.run.dir={tmp_path / 'scst'}"])
+    assert f"starting from the weights of {ce_run / 'bundle.pt'}" in first.stdout
+    assert "CIDEr-D" in first.stdout
+    rewards = logged(tmp_path / "scst", "train/reward")  # the samples' mean CIDEr-D, one value per step
+    assert len(rewards) == 30 and sum(rewards[-10:]) > sum(rewards[:10]), rewards
+    assert logged(tmp_path / "scst", "val/cider") and logged(ce_run, "val/cider")
+    last = torch.load(tmp_path / "scst" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["hyper_parameters"]["objective"] == "scst" and last["epoch"] == 1
+    assert "cider" in next((tmp_path / "scst" / "checkpoints").glob("epoch*.ckpt")).name
+    # resumed from its last.ckpt by two processes: each samples and scores its half of the 240 images
+    resumed = run_train([*base, f"ckpt_path={tmp_path / 'scst'}", "trainer.max_epochs=3", "trainer=ddp_cpu",
+                         "trainer.devices=2", f"hydra.run.dir={tmp_path / 'ddp'}"])
+    assert f"resuming {tmp_path / 'scst' / 'checkpoints' / 'last.ckpt'}" in resumed.stdout
+    ddp = torch.load(tmp_path / "ddp" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ddp["epoch"] == 2 and ddp["global_step"] == last["global_step"] + math.ceil(120 / 16)
+    assert json.loads((tmp_path / "ddp" / "metrics.json").read_text())["val/cider"] > 0
