@@ -17,22 +17,38 @@ in a ``FAILED`` file.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import os
 import sys
+import typing
 import warnings
 from pathlib import Path
 from typing import NoReturn
 
 import hydra
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException, MissingConfigException
+from hydra.errors import (CompactHydraException, ConfigCompositionException, InstantiationException,
+                          MissingConfigException, OverrideParseException)
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from captioner.errors import CaptionerError
+from captioner.config import SCHEMAS
+from captioner.errors import CaptionerError, ConfigError, first_line
 
 log = logging.getLogger("train")
+
+
+def register_schemas() -> None:
+    """Make the settings dataclasses of ``captioner.config`` the schemas of the configs (``schema/<name>``)."""
+    store = ConfigStore.instance()
+    for name, schema in SCHEMAS.items():
+        store.store(group="schema", name=name, node=schema)
+
+
+register_schemas()
 
 
 class _NoTips(logging.Filter):
@@ -60,14 +76,12 @@ def log_lightning_to_the_run_log() -> None:
 
 def train(cfg: DictConfig) -> float | None:
     """Build data, model, callbacks, loggers and trainer from ``cfg``; fit; validate the best; export."""
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     # Imported here, not at the top: Hydra's own errors (an unknown key or option) are reported at once.
     import lightning as L
-    from hydra.utils import instantiate
 
     from captioner.evaluation.results import write_metrics, write_results
     from captioner.model.captioner import BUNDLE_NAME
-    from captioner.training.checkpoint_io import AtomicCheckpointIO
     from captioner.training.run_folder import print_config_tree
     from captioner.training.start import model_settings, resolve_start
     from captioner.training.validate import check_environment, validate_config
@@ -88,18 +102,16 @@ def train(cfg: DictConfig) -> float | None:
     if start.model is not None:  # the model of the checkpoint, not of the config
         with open_dict(cfg):
             for key, value in model_settings(start.model, plain, output_dir).items():
-                OmegaConf.update(cfg, key, value, merge=False)
-        print_config_tree(OmegaConf.to_container(cfg, resolve=True), output_dir)  # the config that runs
-
-    datamodule = instantiate(cfg.data, _convert_="all")
+                OmegaConf.update(cfg, key, value, merge=True)  # full sections: a replacement
+        plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        print_config_tree(plain, output_dir)  # the config that runs
+    trainer = build_trainer(plain)  # before any data work: Lightning checks its arguments as it builds
+    source = build("data.source", plain["data"]["source"])
+    datamodule = build("data", {k: v for k, v in plain["data"].items() if k != "source"}, source=source)
     datamodule.setup("fit")
-    module = instantiate(cfg.model, vocab=datamodule.vocab, _convert_="all")
+    module = build("model", plain["model"], vocab=datamodule.vocab)
     if start.init is not None:
         module.model.load_state_dict(start.model.model.state_dict())
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
-    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c]
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                          plugins=[AtomicCheckpointIO()])
 
     if cfg.train:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
@@ -142,20 +154,62 @@ def summary(metrics: dict, ckpt_path: str | None, bundle: Path, output_dir: Path
     return "\n".join(lines)
 
 
+def build_trainer(plain: dict) -> object:
+    """The Lightning trainer of the config ``plain``, with its callbacks, loggers and atomic checkpoint writes."""
+    from captioner.training.checkpoint_io import AtomicCheckpointIO
+
+    callbacks = [build(f"callbacks.{name}", node) for name, node in (plain.get("callbacks") or {}).items() if node]
+    loggers = [build(f"logger.{name}", node) for name, node in (plain.get("logger") or {}).items() if node]
+    return build("trainer", plain["trainer"], callbacks=callbacks, logger=loggers or False,
+                 plugins=[AtomicCheckpointIO()])
+
+
+def build(section: str, node: dict, **given: object) -> object:
+    """``hydra.utils.instantiate`` the plain config ``node`` and call it with ``given``; an argument its class
+    refuses (Lightning's own checks of its trainer, callbacks and loggers included) becomes one ConfigError
+    naming ``section``."""
+    from hydra.utils import instantiate
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        return instantiate(node, _partial_=True, _convert_="all")(**given)
+    except InstantiationException as exc:  # the class cannot be found, or its config is malformed
+        error: BaseException = exc.__cause__ or exc
+        message = " ".join(str(error).split())
+    except (CaptionerError, TypeError, ValueError, MisconfigurationException) as exc:
+        error, message = exc, first_line(exc)
+    ours = isinstance(error, CaptionerError)  # this project's messages start with the key they are about
+    if ours and message.startswith(f"{section}."):
+        raise error from None
+    raise ConfigError(f"{section}{'.' if ours else ': '}{message}") from None
+
+
 def one_line(exc: BaseException) -> str:
-    """A Hydra or OmegaConf error (an unknown key or option, a bad override) as one line."""
+    """A Hydra or OmegaConf error (an unknown key or option, a bad override or value) as one line, from the
+    exception's type and fields."""
+    schema = exc.object_type if dataclasses.is_dataclass(getattr(exc, "object_type", None)) else None
+    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)) and schema is not None:
+        fields = [f.name for f in dataclasses.fields(schema) if f.name != "_target_"]
+        return f"{exc.full_key} is not a known key; valid keys: {', '.join(fields)}"
+    if isinstance(exc, ValidationError) and schema is not None and exc.key in typing.get_type_hints(schema):
+        kind = typing.get_type_hints(schema)[exc.key]
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            return f"{exc.full_key}={exc.value!r} is not valid; choose one of: {', '.join(kind.__members__)}"
+        if kind is bool:
+            return f"{exc.full_key}={exc.value!r} must be true or false"
+        return f"{exc.full_key}={exc.value!r} must be {getattr(kind, '__name__', kind)}"
     if isinstance(exc, OmegaConfBaseException):
-        message = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
-        key = getattr(exc, "full_key", None)
-        return f"{key}: {message}" if key else message
-    text = str(exc).split("Config search path:")[0]
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("See https")]
-    if isinstance(exc, MissingConfigException) and exc.options:
-        return f"{lines[0]}; choose one of: {', '.join(exc.options)}"
-    message = " ".join(lines)
-    if isinstance(exc.__cause__, OmegaConfBaseException):
-        message += f" ({one_line(exc.__cause__)})"
-    return message
+        return f"{exc.full_key}: {first_line(exc)}" if exc.full_key else first_line(exc)
+    if isinstance(exc, MissingConfigException):
+        options = f"; choose one of: {', '.join(exc.options)}" if exc.options else ""
+        return f"no config {exc.missing_cfg_file!r}{options}"
+    if isinstance(exc, OverrideParseException):
+        return f"cannot parse the override {exc.override!r}: {first_line(exc)}"
+    if isinstance(exc, ConfigCompositionException):  # Hydra raises it while handling OmegaConf's error
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, OmegaConfBaseException):
+            return one_line(cause)
+    return first_line(exc)
 
 
 def fail(message: str) -> NoReturn:

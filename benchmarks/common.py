@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from captioner.data.vocab import Vocabulary
+from captioner.config import Attention, DecoderConfig, EncoderConfig, NetConfig
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import DecoderOutput
 from captioner.model.encoder import Encoder
@@ -119,14 +120,11 @@ def sizes(args: argparse.Namespace) -> list[Size]:
 
 def build_model(size: Size, args: argparse.Namespace, mode: str = "soft") -> Captioner:
     """The captioner of ``size`` as the training config builds it (frozen encoder, feature norm) on the device."""
-    config = {
-        "encoder": {"name": size.encoder, "weights": None, "grid": size.grid, "trainable_stages": 0,
-                    "channels_last": args.channels_last},
-        "feature_norm": True,
-        "decoder": {"embed_dim": size.embed_dim, "hidden_dim": size.hidden_dim,
-                    "attention_dim": size.attention_dim, "mode": mode, "dropout": size.dropout},
-    }
-    return build_captioner(config, size.vocab_size).to(args.device)
+    net = NetConfig(attention=Attention(mode), encoder=EncoderConfig(
+        name=size.encoder, stage=None, grid=size.grid, trainable_stages=0, channels_last=args.channels_last),
+        decoder=DecoderConfig(embed_dim=size.embed_dim, hidden_dim=size.hidden_dim, attention_dim=size.attention_dim,
+                              dropout=size.dropout))
+    return build_captioner(net, size.vocab_size).to(args.device)
 
 
 @functools.lru_cache

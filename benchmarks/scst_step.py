@@ -77,7 +77,8 @@ def random_references(images: int, vocab: Vocabulary, seed: int = 0) -> list[lis
 def build_module(size: common.Size, mode: str, baseline: str, args: argparse.Namespace) -> CaptionerModule:
     """The training module of ``size`` with the SCST objective (no trainer: its step is called directly)."""
     module = CaptionerModule(
-        vocabulary(size), attention=mode, encoder={"name": size.encoder, "weights": None, "grid": size.grid},
+        vocabulary(size), attention=mode, encoder={"name": size.encoder, "weights": None, "stage": None, "grid": size.grid,
+                                             "trainable_stages": 0},
         feature_norm=True, decoder={"embed_dim": size.embed_dim, "hidden_dim": size.hidden_dim,
                                     "attention_dim": size.attention_dim, "dropout": size.dropout},
         decoding={"max_len": size.steps}, objective="scst", scst={"samples": SAMPLES, "baseline": baseline})

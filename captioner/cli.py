@@ -29,6 +29,7 @@ from captioner import __version__
 from captioner.data.dataset import Skipped
 from captioner.data.images import load_rgb
 from captioner.data.readers import Record
+from captioner.config import DecodeMethod
 from captioner.errors import CaptionerError, ConfigError, check_range
 from captioner.inference import Captioned, caption_files
 from captioner.model.captioner import LoadedModel, load_model
@@ -332,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--model", required=True,
                          help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint")
-        sub.add_argument("--method", choices=("beam", "greedy", "sample"), default="beam", help="decoding method")
+        sub.add_argument("--method", choices=list(DecodeMethod), default="beam", help="decoding method")
         sub.add_argument("--beam-size", type=int, default=3, help="captions kept per image by beam search")
         sub.add_argument("--max-len", type=int, default=20, help="maximum words per caption")
         sub.add_argument("--temperature", type=float, default=1.0, help="for --method sample")

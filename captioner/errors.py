@@ -21,6 +21,12 @@ class BundleError(CaptionerError):
     """A checkpoint or inference bundle cannot be loaded safely or does not match."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message, or its type's name when it has none."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
 def check_choice(name: str, value: object, choices: "tuple | list") -> None:
     """Raise ConfigError unless ``value`` is one of ``choices`` (the message lists them)."""
     if value not in choices:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import train  # noqa: F401  registers the config schemas (captioner.config) with Hydra
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A dataset small enough to train on in seconds; the same parameters everywhere so it is generated once.

@@ -5,7 +5,10 @@ import torch
 from torch.testing import assert_close
 
 from captioner.errors import ConfigError
-from captioner.model.attention import ATTENTION_TYPES, build_attention
+from captioner.config import Scorer
+from captioner.model.attention import build_attention
+
+ATTENTION_TYPES = [kind.value for kind in Scorer]
 
 B, L, D, H, A = 3, 5, 6, 7, 8
 SCORERS = [kind for kind in ATTENTION_TYPES if kind != "mean"]  # those that look at h

@@ -12,8 +12,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from captioner.config import to_dict
 from captioner.errors import ConfigError
 from captioner.model import decoding
+from captioner.model.captioner import net_from_bundle
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import PAD_ID, rollout
 from captioner.model.losses import SelfCriticalLoss
@@ -114,7 +116,7 @@ def test_self_critical_gradient_raises_samples_above_the_baseline_and_lowers_tho
     assert_close(log_probs.grad, -advantage.unsqueeze(1) * mask / mask.sum())
     with pytest.raises(ValueError, match="greedy captions' rewards"):
         SelfCriticalLoss("greedy")(log_probs, lengths, rewards)
-    with pytest.raises(ConfigError, match="samples >= 2"):
+    with pytest.raises(ValueError, match="samples >= 2"):
         SelfCriticalLoss("mean")(log_probs[:2], lengths[:2], rewards[:, :1])
     with pytest.raises(ConfigError, match="baseline='best' is not valid"):
         SelfCriticalLoss("best")
@@ -206,10 +208,11 @@ def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
     config = {"model": {"attention": "soft", "scorer": "additive", "decoder": {"embed_dim": 128}},
               "data": {"image_size": 96}}
     settings = model_settings(start.model, config, tmp_path / "out")
-    decoder = {k: v for k, v in NET["decoder"].items() if k not in ("mode", "attention")}
-    assert settings == {"model.attention": "hard", "model.scorer": "dot", "model.encoder": NET["encoder"],
-                        "model.feature_norm": True, "model.self_attention": {}, "model.decoder": decoder,
+    net = to_dict(net_from_bundle(NET))  # every field: what NET leaves out is the modules' constructor default
+    assert settings == {**{f"model.{key}": value for key, value in net.items()},
                         "data.image_size": 64, "data.vocab_file": str(tmp_path / "out" / "vocab.json")}
+    assert (settings["model.attention"], settings["model.scorer"], settings["model.self_attention"]["blocks"]) == (
+        "hard", "dot", 1)
     assert Vocabulary.load(tmp_path / "out" / "vocab.json") == start.model.vocab
 
 
@@ -221,7 +224,7 @@ def test_scst_settings_are_checked() -> None:
     assert cfg["callbacks"]["model_checkpoint"]["monitor"] == "val/cider"
     assert cfg["callbacks"]["early_stopping"]["monitor"] == "val/cider"
     validate_config(cfg)
-    for key, value, message in [("samples", 1, "it needs model.scst.samples >= 2"),
+    for key, value, message in [("samples", 1, "model.scst.samples=1: baseline=mean compares each sample"),
                                 ("baseline", "best", "model.scst.baseline='best' is not valid"),
                                 ("samples", 0, "model.scst.samples=0 must be >= 1")]:
         bad = {**cfg, "model": {**cfg["model"], "scst": {**cfg["model"]["scst"], key: value}}}

@@ -82,7 +82,7 @@ def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> N
     for row in range(4):
         words = generation.tokens[row, : generation.lengths[row]].tolist()
         assert len(words) > 3 and len(set(words)) == len(words)  # 3 words before <end> at least, none twice
-    module.decode_cfg.update(min_len=0, no_repeat_ngram_size=0)
+    module.settings.decoding.min_len = module.settings.decoding.no_repeat_ngram_size = 0
     free, _ = module.generate({"features": features})
     assert any(len(set(row[:n].tolist())) < n for row, n in zip(free.tokens, free.lengths))  # without: repeats
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captioner.config import Scorer
 from captioner.errors import ConfigError, check_choice, check_range
 
-ATTENTION_TYPES = ("additive", "dot", "scaled_dot", "bilinear", "multihead", "mean")
 
 
 class Attention(nn.Module):
@@ -132,8 +132,8 @@ class MeanAttention(Attention):
 
 
 def build_attention(kind: str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int = 1) -> Attention:
-    """Build the scorer ``kind`` (one of ATTENTION_TYPES); only "multihead" takes ``heads`` > 1."""
-    check_choice("attention", kind, ATTENTION_TYPES)
+    """Build the scorer ``kind`` (a ``Scorer``); only "multihead" takes ``heads`` > 1."""
+    check_choice("attention", kind, list(Scorer))
     check_range("attention_heads", heads, 1, kind=int)
     if kind == "multihead":
         return MultiHeadAttention(feature_dim, hidden_dim, attention_dim, heads)

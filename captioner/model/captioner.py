@@ -14,12 +14,14 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from captioner.data.vocab import Vocabulary
+from captioner.config import DecodeMethod, NetConfig, from_dict, to_dict
 from captioner.errors import BundleError, ConfigError, DataError, check_choice, check_range
 from captioner.fileio import load_torch, save_torch
 from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
@@ -33,9 +35,6 @@ if TYPE_CHECKING:
 BUNDLE_FORMAT = "captioner-bundle"
 BUNDLE_VERSION = 1
 BUNDLE_NAME = "bundle.pt"  # the bundle's file name in a training run's folder
-METHODS = ("greedy", "sample", "beam")
-_SECTIONS = ("encoder", "feature_norm", "self_attention", "decoder")
-_SELF_ATTENTION_KEYS = ("blocks", "heads", "positional")
 _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
 _BUNDLE_KEYS = ("format", "version", *_METADATA_KEYS, "state_dict")
 PREPROCESS_KEYS = ("image_size",)
@@ -142,7 +141,7 @@ class Captioner(nn.Module):
                                no_repeat_ngram_size: int = 0) -> tuple[Generation, Grid]:
         """Like ``generate`` from (cached) ``encode`` output (B, L', C') on its grid (default square); the
         grid returned is the attention's."""
-        check_choice("method", method, METHODS)
+        check_choice("method", method, list(DecodeMethod))
         features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         features = self.attend_grid(features, grid)  # (B, L, C)
         constraints = dict(min_len=min_len, no_repeat_ngram_size=no_repeat_ngram_size, unk_id=unk_id)
@@ -157,55 +156,51 @@ class Captioner(nn.Module):
         return generation, grid
 
 
-def _keyword_names(cls: type, exclude: tuple[str, ...] = ()) -> list[str]:
-    return [name for name in inspect.signature(cls).parameters if name not in exclude]
+def _defaults(cls: type, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The keyword defaults of ``cls``'s constructor."""
+    return {name: p.default for name, p in inspect.signature(cls).parameters.items()
+            if p.default is not inspect.Parameter.empty and name not in exclude}
 
 
-def _section(config: Mapping, name: str, valid: Sequence[str]) -> dict:
-    """``config[name]`` as a dict (missing or None -> {}), refusing keys outside ``valid``."""
-    value = config.get(name)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"model config {name!r} must be a mapping, got {type(value).__name__}")
-    for key in value:
-        if key not in valid:
-            raise ConfigError(f"unknown model config key {name}.{key}; valid keys: {', '.join(valid)}")
-    return dict(value)
+def net_from_bundle(config: Mapping[str, Any]) -> NetConfig:
+    """The ``NetConfig`` of a bundle's (or a training checkpoint's) model config, in ``bundle_layout``.
 
-
-def _split_config(config: Mapping) -> tuple[dict, dict, dict]:
-    """Check the keys of a model config and return its encoder, self-attention and decoder sections."""
+    A key the config leaves out means the default of the module's constructor (``Encoder``,
+    ``SelfAttentionStack``, ``ShowAttendTellDecoder``), as it did when bundles were first written; an
+    absent or null ``self_attention`` means no blocks. ConfigError names an unknown key or a bad value.
+    """
     if not isinstance(config, Mapping):
         raise ConfigError(f"model config must be a mapping, got {type(config).__name__}")
-    for key in config:
-        if key not in _SECTIONS:
-            raise ConfigError(f"unknown model config key {key!r}; valid keys: {', '.join(_SECTIONS)}")
-    encoder = _section(config, "encoder", _keyword_names(Encoder))
-    self_attention = _section(config, "self_attention", _SELF_ATTENTION_KEYS)
-    decoder = _section(config, "decoder", _keyword_names(ShowAttendTellDecoder, ("vocab_size", "feature_dim")))
-    return encoder, self_attention, decoder
+    sections = ("encoder", "feature_norm", "self_attention", "decoder")
+    unknown = [key for key in config if key not in sections]
+    if unknown:
+        raise ConfigError(f"unknown model config key {unknown[0]!r}; valid keys: {', '.join(sections)}")
+    for key in ("encoder", "self_attention", "decoder"):
+        if config.get(key) is not None and not isinstance(config[key], Mapping):
+            raise ConfigError(f"model config {key!r} must be a mapping, got {type(config[key]).__name__}")
+    decoder = {**_defaults(ShowAttendTellDecoder, ("vocab_size", "feature_dim")), **(config.get("decoder") or {})}
+    self_attention = config.get("self_attention")
+    net = {"attention": decoder.pop("mode"), "scorer": decoder.pop("attention"),
+           "encoder": {**_defaults(Encoder), **(config.get("encoder") or {})},
+           "feature_norm": config.get("feature_norm", False),
+           "self_attention": {"blocks": 0} if self_attention is None else
+           {**_defaults(SelfAttentionStack, ("dim",)), **self_attention},
+           "decoder": decoder}
+    return from_dict(NetConfig, net, "model")
 
 
-def build_captioner(config: Mapping, vocab_size: int) -> Captioner:
-    """Build a Captioner from ``{"encoder": {...}, "feature_norm": bool, "self_attention": {...} | None,
-    "decoder": {...}}``.
-
-    ``encoder`` holds Encoder arguments; ``self_attention`` (None or absent: none) holds ``blocks``
-    (default 1; 0: none), ``heads`` and ``positional``; ``decoder`` holds ShowAttendTellDecoder
-    arguments other than ``vocab_size`` and ``feature_dim`` (the encoder's channels).
-    Unknown keys raise ConfigError.
-    """
-    encoder_args, attention_args, decoder_args = _split_config(config)
-    feature_norm = config.get("feature_norm", False)
-    if not isinstance(feature_norm, bool):
-        raise ConfigError(f"model config feature_norm={feature_norm!r} must be true or false")
-    encoder = Encoder(**encoder_args)
+def build_captioner(config: NetConfig | Mapping, vocab_size: int) -> Captioner:
+    """Build a Captioner from a ``NetConfig``, or from a bundle's config mapping (``bundle_layout``'s:
+    ``{"encoder": {...}, "feature_norm": bool, "self_attention": {...} | None, "decoder": {..., "mode",
+    "attention"}}``). ConfigError names an unknown key or a bad value."""
+    net = config if isinstance(config, NetConfig) else net_from_bundle(config)
+    encoder = Encoder(**to_dict(net.encoder))
     self_attention = None
-    if config.get("self_attention") is not None and attention_args.get("blocks", 1) != 0:
-        self_attention = SelfAttentionStack(encoder.out_channels, **attention_args)
-    decoder = ShowAttendTellDecoder(vocab_size=vocab_size, feature_dim=encoder.out_channels, **decoder_args)
-    return Captioner(encoder, decoder, self_attention, feature_norm=feature_norm)
+    if net.self_attention.blocks > 0:
+        self_attention = SelfAttentionStack(encoder.out_channels, **to_dict(net.self_attention))
+    decoder = ShowAttendTellDecoder(vocab_size=vocab_size, feature_dim=encoder.out_channels, mode=net.attention.value,
+                                    attention=net.scorer.value, **to_dict(net.decoder))
+    return Captioner(encoder, decoder, self_attention, feature_norm=net.feature_norm)
 
 
 def _plain(value: object, where: str = "config") -> object:
@@ -239,7 +234,7 @@ def bundle_metadata(config: Mapping, vocab: Vocabulary, preprocess: Mapping | No
     out when None). Training checkpoints store this dict under ``checkpoint["captioner"]``.
     Raises ConfigError for an invalid config or preprocess.
     """
-    _split_config(config)
+    net_from_bundle(config)
     metadata = {"config": _plain(config), "vocab": vocab.to_dict(), "vocab_fingerprint": vocab.fingerprint()}
     if preprocess is not None:
         metadata["preprocess"] = _check_preprocess(preprocess)
@@ -339,8 +334,9 @@ def _assemble(metadata: dict, state_dict: object, where: str,
     if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
         raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
     try:
-        encoder_args, _, _ = _split_config(config)
-        model = build_captioner({**config, "encoder": {**encoder_args, "weights": None}}, len(vocab))
+        net = net_from_bundle(config)
+        net.encoder.weights = None  # the bundle holds the weights
+        model = build_captioner(net, len(vocab))
     except (ConfigError, TypeError, ValueError) as exc:
         raise BundleError(f"{where}: its config does not build a model ({exc})") from None
     problem = _embedding_mismatch(model, state_dict, len(vocab)) or _state_dict_problem(model, state_dict)

@@ -13,13 +13,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Categorical
 
+from captioner.config import Attention, Gate, HardEstimator, HardInference
 from captioner.errors import ConfigError, check_choice, check_range
 from captioner.model.attention import build_attention
 
-MODES = ("soft", "hard")
-GATES = ("scalar", "vector", "none")
-HARD_INFERENCE = ("argmax", "expectation")
-HARD_ESTIMATORS = ("reinforce", "gumbel")
 
 State = tuple[Tensor, Tensor]
 
@@ -50,11 +47,11 @@ class ShowAttendTellDecoder(nn.Module):
                  hard_expectation_prob: float = 0.5, hard_inference: str = "argmax",
                  hard_estimator: str = "reinforce", gumbel_tau: float = 1.0, gumbel_tau_min: float = 0.5) -> None:
         super().__init__()
-        check_choice("mode", mode, MODES)
-        check_choice("gate", gate, GATES)
-        check_choice("hard_inference", hard_inference, HARD_INFERENCE)
-        check_choice("hard_estimator", hard_estimator, HARD_ESTIMATORS)
-        check_range("dropout", dropout, 0.0, 1.0)
+        check_choice("mode", mode, list(Attention))
+        check_choice("gate", gate, list(Gate))
+        check_choice("hard_inference", hard_inference, list(HardInference))
+        check_choice("hard_estimator", hard_estimator, list(HardEstimator))
+        check_range("dropout", dropout, 0.0, 0.99)
         check_range("hard_expectation_prob", hard_expectation_prob, 0.0, 1.0)
         check_range("gumbel_tau", gumbel_tau, 1e-3)
         check_range("gumbel_tau_min", gumbel_tau_min, 1e-3, gumbel_tau)

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captioner.errors import ConfigError, check_choice, check_range
+from captioner.config import ReinforceReward, ScstBaseline
+from captioner.errors import check_choice, check_range
 from captioner.model.decoder import DecoderOutput
 
 
-REWARDS = ("word", "suffix")
 BASELINE_SLOTS = 64  # per-step baselines kept; steps (or remaining lengths) beyond share the last one
 
 
@@ -42,7 +42,7 @@ class CaptionLoss(nn.Module):
         super().__init__()
         check_range("ds_lambda", ds_lambda, 0.0)
         check_range("reinforce_weight", reinforce_weight, 0.0)
-        check_choice("reinforce_reward", reinforce_reward, REWARDS)
+        check_choice("reinforce_reward", reinforce_reward, list(ReinforceReward))
         check_range("entropy_weight", entropy_weight, 0.0)
         check_range("baseline_decay", baseline_decay, 0.0, 1.0)
         self.pad_id = pad_id
@@ -119,16 +119,6 @@ class CaptionLoss(nn.Module):
         self.baseline_seen.logical_or_(present)
 
 
-SCST_BASELINES = ("mean", "greedy")
-
-
-def check_scst_samples(baseline: str, samples: int) -> None:
-    """ConfigError when the mean baseline would have no other sample to average (fewer than 2 per image)."""
-    if baseline == "mean" and samples < 2:
-        raise ConfigError("model.scst.baseline=mean compares each sample with the image's other samples: "
-                          "it needs model.scst.samples >= 2")
-
-
 class SelfCriticalLoss(nn.Module):
     """Self-critical sequence training (Rennie et al. 2017): REINFORCE on sampled captions, with the model's
     own captions as the baseline.
@@ -142,7 +132,7 @@ class SelfCriticalLoss(nn.Module):
 
     def __init__(self, baseline: str = "mean") -> None:
         super().__init__()
-        check_choice("baseline", baseline, SCST_BASELINES)
+        check_choice("baseline", baseline, list(ScstBaseline))
         self.baseline = baseline
 
     def forward(self, log_probs: Tensor, lengths: Tensor, rewards: Tensor,
@@ -161,7 +151,8 @@ class SelfCriticalLoss(nn.Module):
                 raise ValueError("the greedy baseline needs the greedy captions' rewards")
             baseline = greedy_rewards.unsqueeze(1).expand(batch, samples)  # (B, k)
         else:
-            check_scst_samples(self.baseline, samples)
+            if samples < 2:
+                raise ValueError("the mean baseline averages the image's other samples: it needs samples >= 2")
             baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (samples - 1)  # (B, k): the others' mean
         advantage = (rewards - baseline).reshape(-1, 1).detach().to(log_probs.dtype)  # (B*k, 1)
         mask = torch.arange(log_probs.size(1), device=log_probs.device) < lengths.unsqueeze(1)  # (B*k, T)

@@ -10,6 +10,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from captioner.config import DataConfig, from_dict
 from captioner.data.dataset import CaptionDataset, build_transform, collate
 from captioner.data.features import FeatureCache, FeatureCaptionDataset, cache_key
 from captioner.data.readers import Box, Record
@@ -29,25 +30,24 @@ class CaptionDataModule(L.LightningDataModule):
     yield ``features`` instead of ``images``; the model runs the stages it trains on them.
     """
 
-    def __init__(self, source: Source, image_size: int = 224, batch_size: int = 32,
-                 eval_batch_size: int | None = None, num_workers: int = 2, min_word_count: int = 5,
-                 max_vocab: int | None = None, max_len: int = 20, per_caption: bool = False,
-                 augment: bool = False, feature_cache: str | None = None,
-                 feature_dtype: str = "float16", vocab_file: str | None = None) -> None:
+    def __init__(self, source: Source, **settings: Any) -> None:
+        """``settings``: the ``data`` config's keys other than ``source`` (``captioner.config.DataConfig``'s
+        fields); ConfigError names a bad one."""
         super().__init__()
+        config = from_dict(DataConfig, {k: v for k, v in settings.items() if k != "_target_"}, "data")
         self.source = source
-        self.image_size = image_size
-        self.batch_size = batch_size
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.num_workers = num_workers
-        self.min_word_count = min_word_count
-        self.max_vocab = max_vocab
-        self.max_len = max_len
-        self.per_caption = per_caption
-        self.augment = augment
-        self.feature_cache = feature_cache
-        self.feature_dtype = feature_dtype
-        self.vocab_file = vocab_file
+        self.image_size = config.image_size
+        self.batch_size = config.batch_size
+        self.eval_batch_size = config.eval_batch_size or config.batch_size
+        self.num_workers = config.num_workers
+        self.min_word_count = config.min_word_count
+        self.max_vocab = config.max_vocab
+        self.max_len = config.max_len
+        self.per_caption = config.per_caption
+        self.augment = config.augment
+        self.feature_cache = config.feature_cache
+        self.feature_dtype = config.feature_dtype.value
+        self.vocab_file = config.vocab_file
         self.vocab: Vocabulary | None = None
         self.splits: dict[str, list[Record]] = {}
 

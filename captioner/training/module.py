@@ -18,20 +18,17 @@ import torch.distributed as dist
 
 from captioner.data.dataset import SkipCounter
 from captioner.data.vocab import Vocabulary
-from captioner.errors import CaptionerError, check_choice, check_range
+from captioner.config import (ModelConfig, NonFinite, Objective, Schedule, ScstBaseline, bundle_layout, from_dict,
+                              to_dict)
+from captioner.errors import CaptionerError
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.cider import CiderD, corpus_cider_d
 from captioner.evaluation.correctness import AttentionCorrectness
 from captioner.model.captioner import CHECKPOINT_KEY, Captioner, build_captioner, bundle_metadata, save_bundle
 from captioner.model.decoding import Generation, greedy, rollout
-from captioner.model.losses import SCST_BASELINES, CaptionLoss, SelfCriticalLoss, check_scst_samples
+from captioner.model.losses import CaptionLoss, SelfCriticalLoss
 
 log = logging.getLogger(__name__)
-
-DECODE_METHODS = ("greedy", "beam", "sample")
-SCHEDULERS = ("cosine", "step", "none")
-NONFINITE = ("stop", "skip")
-OBJECTIVES = ("cross_entropy", "scst")
 
 
 class NonFiniteLossError(CaptionerError):
@@ -42,48 +39,18 @@ class CaptionerModule(L.LightningModule):
     """Show, Attend and Tell training: masked cross-entropy + doubly stochastic (+ REINFORCE for hard), or
     self-critical sequence training of a trained model (``objective="scst"``, settings in ``scst``)."""
 
-    def __init__(self, vocab: Vocabulary, attention: str = "soft", scorer: str = "additive",
-                 encoder: dict | None = None, feature_norm: bool = False, self_attention: dict | None = None,
-                 decoder: dict | None = None, loss: dict | None = None, optimizer: dict | None = None,
-                 scheduler: dict | None = None, decoding: dict | None = None, compile: bool = False,
-                 nonfinite: str = "stop", nonfinite_check_interval: int = 50, objective: str = "cross_entropy",
-                 scst: dict | None = None) -> None:
+    def __init__(self, vocab: Vocabulary, **settings: Any) -> None:
+        """``settings``: the ``model`` config's keys (``captioner.config.ModelConfig``'s fields, plain or typed);
+        ConfigError names a bad one."""
         super().__init__()
-        check_choice("model.attention", attention, ("soft", "hard"))
-        check_choice("model.nonfinite", nonfinite, NONFINITE)
-        check_range("model.nonfinite_check_interval", nonfinite_check_interval, 1, kind=int)
-        check_choice("model.objective", objective, OBJECTIVES)
-        self.save_hyperparameters(ignore=["vocab"])
+        self.settings = from_dict(ModelConfig, {k: v for k, v in settings.items() if k != "_target_"}, "model")
+        self.save_hyperparameters(to_dict(self.settings))  # every setting, as plain data (weights_only loads it)
         self.vocab = vocab
-        self.net_config = {
-            "encoder": dict(encoder or {}),
-            "feature_norm": feature_norm,
-            "self_attention": None if self_attention is None else dict(self_attention),  # None: no blocks
-            "decoder": {**(decoder or {}), "mode": attention, "attention": scorer},
-        }
+        self.net_config = bundle_layout(self.settings.net())
         self.model: Captioner = build_captioner(self.net_config, len(vocab))
-        self.criterion = CaptionLoss(pad_id=vocab.pad_id, unk_id=vocab.unk_id, **(loss or {}))
-        self.optim_cfg = {"lr": 4e-4, "encoder_lr": 1e-4, "weight_decay": 0.0, **(optimizer or {})}
-        self.sched_cfg = {"name": "cosine", "warmup_steps": 0, "step_size": 10, "gamma": 0.5,
-                          **(scheduler or {})}
-        self.decode_cfg = {"method": "greedy", "beam_size": 3, "max_len": 20, "length_penalty": 0.0,
-                           "temperature": 1.0, "min_len": 0, "no_repeat_ngram_size": 0, **(decoding or {})}
-        check_choice("model.scheduler.name", self.sched_cfg["name"], SCHEDULERS)
-        check_choice("model.decoding.method", self.decode_cfg["method"], DECODE_METHODS)
-        check_range("model.decoding.beam_size", self.decode_cfg["beam_size"], 1, kind=int)
-        check_range("model.decoding.max_len", self.decode_cfg["max_len"], 1, kind=int)
-        check_range("model.decoding.min_len", self.decode_cfg["min_len"], 0, self.decode_cfg["max_len"] - 1, kind=int)
-        check_range("model.decoding.no_repeat_ngram_size", self.decode_cfg["no_repeat_ngram_size"], 0, kind=int)
-        self.objective = objective
-        self.scst_cfg = {"samples": 5, "baseline": "mean", **(scst or {})}
-        check_range("model.scst.samples", self.scst_cfg["samples"], 1, kind=int)
-        check_choice("model.scst.baseline", self.scst_cfg["baseline"], SCST_BASELINES)
-        check_scst_samples(self.scst_cfg["baseline"], self.scst_cfg["samples"])
-        self.self_critical = SelfCriticalLoss(self.scst_cfg["baseline"])
+        self.criterion = CaptionLoss(pad_id=vocab.pad_id, unk_id=vocab.unk_id, **to_dict(self.settings.loss))
+        self.self_critical = SelfCriticalLoss(self.settings.scst.baseline)
         self.cider: CiderD | None = None  # the SCST reward: CIDEr-D against the training references
-        self.compile_decoder = compile
-        self.nonfinite = nonfinite
-        self.nonfinite_check_interval = nonfinite_check_interval
         self._unchecked: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (epoch, step, loss, non-finite)
         self._step_nonfinite: torch.Tensor | None = None  # whether the coming optimiser step must be skipped
         self.skips = SkipCounter()
@@ -95,7 +62,7 @@ class CaptionerModule(L.LightningModule):
     # ----------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
         """Compile the decoder step when asked (``model.compile=true``)."""
-        if self.compile_decoder and stage == "fit":
+        if self.settings.compile and stage == "fit":
             self.model.decoder = torch.compile(self.model.decoder)
 
     def _features(self, batch: dict) -> torch.Tensor:
@@ -114,7 +81,7 @@ class CaptionerModule(L.LightningModule):
         if batch["captions"].numel() == 0:
             return None
         self.model.decoder.anneal(self.global_step / max(1, int(self.trainer.estimated_stepping_batches)))
-        if self.objective == "scst":
+        if self.settings.objective == Objective.scst:
             terms = self.self_critical_terms(batch)
         else:
             terms = self.criterion(self._forward(batch), batch["captions"])
@@ -128,7 +95,7 @@ class CaptionerModule(L.LightningModule):
     def on_fit_start(self) -> None:
         """SCST: CIDEr-D's document frequencies and reference vectors of the training split, built once
         on this rank's device (every rank holds the whole table and scores its own shard's samples)."""
-        if self.objective == "scst":
+        if self.settings.objective == Objective.scst:
             references = self.trainer.datamodule.references("train")  # in the order of batch["indices"]
             self.cider = CiderD(list(references.values()), words=self.vocab.itos, device=self.device)
 
@@ -137,13 +104,13 @@ class CaptionerModule(L.LightningModule):
         (``self.cider``, rows ``batch["indices"]``)."""
         encoded = (self._features(batch),) if "features" in batch else self.model.encode(batch["images"])
         features = self.model.attend_grid(*self.model.finish_encoding(*encoded))  # (B, L, C)
-        samples, images = self.scst_cfg["samples"], batch["indices"]  # images: rows of the reward's corpus
-        ids = dict(max_len=self.decode_cfg["max_len"], start_id=self.vocab.start_id, end_id=self.vocab.end_id,
+        samples, images = self.settings.scst.samples, batch["indices"]  # images: rows of the reward's corpus
+        ids = dict(max_len=self.settings.decoding.max_len, start_id=self.vocab.start_id, end_id=self.vocab.end_id,
                    unk_id=self.vocab.unk_id)
         drawn = rollout(self.model.decoder, features, samples, **ids)
         rewards = self._rewards(drawn.tokens, drawn.lengths, images.repeat_interleave(samples))
         greedy_rewards = None
-        if self.scst_cfg["baseline"] == "greedy":
+        if self.settings.scst.baseline == ScstBaseline.greedy:
             self.model.decoder.eval()  # no dropout; hard attention takes the most likely location
             try:
                 best = greedy(self.model.decoder, features.detach(), **ids)
@@ -195,7 +162,7 @@ class CaptionerModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: dict, batch_idx: int) -> None:
         """Look at the recorded losses every ``nonfinite_check_interval`` training steps."""
-        if len(self._unchecked) >= self.nonfinite_check_interval:
+        if len(self._unchecked) >= self.settings.nonfinite_check_interval:
             self._check_losses()
 
     def _check_losses(self) -> None:
@@ -221,7 +188,7 @@ class CaptionerModule(L.LightningModule):
         Its optimiser step was skipped: no backward result reached the parameters; the step counter and
         the schedule still advanced. Stopping raises NonFiniteLossError naming the last checkpoint written.
         """
-        if self.nonfinite == "skip":
+        if self.settings.nonfinite == NonFinite.skip:
             log.warning("non-finite loss (%s) at %s: batch skipped, no parameter update", value, where)
             return
         saved = [path for c in self.trainer.checkpoint_callbacks for path in (c.last_model_path, c.best_model_path)
@@ -248,27 +215,28 @@ class CaptionerModule(L.LightningModule):
         encoder = [p for p in self.model.encoder.parameters() if p.requires_grad]
         encoder_ids = {id(p) for p in encoder}
         rest = [p for p in self.parameters() if p.requires_grad and id(p) not in encoder_ids]
-        groups = [{"params": rest, "lr": self.optim_cfg["lr"]}]
+        settings = self.settings.optimizer
+        groups = [{"params": rest, "lr": settings.lr}]
         if encoder:
-            groups.append({"params": encoder, "lr": self.optim_cfg["encoder_lr"]})
+            groups.append({"params": encoder, "lr": settings.encoder_lr})
         try:  # fused: one kernel per step, and it can skip a step on the device (on_before_optimizer_step)
-            optimizer = torch.optim.Adam(groups, weight_decay=self.optim_cfg["weight_decay"], fused=True)
+            optimizer = torch.optim.Adam(groups, weight_decay=settings.weight_decay, fused=True)
         except RuntimeError:  # no fused kernels for these parameters' device
-            optimizer = torch.optim.Adam(groups, weight_decay=self.optim_cfg["weight_decay"])
+            optimizer = torch.optim.Adam(groups, weight_decay=settings.weight_decay)
         scheduler = self._scheduler(optimizer)
         if scheduler is None:
             return {"optimizer": optimizer}
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
-        cfg = self.sched_cfg
-        if cfg["name"] == "none":
+        cfg = self.settings.scheduler
+        if cfg.name == Schedule.none:
             return None
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        if cfg["name"] == "step":
+        if cfg.name == Schedule.step:
             steps_per_epoch = max(1, total // max(1, self.trainer.max_epochs or 1))
-            return torch.optim.lr_scheduler.StepLR(optimizer, cfg["step_size"] * steps_per_epoch, cfg["gamma"])
-        warmup = min(int(cfg["warmup_steps"]), total - 1)
+            return torch.optim.lr_scheduler.StepLR(optimizer, cfg.step_size * steps_per_epoch, cfg.gamma)
+        warmup = min(cfg.warmup_steps, total - 1)
         cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup))
         if warmup <= 0:
             return cosine
@@ -278,11 +246,8 @@ class CaptionerModule(L.LightningModule):
     # --------------------------------------------------------------- evaluation
     def generate(self, batch: dict) -> tuple[Generation, tuple[int, int]]:
         """Decode a batch with the configured method (never teacher-forced)."""
-        cfg = self.decode_cfg
-        kwargs = dict(method=cfg["method"], beam_size=cfg["beam_size"], max_len=cfg["max_len"],
-                      temperature=cfg["temperature"], length_penalty=cfg["length_penalty"], min_len=cfg["min_len"],
-                      no_repeat_ngram_size=cfg["no_repeat_ngram_size"], start_id=self.vocab.start_id,
-                      end_id=self.vocab.end_id, unk_id=self.vocab.unk_id)
+        kwargs = dict(**to_dict(self.settings.decoding), start_id=self.vocab.start_id, end_id=self.vocab.end_id,
+                      unk_id=self.vocab.unk_id)
         if "features" in batch:
             return self.model.generate_from_features(self._features(batch), **kwargs)
         return self.model.generate(batch["images"], **kwargs)

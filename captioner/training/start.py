@@ -17,16 +17,15 @@ gives the config values that describe it.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from captioner.config import to_dict
 from captioner.errors import ConfigError
 from captioner.fileio import load_torch
-from captioner.model.captioner import BUNDLE_FORMAT, LoadedModel, load_model
-from captioner.model.decoder import ShowAttendTellDecoder
+from captioner.model.captioner import BUNDLE_FORMAT, LoadedModel, load_model, net_from_bundle
 
 log = logging.getLogger(__name__)
 
@@ -103,21 +102,14 @@ def model_settings(model: LoadedModel, config: dict[str, Any], output_dir: Path)
     Its architecture and image size, and its vocabulary, written to ``<output_dir>/vocab.json`` for
     ``data.vocab_file``. The values that differ from ``config`` (the composed config, plain) are logged.
     """
-    net = model.config
-    decoder = dict(net.get("decoder") or {})
-    defaults = inspect.signature(ShowAttendTellDecoder).parameters
+    net = to_dict(net_from_bundle(model.config))
     vocab_file = Path(output_dir) / "vocab.json"
     model.vocab.save(vocab_file)
-    settings = {
-        "model.attention": decoder.pop("mode", defaults["mode"].default),
-        "model.scorer": decoder.pop("attention", defaults["attention"].default),
-        "model.encoder": dict(net.get("encoder") or {}),
-        "model.feature_norm": net.get("feature_norm", False),
-        "model.self_attention": dict(net.get("self_attention") or {}),
-        "model.decoder": decoder,
+    settings = {f"model.{key}": value for key, value in net.items()}
+    settings.update({
         "data.image_size": model.image_size,
         "data.vocab_file": str(vocab_file),
-    }
+    })
     changed = [key for key, value in settings.items()
                if config.get(key.split(".")[0], {}).get(key.split(".")[1]) != value]
     if changed:
