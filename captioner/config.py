@@ -116,8 +116,24 @@ class FeatureDtype(enum.StrEnum):
     float32 = "float32"
 
 
+class Settings:
+    """What every settings dataclass does when built: a choice given as its name becomes its enum member,
+    then ``check`` tests the ranges (ConfigError naming the field)."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for item in dataclasses.fields(self):
+            kind = hints[item.name]
+            if isinstance(kind, type) and issubclass(kind, enum.Enum):
+                setattr(self, item.name, _convert(kind, getattr(self, item.name), item.name))
+        self.check()
+
+    def check(self) -> None:
+        """Raise ConfigError for a value out of its range (the field named as ``name=value``)."""
+
+
 @dataclass
-class EncoderConfig:
+class EncoderConfig(Settings):
     """The torchvision CNN that turns an image into a grid of features."""
 
     name: str = "resnet18"  # any torchvision classification CNN (torchvision.models.get_model)
@@ -129,27 +145,27 @@ class EncoderConfig:
     trainable_stages: int = 1  # 0 frozen, k the last k stages (the rest is what a feature cache holds), -1 all
     channels_last: bool = False  # run the CNN in channels-last memory format (faster convolutions on GPUs)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.grid is not None:
             check_range("grid", self.grid, 1, kind=int)
         check_range("trainable_stages", self.trainable_stages, -1, kind=int)
 
 
 @dataclass
-class SelfAttentionConfig:
+class SelfAttentionConfig(Settings):
     """Transformer-style self-attention blocks over the grid, before the decoder reads it."""
 
     blocks: int = 0  # 0: none
     heads: int = 1
     positional: bool = False  # add learned 2-D positional embeddings first
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_range("blocks", self.blocks, 0, kind=int)
         check_range("heads", self.heads, 1, kind=int)
 
 
 @dataclass
-class DecoderConfig:
+class DecoderConfig(Settings):
     """The LSTM decoder of Show, Attend and Tell (sizes are the demo's; the paper's are 512/1800/512)."""
 
     embed_dim: int = 128  # word embedding E (m)
@@ -167,7 +183,7 @@ class DecoderConfig:
     gumbel_tau: float = 1.0  # gumbel: the temperature at the start of training ...
     gumbel_tau_min: float = 0.5  # ... falling geometrically to this at the end
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         for name in ("embed_dim", "hidden_dim", "attention_dim", "attention_heads"):
             check_range(name, getattr(self, name), 1, kind=int)
         check_range("dropout", self.dropout, 0.0, 0.99)
@@ -177,7 +193,7 @@ class DecoderConfig:
 
 
 @dataclass
-class NetConfig:
+class NetConfig(Settings):
     """The network: what ``build_captioner`` builds and a bundle stores."""
 
     attention: Attention = Attention.soft
@@ -187,7 +203,7 @@ class NetConfig:
     self_attention: SelfAttentionConfig = field(default_factory=SelfAttentionConfig)
     decoder: DecoderConfig = field(default_factory=DecoderConfig)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.attention == Attention.hard and self.scorer == Scorer.multihead:
             # Its expected context reads projected values, a sampled location would read a raw a_i.
             raise ConfigError("scorer=multihead works with soft attention only: hard attention samples one "
@@ -195,7 +211,7 @@ class NetConfig:
 
 
 @dataclass
-class LossConfig:
+class LossConfig(Settings):
     """The training loss of cross-entropy training (eq. 14; eq. 12 for hard attention)."""
 
     # Doubly stochastic regularisation (eq. 14). It pulls every cell's attention summed over the words
@@ -209,28 +225,28 @@ class LossConfig:
     entropy_weight: float = 0.002  # bonus on the entropy of the sampled locations' distribution
     baseline_decay: float = 0.9  # moving average of the baseline
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         for name in ("ds_lambda", "reinforce_weight", "entropy_weight"):
             check_range(name, getattr(self, name), 0.0)
         check_range("baseline_decay", self.baseline_decay, 0.0, 1.0)
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Settings):
     """Adam (fused where the device has it)."""
 
     lr: float = 0.002  # the decoder (and self-attention)
     encoder_lr: float = 0.002  # the encoder's trained stages (the COCO recipes: 1e-4 for pretrained weights)
     weight_decay: float = 0.0
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_range("lr", self.lr, 1e-12)
         check_range("encoder_lr", self.encoder_lr, 0.0)
         check_range("weight_decay", self.weight_decay, 0.0)
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(Settings):
     """Linear warm-up, then the learning-rate schedule (stepped every optimiser step)."""
 
     name: Schedule = Schedule.cosine
@@ -238,14 +254,14 @@ class SchedulerConfig:
     step_size: int = 10  # step: epochs between decays
     gamma: float = 0.5  # step: the decay factor
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_range("warmup_steps", self.warmup_steps, 0, kind=int)
         check_range("step_size", self.step_size, 1, kind=int)
         check_range("gamma", self.gamma, 0.0, 1.0)
 
 
 @dataclass
-class DecodingConfig:
+class DecodingConfig(Settings):
     """How validation and test decode (the CLI takes the same settings as flags)."""
 
     method: DecodeMethod = DecodeMethod.greedy
@@ -256,7 +272,7 @@ class DecodingConfig:
     min_len: int = 0  # no <end> before this many words (0: off)
     no_repeat_ngram_size: int = 0  # no n-gram of this many words twice in a caption (0: off)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_range("beam_size", self.beam_size, 1, kind=int)
         check_range("max_len", self.max_len, 1, kind=int)
         check_range("length_penalty", self.length_penalty, 0.0)
@@ -268,13 +284,13 @@ class DecodingConfig:
 
 
 @dataclass
-class ScstConfig:
+class ScstConfig(Settings):
     """Self-critical sequence training (objective=scst): CIDEr-D of sampled captions as the reward."""
 
     samples: int = 5  # captions sampled per image, all images and samples at once
     baseline: ScstBaseline = ScstBaseline.mean
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_range("samples", self.samples, 1, kind=int)
         if self.baseline == ScstBaseline.mean and self.samples < 2:
             raise ConfigError(f"samples={self.samples}: baseline=mean compares each sample with the image's "
@@ -298,8 +314,8 @@ class ModelConfig(NetConfig):
     objective: Objective = Objective.cross_entropy
     scst: ScstConfig = field(default_factory=ScstConfig)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def check(self) -> None:
+        super().check()
         check_range("nonfinite_check_interval", self.nonfinite_check_interval, 1, kind=int)
 
     def net(self) -> NetConfig:
@@ -308,7 +324,7 @@ class ModelConfig(NetConfig):
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Settings):
     """The ``data`` config group: the dataset source, batching and preprocessing (``CaptionDataModule``)."""
 
     _target_: str = "captioner.training.datamodule.CaptionDataModule"
@@ -326,7 +342,7 @@ class DataConfig:
     feature_dtype: FeatureDtype = FeatureDtype.float16  # the cache's dtype
     vocab_file: str | None = None  # load this vocabulary JSON instead of building one from the captions
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_range("image_size", self.image_size, 32, kind=int)
         check_range("batch_size", self.batch_size, 1, kind=int)
         if self.eval_batch_size is not None:
@@ -408,7 +424,7 @@ def bundle_layout(net: NetConfig) -> dict[str, Any]:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Settings):
     """The whole training config (``conf/config.yaml``): the run's own keys and every group's section."""
 
     task_name: str = "train"  # names the run folders: outputs/<task_name>/runs/<date>
@@ -426,7 +442,7 @@ class TrainConfig:
     logger: Any = None  # name -> a Lightning logger (conf/logger)
     paths: Any = None  # where data, caches and outputs go (conf/paths)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         check_range("seed", self.seed, 0, 2**32 - 1, kind=int)
 
 

@@ -9,6 +9,7 @@ because a larger grid from a smaller map adds attention slots but no information
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from collections import OrderedDict
@@ -185,6 +186,16 @@ class Encoder(nn.Module):
     def frozen(self) -> bool:
         """True when no part of the CNN is trained (it then always runs under ``torch.no_grad``)."""
         return self._first_trainable == len(self.stages)
+
+    def frozen_fingerprint(self) -> str:
+        """A short hash of the frozen stages' weights and statistics: two encoders with the same fingerprint
+        (and config) give ``frozen_map`` the same output, whatever seed or checkpoint the weights came from."""
+        digest = hashlib.sha256()
+        for stage in self.stages[: self._first_trainable]:
+            for name, tensor in itertools.chain(stage.named_parameters(), stage.named_buffers()):
+                digest.update(name.encode())
+                digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return digest.hexdigest()[:16]
 
     def train(self, mode: bool = True) -> Encoder:
         """Set train/eval mode; frozen stages always stay in eval mode (BatchNorm statistics never update)."""

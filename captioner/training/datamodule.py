@@ -103,11 +103,14 @@ class CaptionDataModule(L.LightningDataModule):
             raise DataError("data.feature_cache holds the output of the encoder's frozen stages and "
                             f"model.encoder.trainable_stages={encoder.trainable_stages} trains all of them: "
                             "freeze some (a smaller trainable_stages) or set data.feature_cache=null")
-        key = cache_key(module.net_config["encoder"], self.image_size, self.splits[split], self.feature_dtype)
+        key = cache_key({**module.net_config["encoder"], "frozen_weights": encoder.frozen_fingerprint()},
+                        self.image_size, self.splits[split], self.feature_dtype)
         cache = FeatureCache(Path(self.feature_cache) / f"{split}-{key}")
         if self.trainer.local_rank == 0 and not cache.exists():
             log.info("computing the %s feature cache in %s", split, cache.folder)
-            loader = self._loader(self.image_dataset(split), self.eval_batch_size, shuffle=False)
+            # Its own generator: building the cache (or not) leaves the global RNG, so training, as it was.
+            loader = self._loader(self.image_dataset(split), self.eval_batch_size, shuffle=False,
+                                  generator=torch.Generator().manual_seed(0))
             was_training = encoder.training
             encoder.eval()
             cache.build(module.model.encode, loader, module.device, self.feature_dtype)
@@ -115,10 +118,11 @@ class CaptionDataModule(L.LightningDataModule):
         self.trainer.strategy.barrier("feature_cache")
         return cache
 
-    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool,
+                generator: torch.Generator | None = None) -> DataLoader:
         return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=collate,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          pin_memory=torch.cuda.is_available())
+                          pin_memory=torch.cuda.is_available(), generator=generator)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches (Lightning adds the distributed sampler under DDP)."""
