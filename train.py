@@ -66,7 +66,7 @@ def train(cfg: DictConfig) -> float | None:
     from hydra.utils import instantiate
 
     from captioner.evaluation.results import write_metrics, write_results
-    from captioner.model.captioner import BUNDLE_NAME
+    from captioner.model.bundle import BUNDLE_NAME
     from captioner.training.checkpoint_io import AtomicCheckpointIO
     from captioner.training.run_folder import print_config_tree
     from captioner.training.start import model_settings, resolve_start

@@ -31,7 +31,8 @@ from captioner import cli
 from captioner.data.shapes import generate_shapes
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.evaluation.cococaption import java_available
-from captioner.model.captioner import build_captioner, load_model, save_bundle
+from captioner.model.bundle import load_model, save_bundle
+from captioner.model.captioner import build_captioner
 from captioner.viz import overlay
 from conftest import ROOT, run_train
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from captioner.errors import ConfigError
 from captioner.fileio import load_torch
-from captioner.model.captioner import BUNDLE_FORMAT, LoadedModel, load_model
+from captioner.model.bundle import BUNDLE_FORMAT, LoadedModel, load_model
 from captioner.model.decoder import ShowAttendTellDecoder
 
 log = logging.getLogger(__name__)
