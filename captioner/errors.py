@@ -9,8 +9,12 @@ class CaptionerError(Exception):
     """
 
 
-class ConfigError(CaptionerError):
-    """A configuration value or command-line argument is invalid."""
+class ConfigError(CaptionerError, ValueError):
+    """A configuration value or command-line argument is invalid.
+
+    Also a ``ValueError``, so code that calls the API with a bad argument catches it as it would
+    torchvision's or torch's own argument errors.
+    """
 
 
 class DataError(CaptionerError):
