@@ -30,7 +30,7 @@ from hydra.errors import CompactHydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from captioner.errors import CaptionerError
+from captioner.errors import CaptionerError, first_line
 
 log = logging.getLogger("train")
 
@@ -145,7 +145,7 @@ def summary(metrics: dict, ckpt_path: str | None, bundle: Path, output_dir: Path
 def one_line(exc: BaseException) -> str:
     """A Hydra or OmegaConf error (an unknown key or option, a bad override) as one line."""
     if isinstance(exc, OmegaConfBaseException):
-        message = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
+        message = first_line(exc)
         key = getattr(exc, "full_key", None)
         return f"{key}: {message}" if key else message
     text = str(exc).split("Config search path:")[0]
@@ -170,8 +170,7 @@ def stop_reason(exc: BaseException) -> str | None:
         return None if exc.code in (0, None) else f"stopped with exit status {exc.code}"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (KeyboardInterrupt)"
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    return first_line(exc, with_type=True)
 
 
 def finish_wandb(failed: bool) -> None:

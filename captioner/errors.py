@@ -25,6 +25,21 @@ class BundleError(CaptionerError):
     """A checkpoint or inference bundle cannot be loaded safely or does not match."""
 
 
+def first_line(exc: BaseException, first_sentence: bool = False, with_type: bool = False) -> str:
+    """The first line of ``exc``'s message, to report it in one line; the name of its type when it has none.
+
+    ``with_type`` puts the type's name in front (``"RuntimeError: CUDA out of memory."``);
+    ``first_sentence`` also cuts the line at its first ". " (torch's load errors go on with advice).
+    """
+    text = str(exc).strip()
+    if first_sentence:
+        text = text.split(". ")[0]
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0]
+    return f"{type(exc).__name__}: {line}" if with_type else line
+
+
 def check_choice(name: str, value: object, choices: "tuple | list") -> None:
     """Raise ConfigError unless ``value`` is one of ``choices`` (the message lists them)."""
     if value not in choices:
