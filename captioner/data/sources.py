@@ -10,11 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol
 
-from captioner.data.readers import Record, read_coco, read_karpathy
+from captioner.data.readers import SPLITS, Record, read_coco, read_karpathy
 from captioner.data.shapes import generate_shapes, shapes_records
 from captioner.errors import ConfigError, DataError, check_choice
-
-SPLITS = ("train", "val", "test")
 
 
 class Source(Protocol):
