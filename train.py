@@ -81,7 +81,7 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
 
     from captioner.evaluation.results import write_metrics, write_results
-    from captioner.model.captioner import BUNDLE_NAME
+    from captioner.model.bundle import BUNDLE_NAME
     from captioner.training.run_folder import print_config_tree
     from captioner.training.start import model_settings, resolve_start
     from captioner.training.validate import check_environment, validate_config
@@ -224,8 +224,7 @@ def stop_reason(exc: BaseException) -> str | None:
         return None if exc.code in (0, None) else f"stopped with exit status {exc.code}"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (KeyboardInterrupt)"
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    return first_line(exc, with_type=True)
 
 
 def finish_wandb(failed: bool) -> None:

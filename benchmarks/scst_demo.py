@@ -22,7 +22,7 @@ from captioner.data.vocab import tokenize
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.cider import corpus_cider_d
 from captioner.inference import caption_files
-from captioner.model.captioner import load_model
+from captioner.model.bundle import load_model
 
 
 def repeats_a_bigram(words: list[str]) -> bool:

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 import common
+from captioner.data.shapes import ShapesSpec
 from captioner.data.vocab import Vocabulary
 from captioner.evaluation.cider import CiderD
 from captioner.training.module import CaptionerModule
@@ -32,7 +33,7 @@ COLUMNS = ["size", "attention", "baseline", "images x samples", "corpus images",
            "reward ms", "reward %", "others %"]
 SAMPLES = 5
 REFERENCE_LENGTH = (8, 16)  # words per random reference caption, inclusive range
-CORPUS = {"demo": 3_000, "coco": 113_287, "tiny": 50}
+CORPUS = {"demo": ShapesSpec().n_train, "coco": 113_287, "tiny": 50}  # training images
 
 
 @dataclass

@@ -32,7 +32,7 @@ from captioner.data.readers import Record
 from captioner.config import DecodeMethod
 from captioner.errors import CaptionerError, ConfigError, check_range
 from captioner.inference import Captioned, caption_files
-from captioner.model.captioner import LoadedModel, load_model
+from captioner.model.bundle import LoadedModel, load_model
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 PROGRESS_MIN_IMAGES = 64

@@ -9,8 +9,12 @@ class CaptionerError(Exception):
     """
 
 
-class ConfigError(CaptionerError):
-    """A configuration value or command-line argument is invalid."""
+class ConfigError(CaptionerError, ValueError):
+    """A configuration value or command-line argument is invalid.
+
+    Also a ``ValueError``, so code that calls the API with a bad argument catches it as it would
+    torchvision's or torch's own argument errors.
+    """
 
 
 class DataError(CaptionerError):
@@ -21,10 +25,19 @@ class BundleError(CaptionerError):
     """A checkpoint or inference bundle cannot be loaded safely or does not match."""
 
 
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message, or its type's name when it has none."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+def first_line(exc: BaseException, first_sentence: bool = False, with_type: bool = False) -> str:
+    """The first line of ``exc``'s message, to report it in one line; the name of its type when it has none.
+
+    ``with_type`` puts the type's name in front (``"RuntimeError: CUDA out of memory."``);
+    ``first_sentence`` also cuts the line at its first ". " (torch's load errors go on with advice).
+    """
+    text = str(exc).strip()
+    if first_sentence:
+        text = text.split(". ")[0]
+    if not text:
+        return type(exc).__name__
+    line = text.splitlines()[0]
+    return f"{type(exc).__name__}: {line}" if with_type else line
 
 
 def check_choice(name: str, value: object, choices: "tuple | list") -> None:

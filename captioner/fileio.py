@@ -19,7 +19,7 @@ from typing import IO, Any, Iterator
 
 import torch
 
-from captioner.errors import BundleError, DataError
+from captioner.errors import BundleError, DataError, first_line
 
 _UMASK = os.umask(0o022)  # read once, while importing (os.umask can only be read by setting it)
 os.umask(_UMASK)
@@ -116,5 +116,5 @@ def load_torch(path: str | os.PathLike, what: str = "file", map_location: Any = 
             ) from None
         raise BundleError(f"{what} {path} is truncated or corrupt, or not a weights-only torch file") from None
     except Exception as exc:  # torch raises many types (RuntimeError, EOFError, KeyError, ...)
-        first = str(exc).strip().split(". ")[0].splitlines()[0] if str(exc).strip() else ""
-        raise BundleError(f"{what} {path} is truncated or corrupt ({type(exc).__name__}: {first})") from None
+        reason = first_line(exc, first_sentence=True, with_type=True)
+        raise BundleError(f"{what} {path} is truncated or corrupt ({reason})") from None

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.errors import check_range
-from captioner.model.captioner import LoadedModel
+from captioner.model.bundle import LoadedModel
 
 ImageLike = Union[str, os.PathLike, Image.Image, torch.Tensor]  # a file, a PIL image or a tensor (3, H, W)
 Images = Union[ImageLike, Sequence[ImageLike], torch.Tensor]  # one image, a list, or a batch tensor (B, 3, H, W)

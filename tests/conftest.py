@@ -5,25 +5,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+
+from captioner.data.shapes import ShapesSpec, generate_shapes
 
 import train  # noqa: F401  registers the config schemas (captioner.config) with Hydra
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # A dataset small enough to train on in seconds; the same parameters everywhere so it is generated once.
-TINY = {"n_train": 240, "n_val": 24, "n_test": 24, "image_size": 96, "seed": 0}
+TINY = ShapesSpec(n_train=240, n_val=24, n_test=24)
 
 
 @pytest.fixture(scope="session")
 def tiny_shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A generated built-in dataset (240/24/24 images, 96 px) shared by the whole session."""
-    from captioner.data.shapes import generate_shapes
-
     root = tmp_path_factory.mktemp("data") / "shapes"
-    generate_shapes(root, **TINY)
+    generate_shapes(root, TINY)
     return root
 
 
@@ -32,7 +33,7 @@ def tiny_overrides(data_root: Path, out: Path, cache: Path | None = None) -> lis
     cache_value = "null" if cache is None else str(cache)
     return [
         f"data.source.root={data_root}",
-        *(f"data.source.{k}={v}" for k, v in TINY.items()),
+        *(f"data.source.{k}={v}" for k, v in asdict(TINY).items()),
         f"data.feature_cache={cache_value}",
         "data.num_workers=0",
         "data.batch_size=16",

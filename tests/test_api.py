@@ -20,7 +20,8 @@ import captioner
 from captioner.data.images import ImageError
 from captioner.data.vocab import Vocabulary
 from captioner.inference import Captioned, caption_files
-from captioner.model.captioner import build_captioner, save_bundle
+from captioner.model.bundle import save_bundle
+from captioner.model.captioner import build_captioner
 from conftest import ROOT
 
 CONFIG = {"encoder": {"name": "resnet18"},
@@ -73,7 +74,7 @@ def test_import_captioner_is_cheap_and_names_its_api():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.stdout.strip() == "[]", proc.stderr
     assert {"load_model", "show_attention", "Captioned", "LoadedModel", "__version__"} <= set(dir(captioner))
-    assert captioner.load_model is captioner.model.captioner.load_model
+    assert captioner.load_model is captioner.model.bundle.load_model
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         captioner.nothing  # noqa: B018
 

@@ -149,7 +149,8 @@ def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(tiny_shape
                                                                       monkeypatch: pytest.MonkeyPatch,
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     from captioner.data.vocab import Vocabulary
-    from captioner.model.captioner import build_captioner, save_bundle
+    from captioner.model.bundle import save_bundle
+    from captioner.model.captioner import build_captioner
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     demo = importlib.import_module("scst_demo")

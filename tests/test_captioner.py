@@ -11,7 +11,8 @@ import torch
 
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
-from captioner.model.captioner import Captioner, build_captioner, load_bundle, save_bundle
+from captioner.model.bundle import load_bundle, save_bundle
+from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.self_attention import SelfAttentionStack
 
 CONFIG = {

@@ -28,10 +28,11 @@ from nltk.translate.bleu_score import sentence_bleu
 from PIL import Image
 
 from captioner import cli
-from captioner.data.shapes import generate_shapes
+from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.evaluation.cococaption import java_available
-from captioner.model.captioner import build_captioner, load_model, save_bundle
+from captioner.model.bundle import load_model, save_bundle
+from captioner.model.captioner import build_captioner
 from captioner.viz import overlay
 from conftest import ROOT, run_train
 
@@ -467,7 +468,7 @@ def test_a_bad_argument_is_one_line_and_exit_2(option, message, bundles, inputs,
 # ----------------------------------------------------------------------------------------- evaluate
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory) -> Path:
-    return generate_shapes(tmp_path_factory.mktemp("data") / "shapes", n_train=20, n_val=6, n_test=6)
+    return generate_shapes(tmp_path_factory.mktemp("data") / "shapes", ShapesSpec(n_train=20, n_val=6, n_test=6))
 
 
 def _load_results(annotations: Path, results: Path):

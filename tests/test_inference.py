@@ -9,7 +9,8 @@ from PIL import Image
 from captioner.data.dataset import Skipped
 from captioner.data.vocab import Vocabulary
 from captioner.inference import Captioned, ImageFiles, caption_files
-from captioner.model.captioner import LoadedModel, build_captioner
+from captioner.model.bundle import LoadedModel
+from captioner.model.captioner import build_captioner
 
 CONFIG = {"encoder": {"name": "resnet18"},
           "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}

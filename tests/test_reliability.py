@@ -32,7 +32,7 @@ from captioner.training.validate import check_environment, validate_config
 from conftest import ROOT, TINY, run_train, tiny_overrides
 from test_train import compose_cfg
 
-STEPS_PER_EPOCH = TINY["n_train"] // 16  # tiny_overrides: data.batch_size=16
+STEPS_PER_EPOCH = TINY.n_train // 16  # tiny_overrides: data.batch_size=16
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -520,6 +520,6 @@ def test_two_runs_with_one_seed_give_identical_losses_and_captions(tiny_shapes: 
     losses = [train_losses(run) for run in runs]
     assert sorted(losses[0]) == list(range(6)) and losses[0] == losses[1]
     captions = [json.loads((run / "val_captions.json").read_text()) for run in runs]
-    assert len(captions[0]) == TINY["n_val"] and captions[0] == captions[1]
+    assert len(captions[0]) == TINY.n_val and captions[0] == captions[1]
     weights = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"] for run in runs]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -151,7 +151,8 @@ def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
     model.objective existed) and bundle.pt, for a tiny hard-attention model."""
     from captioner.data.vocab import Vocabulary
     from captioner.fileio import save_torch
-    from captioner.model.captioner import CHECKPOINT_KEY, build_captioner, bundle_metadata, save_bundle
+    from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
+    from captioner.model.captioner import build_captioner
 
     vocab = Vocabulary(["a", "red", "circle"])
     model = build_captioner(NET, len(vocab))

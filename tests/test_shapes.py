@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from captioner.data.shapes import (CELLS, COLOURS, SHAPES, ShapesSpec, generate_
                                    shapes_records)
 from captioner.errors import ConfigError, DataError
 
-SMALL = {"n_train": 10, "n_val": 4, "n_test": 3, "image_size": 48}
+SMALL = ShapesSpec(n_train=10, n_val=4, n_test=3, image_size=48)
 OBJECT = re.compile(rf"\b({'|'.join(COLOURS)}) ({'|'.join(SHAPES)})\b")
 RELATION = re.compile(
     r"\b(\w+ \w+) (?:is |sits )?(to the left of|to the right of|above|below) (?:a|the) (\w+ \w+)")
@@ -33,7 +34,7 @@ def tree(root: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
-    return generate_shapes(tmp_path_factory.mktemp("shapes") / "shapes", seed=0, **SMALL)
+    return generate_shapes(tmp_path_factory.mktemp("shapes") / "shapes", SMALL)
 
 
 def test_layout_and_meta(small):
@@ -47,15 +48,15 @@ def test_layout_and_meta(small):
     assert not any(Path(f).name.startswith(".") for f in files)  # no marker or temporary file left
     meta = json.loads(files["meta.json"])
     assert meta == {"format": "captioner-shapes", "version": 1,
-                    "params": {**SMALL, "seed": 0}}
+                    "params": {"n_train": 10, "n_val": 4, "n_test": 3, "image_size": 48, "seed": 0}}
     with Image.open(small / "images" / "val" / "000011.png") as image:
         assert image.size == (48, 48) and image.mode == "RGB"
 
 
 def test_same_seed_gives_identical_files_and_another_seed_differs(tmp_path, small):
-    again = tree(generate_shapes(tmp_path / "again", seed=0, **SMALL))
+    again = tree(generate_shapes(tmp_path / "again", SMALL))
     assert again == tree(small)
-    other = tree(generate_shapes(tmp_path / "other", seed=1, **SMALL))
+    other = tree(generate_shapes(tmp_path / "other", replace(SMALL, seed=1)))
     assert set(other) == set(again)
     assert other["images/train/000001.png"] != again["images/train/000001.png"]
     assert other["annotations/captions_train.json"] != again["annotations/captions_train.json"]
@@ -153,23 +154,23 @@ def test_records_have_boxes_and_match_the_karpathy_file(small):
 
 def test_generating_again_is_a_no_op(small):
     before = {p: p.stat().st_mtime_ns for p in small.rglob("*") if p.is_file()}
-    assert generate_shapes(small, seed=0, **SMALL) == small
+    assert generate_shapes(small, SMALL) == small
     assert {p: p.stat().st_mtime_ns for p in small.rglob("*") if p.is_file()} == before
 
 
 def test_different_parameters_are_refused_and_nothing_is_touched(small):
     before = tree(small)
     with pytest.raises(DataError, match=r"different parameters \(seed=0 \(asked 5\)\)"):
-        generate_shapes(small, seed=5, **SMALL)
+        generate_shapes(small, replace(SMALL, seed=5))
     with pytest.raises(DataError, match="n_train=10 \\(asked 11\\)"):
-        generate_shapes(small, **{**SMALL, "n_train": 11})
+        generate_shapes(small, replace(SMALL, n_train=11))
     assert tree(small) == before
 
 
 def test_a_foreign_non_empty_folder_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(DataError, match="not empty"):
-        generate_shapes(tmp_path, **SMALL)
+        generate_shapes(tmp_path, SMALL)
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
@@ -179,10 +180,10 @@ def test_shapes_records_needs_a_generated_dataset(tmp_path):
 
 
 def test_bad_parameters_are_config_errors(tmp_path):
-    with pytest.raises(ConfigError):
-        generate_shapes(tmp_path, n_train=0)
-    with pytest.raises(ConfigError):
-        generate_shapes(tmp_path, image_size=12)
+    with pytest.raises(ConfigError, match="n_train=0 must be >= 1"):
+        ShapesSpec(n_train=0)
+    with pytest.raises(ConfigError, match="image_size=12 must be >= 24"):
+        ShapesSpec(image_size=12)
 
 
 def test_interrupted_generation_resumes_with_only_missing_images(tmp_path, monkeypatch, small):
@@ -196,17 +197,17 @@ def test_interrupted_generation_resumes_with_only_missing_images(tmp_path, monke
     monkeypatch.setattr(shapes, "render", failing)
     root = tmp_path / "shapes"
     with pytest.raises(KeyboardInterrupt):
-        generate_shapes(root, seed=0, **SMALL)
+        generate_shapes(root, SMALL)
     assert not (root / "meta.json").exists() and (root / shapes.PARTIAL).is_file()
     written = sorted((root / "images" / "train").glob("*.png"))
     assert 0 < len(written) < 10
     with pytest.raises(DataError, match="unfinished shapes dataset made with different parameters"):
-        generate_shapes(root, seed=1, **SMALL)
+        generate_shapes(root, replace(SMALL, seed=1))
     monkeypatch.setattr(shapes, "render", render)
     old = 1_000_000_000_000_000_000
     for path in written:
         os.utime(path, ns=(old, old))
-    generate_shapes(root, seed=0, **SMALL)
+    generate_shapes(root, SMALL)
     assert all(path.stat().st_mtime_ns == old for path in written)  # existing images not rewritten
     assert tree(root) == tree(small)
 
@@ -217,5 +218,5 @@ def test_copy_without_meta_but_with_marker_is_completed(tmp_path, small):
     (root / "meta.json").rename(root / shapes.PARTIAL)
     (root / "images" / "test" / "000017.png").unlink()
     (root / "images" / "test" / ".000017.png.abc.tmp").write_bytes(b"half")
-    generate_shapes(root, seed=0, **SMALL)
+    generate_shapes(root, SMALL)
     assert tree(root) == tree(small)

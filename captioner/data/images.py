@@ -11,7 +11,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.transforms.v2.functional import to_pil_image
 
-from captioner.errors import DataError
+from captioner.errors import DataError, first_line
 
 _INTEGER_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _WHITE = (255, 255, 255, 255)
@@ -46,14 +46,14 @@ def load_rgb(path: str | Path) -> Image.Image:
                 image.load()
                 return _to_rgb(ImageOps.exif_transpose(image))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        reason = f"image too large, refused as a possible decompression bomb ({_first_line(exc)})"
+        reason = f"image too large, refused as a possible decompression bomb ({first_line(exc)})"
         raise ImageError(path, reason) from None
     except UnidentifiedImageError:
         raise ImageError(path, "not an image file (Pillow cannot identify its format)") from None
     except PermissionError:
         raise ImageError(path, "permission denied") from None
     except Exception as exc:  # Pillow's decoders raise OSError, SyntaxError, ValueError, EOFError, ...
-        raise ImageError(path, f"truncated or corrupt image data ({_first_line(exc)})") from None
+        raise ImageError(path, f"truncated or corrupt image data ({first_line(exc)})") from None
 
 
 def to_rgb(image: Image.Image | torch.Tensor) -> Image.Image:
@@ -92,12 +92,6 @@ def _check_file(path: Path) -> None:
         raise ImageError(path, "is not a regular file")
     if path.stat().st_size == 0:
         raise ImageError(path, "file is empty")
-
-
-def _first_line(exc: BaseException) -> str:
-    """The first line of an exception's message, or its type name when it has none."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

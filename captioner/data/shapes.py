@@ -62,7 +62,7 @@ _LIST3 = ("a {a}, a {b} and a {c}", "three shapes: a {a}, a {b} and a {c}",
 
 @dataclass(frozen=True)
 class ShapesSpec:
-    """The generator parameters (stored in meta.json)."""
+    """The generator parameters (stored in meta.json); the defaults are the built-in dataset's."""
 
     n_train: int = 3000
     n_val: int = 250
@@ -105,13 +105,11 @@ class Scene:
     captions: tuple[str, ...]
 
 
-def generate_shapes(root: str | Path, n_train: int = 3000, n_val: int = 250, n_test: int = 250,
-                    image_size: int = 96, seed: int = 0) -> Path:
-    """Generate the built-in dataset under ``root`` (a no-op when it is already there); return ``root``.
+def generate_shapes(root: str | Path, spec: ShapesSpec = ShapesSpec()) -> Path:
+    """Generate the dataset ``spec`` describes under ``root`` (a no-op when it is already there); return ``root``.
 
     Raises DataError when ``root`` holds a dataset made with other parameters, or other files.
     """
-    spec = ShapesSpec(n_train, n_val, n_test, image_size, seed)
     root = Path(root)
     if (root / META).is_file():
         _check_meta(root / META, spec.meta(), "holds a shapes dataset")

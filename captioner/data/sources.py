@@ -10,11 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol
 
-from captioner.data.readers import Record, read_coco, read_karpathy
-from captioner.data.shapes import generate_shapes, shapes_records
+from captioner.data.readers import SPLITS, Record, read_coco, read_karpathy
+from captioner.data.shapes import ShapesSpec, generate_shapes, shapes_records
 from captioner.errors import ConfigError, DataError, check_choice
-
-SPLITS = ("train", "val", "test")
 
 
 class Source(Protocol):
@@ -87,21 +85,26 @@ class KarpathySource:
                              restval_as_train=self.restval_as_train)
 
 
-@dataclass
+@dataclass(init=False)
 class ShapesSource:
-    """The built-in synthetic dataset, generated under ``root`` on first use (never overwritten)."""
+    """The built-in synthetic dataset ``spec``, generated under ``root`` on first use (never overwritten).
+
+    Built from the keys of ``conf/data/shapes.yaml``: ``root`` and the fields of ``ShapesSpec``, whose
+    defaults are the built-in dataset's.
+    """
 
     root: str
-    n_train: int = 3000
-    n_val: int = 250
-    n_test: int = 250
-    image_size: int = 96
-    seed: int = 0
+    spec: ShapesSpec
+
+    def __init__(self, root: str, n_train: int = ShapesSpec.n_train, n_val: int = ShapesSpec.n_val,
+                 n_test: int = ShapesSpec.n_test, image_size: int = ShapesSpec.image_size,
+                 seed: int = ShapesSpec.seed) -> None:
+        self.root = root
+        self.spec = ShapesSpec(n_train, n_val, n_test, image_size, seed)
 
     def prepare(self) -> None:
         """Generate the dataset if it is not there yet (a no-op when it is)."""
-        generate_shapes(self.root, n_train=self.n_train, n_val=self.n_val, n_test=self.n_test,
-                        image_size=self.image_size, seed=self.seed)
+        generate_shapes(self.root, self.spec)
 
     def records(self, split: str) -> list[Record]:
         """Read ``split`` of the generated COCO-format files (with boxes)."""

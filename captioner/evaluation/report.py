@@ -16,7 +16,7 @@ from captioner.evaluation.correctness import AttentionCorrectness
 from captioner.evaluation.results import SCALE, write_metrics, write_results
 from captioner.fileio import write_json
 from captioner.inference import caption_files
-from captioner.model.captioner import LoadedModel
+from captioner.model.bundle import LoadedModel
 
 RESULTS_FILE = "results.json"
 METRICS_FILE = "metrics.json"

@@ -21,7 +21,7 @@ import torchvision
 from torch import Tensor, nn
 from torchvision.models import WeightsEnum, get_model, get_model_weights, list_models
 
-from captioner.errors import ConfigError, check_range
+from captioner.errors import ConfigError, check_range, first_line
 
 # Top-level children at which the trunk ends: global pooling, flattening, or the classifier head.
 _HEAD_TYPES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear)
@@ -74,9 +74,8 @@ def _build_classifier(name: str, weights: str | None) -> nn.Module:
     try:
         return get_model(name, weights=resolved)
     except Exception as exc:  # a corrupt, truncated or wrong file fails in many ways
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
-            f"weight file {path} could not be loaded ({first}); delete it and download {resolved.url} again"
+            f"weight file {path} could not be loaded ({first_line(exc)}); delete it and download {resolved.url} again"
         ) from None
 
 

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from captioner.config import DataConfig, from_dict
 from captioner.data.dataset import CaptionDataset, build_transform, collate
 from captioner.data.features import FeatureCache, FeatureCaptionDataset, cache_key
-from captioner.data.readers import Box, Record
+from captioner.data.readers import SPLITS, Box, Record
 from captioner.data.sources import Source
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.errors import DataError
@@ -60,7 +60,7 @@ class CaptionDataModule(L.LightningDataModule):
         if self.vocab is not None:
             return
         self.source.prepare()
-        for split in ("train", "val", "test"):
+        for split in SPLITS:
             self.splits[split] = self.source.records(split)
         if not self.splits["train"]:
             raise DataError("the training split has no images")
@@ -73,10 +73,6 @@ class CaptionDataModule(L.LightningDataModule):
     def references(self, split: str) -> dict[int, list[list[str]]]:
         """Tokenised reference captions per image id, for BLEU."""
         return {r.image_id: [tokenize(c) for c in r.captions] for r in self.splits[split]}
-
-    def raw_references(self, split: str) -> dict[int, list[str]]:
-        """Raw reference captions per image id, for the coco-caption suite."""
-        return {r.image_id: list(r.captions) for r in self.splits[split]}
 
     def boxes(self, split: str) -> dict[int, tuple[Box, ...]]:
         """Object boxes per image id (empty for datasets without instances)."""

@@ -24,7 +24,8 @@ from captioner.errors import CaptionerError
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.cider import CiderD, corpus_cider_d
 from captioner.evaluation.correctness import AttentionCorrectness
-from captioner.model.captioner import CHECKPOINT_KEY, Captioner, build_captioner, bundle_metadata, save_bundle
+from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
+from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoding import Generation, greedy, rollout
 from captioner.model.losses import CaptionLoss, SelfCriticalLoss
 
@@ -321,7 +322,7 @@ class CaptionerModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Checkpoints carry the bundle metadata as plain data (model config, vocabulary, image size), so
-        ``captioner.model.captioner.load_model`` reads them with ``weights_only=True``. The losses since
+        ``captioner.model.bundle.load_model`` reads them with ``weights_only=True``. The losses since
         the last check are checked first: with model.nonfinite=stop a non-finite one stops before the write."""
         self._check_losses()
         checkpoint[CHECKPOINT_KEY] = bundle_metadata(self.net_config, self.vocab,

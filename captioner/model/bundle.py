@@ -1,0 +1,252 @@
+"""The inference bundle, and the reading of the training checkpoints that carry the same metadata.
+
+A bundle is one torch file holding plain data and tensors only: the model config, the vocabulary,
+the preprocessing settings (the image size the model was trained with) and the state dict. It needs
+neither the training code nor the encoder's pretrained weight file to load, and it is read with
+``weights_only=True``, so it never runs pickled code. Training checkpoints carry the same metadata
+under ``checkpoint["captioner"]``, so ``load_model`` reads either kind of file. Plain torch: neither
+Lightning nor Hydra is needed to load a model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from captioner.data.vocab import Vocabulary
+from captioner.errors import BundleError, ConfigError, DataError, check_range
+from captioner.fileio import load_torch, save_torch
+from captioner.model.captioner import Captioner, build_captioner, net_from_bundle
+
+if TYPE_CHECKING:
+    from captioner.inference import Captioned, Images
+
+BUNDLE_FORMAT = "captioner-bundle"
+BUNDLE_VERSION = 1
+BUNDLE_NAME = "bundle.pt"  # the bundle's file name in a training run's folder
+_METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
+_BUNDLE_KEYS = ("format", "version", *_METADATA_KEYS, "state_dict")
+PREPROCESS_KEYS = ("image_size",)
+CHECKPOINT_KEY = "captioner"  # where a training checkpoint keeps the bundle metadata
+
+
+def _plain(value: object, where: str = "config") -> object:
+    """A copy of ``value`` made of dicts, lists, str, int, float, bool and None (OmegaConf containers too)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item, f"{where}.{key}") for key, item in value.items()}
+    if isinstance(value, Sequence):
+        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    raise ConfigError(f"{where} is a {type(value).__name__}; a bundle config holds plain data only")
+
+
+def _check_preprocess(preprocess: object) -> dict:
+    """``preprocess`` as a plain ``{"image_size": int}``; ConfigError naming a wrong or missing key."""
+    if not isinstance(preprocess, Mapping):
+        raise ConfigError(f"preprocess must be a mapping, got {type(preprocess).__name__}")
+    for key in preprocess:
+        if key not in PREPROCESS_KEYS:
+            raise ConfigError(f"unknown preprocess key {key!r}; valid keys: {', '.join(PREPROCESS_KEYS)}")
+    if "image_size" not in preprocess:
+        raise ConfigError("preprocess has no image_size")
+    check_range("preprocess.image_size", preprocess["image_size"], 1, kind=int)
+    return {"image_size": preprocess["image_size"]}
+
+
+def bundle_metadata(config: Mapping, vocab: Vocabulary, preprocess: Mapping | None = None) -> dict:
+    """The plain-data part of a bundle: model config, vocabulary, its fingerprint and ``preprocess``.
+
+    ``preprocess`` is ``{"image_size": N}``, the square input size the model was trained with (left
+    out when None). Training checkpoints store this dict under ``checkpoint["captioner"]``.
+    Raises ConfigError for an invalid config or preprocess.
+    """
+    net_from_bundle(config)
+    metadata = {"config": _plain(config), "vocab": vocab.to_dict(), "vocab_fingerprint": vocab.fingerprint()}
+    if preprocess is not None:
+        metadata["preprocess"] = _check_preprocess(preprocess)
+    return metadata
+
+
+def _plain_names(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Parameter names without the ``_orig_mod.`` that torch.compile inserts for a wrapped module."""
+    return {key.replace("_orig_mod.", ""): value for key, value in state_dict.items()}
+
+
+def _embedding_mismatch(model: nn.Module, state_dict: Mapping, vocab_size: int) -> str | None:
+    """Describe an embedding in ``state_dict`` whose rows differ from ``vocab_size``, if any."""
+    for name, module in model.named_modules():
+        weight = state_dict.get(f"{name}.weight")
+        if isinstance(module, nn.Embedding) and isinstance(weight, Tensor) and weight.size(0) != vocab_size:
+            return f"the vocabulary has {vocab_size} words but the {name} weights have {weight.size(0)} rows"
+    return None
+
+
+def save_bundle(path: str | os.PathLike, model: Captioner, vocab: Vocabulary, config: Mapping,
+                preprocess: Mapping | None = None) -> None:
+    """Write an inference bundle (config, vocabulary, preprocessing, weights) atomically; plain data only.
+
+    ``preprocess`` is ``{"image_size": N}``; ``load_model`` (the ``captioner`` command) needs it,
+    ``load_bundle`` does not.
+    """
+    metadata = bundle_metadata(config, vocab, preprocess)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and module.num_embeddings != len(vocab):
+            raise BundleError(f"cannot save bundle {path}: the vocabulary has {len(vocab)} words but the "
+                              f"{name} weights have {module.num_embeddings} rows")
+    state_dict = {key: value.detach().cpu() for key, value in _plain_names(model.state_dict()).items()}
+    save_torch({"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, **metadata, "state_dict": state_dict}, path)
+
+
+def _state_dict_problem(model: nn.Module, state_dict: Mapping) -> str | None:
+    """Describe the missing, unexpected and reshaped keys of ``state_dict`` for ``model``, if any."""
+    expected = model.state_dict()
+    missing = [key for key in expected if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in expected]
+    reshaped = [f"{key} {tuple(state_dict[key].shape)} vs {tuple(value.shape)}" for key, value in expected.items()
+                if key in state_dict and state_dict[key].shape != value.shape]
+    problems = []
+    labelled = (("missing", missing), ("unexpected", unexpected), ("shape mismatch (saved vs model)", reshaped))
+    for label, keys in labelled:
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            problems.append(f"{label}: {', '.join(keys[:3])}{more}")
+    return "; ".join(problems) or None
+
+
+def _bundle_parts(raw: object, where: str) -> tuple[dict, object]:
+    """Check a loaded bundle's format, version and keys; return its metadata and state dict."""
+    if not isinstance(raw, dict) or raw.get("format") != BUNDLE_FORMAT:
+        raise BundleError(f"{where}: not a captioner bundle (expected \"format\": \"{BUNDLE_FORMAT}\")")
+    version = raw.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise BundleError(f"{where}: invalid bundle version {version!r}")
+    if version > BUNDLE_VERSION:
+        raise BundleError(f"{where}: bundle version {version} is newer than this captioner reads "
+                          f"({BUNDLE_VERSION}); upgrade it")
+    missing = [key for key in _BUNDLE_KEYS if key not in raw]
+    if missing:
+        raise BundleError(f"{where}: not a complete bundle (missing {', '.join(missing)})")
+    return raw, raw["state_dict"]
+
+
+def _checkpoint_parts(raw: dict, where: str) -> tuple[dict, dict]:
+    """The bundle metadata of a Lightning checkpoint and its Captioner weights (``model.`` prefix removed)."""
+    metadata = raw.get(CHECKPOINT_KEY)
+    if not isinstance(metadata, dict):
+        raise BundleError(f"{where}: has no \"{CHECKPOINT_KEY}\" entry (model config, vocabulary, image size); "
+                          "only checkpoints written by this version of train.py can be loaded, or use its bundle.pt")
+    missing = [key for key in _METADATA_KEYS if key not in metadata]
+    if missing:
+        raise BundleError(f"{where}: its \"{CHECKPOINT_KEY}\" entry is incomplete (missing {', '.join(missing)})")
+    state_dict = raw["state_dict"]
+    if not isinstance(state_dict, dict):
+        raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
+    prefix = "model."
+    return metadata, _plain_names({key[len(prefix):]: value for key, value in state_dict.items()
+                                   if key.startswith(prefix)})
+
+
+def _assemble(metadata: dict, state_dict: object, where: str,
+              map_location: str | torch.device) -> tuple[Captioner, Vocabulary, dict]:
+    """Build the model of ``metadata`` and load ``state_dict`` into it, checking that they fit."""
+    try:
+        vocab = Vocabulary.from_dict(metadata["vocab"])
+    except DataError as exc:
+        raise BundleError(f"{where}: malformed vocabulary ({exc})") from None
+    if vocab.fingerprint() != metadata["vocab_fingerprint"]:
+        raise BundleError(f"{where}: vocabulary fingerprint {metadata['vocab_fingerprint']!r} does not match "
+                          f"its words ({vocab.fingerprint()!r}): the vocabulary was altered")
+    config = metadata["config"]
+    if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
+        raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
+    try:
+        net = net_from_bundle(config)
+        net.encoder.weights = None  # the bundle holds the weights
+        model = build_captioner(net, len(vocab))
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise BundleError(f"{where}: its config does not build a model ({exc})") from None
+    problem = _embedding_mismatch(model, state_dict, len(vocab)) or _state_dict_problem(model, state_dict)
+    if problem:
+        raise BundleError(f"{where}: weights do not fit the model: {problem}")
+    if isinstance(map_location, (str, torch.device)):
+        model.to(map_location)
+    model.load_state_dict(state_dict)
+    return model.eval(), vocab, config
+
+
+def load_bundle(path: str | os.PathLike, map_location: str | torch.device = "cpu"
+                ) -> tuple[Captioner, Vocabulary, dict]:
+    """Load a bundle written by ``save_bundle``: the model (in eval mode), its vocabulary and config.
+
+    Raises BundleError naming the file when it is not a bundle, is from a newer version, or its
+    vocabulary, config or weights do not fit together. The encoder is built without pretrained
+    weights (the bundle carries them), so no weight file is needed. ``load_model`` also reads
+    training checkpoints and returns the image size.
+    """
+    raw = load_torch(path, what="bundle", map_location=map_location)
+    where = f"bundle {path}"
+    metadata, state_dict = _bundle_parts(raw, where)
+    return _assemble(metadata, state_dict, where, map_location)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A captioner ready for inference, with what is needed to feed it and read its output."""
+
+    model: Captioner  # in eval mode
+    vocab: Vocabulary
+    config: dict  # the model config (``build_captioner``'s)
+    image_size: int  # images are resized to image_size x image_size, as in training
+
+    def caption(self, images: Images, batch_size: int = 32, **decode: object) -> Captioned | list[Captioned]:
+        """Caption image files, PIL images or image tensors; see :func:`captioner.inference.caption_images`.
+
+        One image gives one :class:`~captioner.inference.Captioned` (``.caption``, ``.score``, ``.alphas``
+        (T, H*W) on ``.grid``), a list or a batch tensor (B, 3, H, W) a list of them. ``decode`` holds
+        ``Captioner.generate`` options (method, beam_size, max_len, ...).
+        """
+        from captioner.inference import caption_images  # inference builds on this module
+
+        return caption_images(self, images, batch_size, **decode)
+
+
+def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedModel:
+    """Load an inference bundle (``save_bundle``), a Lightning checkpoint written by training, or the
+    bundle of a training run's folder (``<run>/bundle.pt``).
+
+    Both are read with ``weights_only=True``. Raises BundleError (one line naming the file) for a
+    missing, truncated or foreign file, one carrying pickled code, a vocabulary, config or weights
+    that do not fit together, a file without the image size the model was trained with, or a run
+    folder without a bundle.
+    """
+    if os.path.isdir(path):
+        folder, path = path, os.path.join(path, BUNDLE_NAME)
+        if not os.path.isfile(path):
+            raise BundleError(f"{folder} is a folder without {BUNDLE_NAME} (a run writes it when training ends); "
+                              "give a run folder that finished, or one of its checkpoints/*.ckpt files")
+    raw = load_torch(path, what="model file", map_location=map_location)
+    if isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT:
+        where = f"bundle {path}"
+        metadata, state_dict = _bundle_parts(raw, where)
+    elif isinstance(raw, dict) and "pytorch-lightning_version" in raw and "state_dict" in raw:
+        where = f"checkpoint {path}"
+        metadata, state_dict = _checkpoint_parts(raw, where)
+    else:
+        raise BundleError(f"{path}: neither a captioner bundle nor a training checkpoint "
+                          "(give the bundle.pt or a .ckpt file that train.py wrote)")
+    if "preprocess" not in metadata:
+        raise BundleError(f"{where}: has no preprocessing settings (the image size the model was trained "
+                          "with), so it cannot caption correctly; it was written by an older captioner: "
+                          "export it again with save_bundle(..., preprocess={'image_size': N})")
+    try:
+        image_size = _check_preprocess(metadata["preprocess"])["image_size"]
+    except ConfigError as exc:
+        raise BundleError(f"{where}: malformed preprocessing settings ({exc})") from None
+    model, vocab, config = _assemble(metadata, state_dict, where, map_location)
+    return LoadedModel(model, vocab, config, image_size)
