@@ -95,7 +95,8 @@ def train(cfg: DictConfig) -> float | None:
     output_dir = Path(cfg.paths.output_dir)
     print_config_tree(plain, output_dir)
     validate_config(plain)
-    check_environment(plain)
+    source = build("data.source", plain["data"]["source"])
+    check_environment(plain, source)
     start = resolve_start(cfg.ckpt_path, cfg.init_from, cfg.model.objective)
     ckpt_path = start.resume
     L.seed_everything(cfg.seed, workers=True)
@@ -106,7 +107,6 @@ def train(cfg: DictConfig) -> float | None:
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         print_config_tree(plain, output_dir)  # the config that runs
     trainer = build_trainer(plain)  # before any data work: Lightning checks its arguments as it builds
-    source = build("data.source", plain["data"]["source"])
     datamodule = build("data", {k: v for k, v in plain["data"].items() if k != "source"}, source=source)
     datamodule.setup("fit")
     module = build("model", plain["model"], vocab=datamodule.vocab)

@@ -1,31 +1,95 @@
-"""Shared fixtures: a tiny built-in dataset, Hydra configs composed for a temporary folder, subprocess runs."""
+"""What the tests share: a tiny built-in dataset, composed configs, train.py runs and what they leave behind,
+small models and bundles, and the helpers that build or damage their files."""
 
 from __future__ import annotations
 
+import csv
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
+from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from captioner.data.shapes import ShapesSpec, generate_shapes
+from captioner.data.vocab import Vocabulary
+from captioner.fileio import save_torch
+from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
+from captioner.model.captioner import Captioner, build_captioner
+from captioner.model.decoder import ShowAttendTellDecoder
 
 import train  # noqa: F401  registers the config schemas (captioner.config) with Hydra
 
 ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
 
 # A dataset small enough to train on in seconds; the same parameters everywhere so it is generated once.
 TINY = ShapesSpec(n_train=240, n_val=24, n_test=24)
 
+# A small model: resnet18 with random weights (at 96 px a 3x3 attention grid), a 16-wide decoder without dropout.
+SMALL_NET = {"encoder": {"name": "resnet18"},
+             "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
+SMALL_IMAGE_SIZE = 96
 
+# A tiny hard-attention model of every part (a trained stage, feature norm, self-attention, dot scorer): the
+# model of the runs write_run leaves.
+RUN_NET = {"encoder": {"name": "resnet18", "weights": None, "trainable_stages": 0, "stage": "layer2", "grid": 2},
+           "feature_norm": True, "self_attention": {},
+           "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8, "mode": "hard", "attention": "dot"}}
+
+# The small decoder of the decoding and SCST tests: V words, D feature channels, L grid locations.
+V, D, L = 12, 6, 4
+START, END = Vocabulary.start_id, Vocabulary.end_id
+
+
+# ------------------------------------------------------------------------------------- the tiny dataset
 @pytest.fixture(scope="session")
 def tiny_shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A generated built-in dataset (240/24/24 images, 96 px) shared by the whole session."""
     root = tmp_path_factory.mktemp("data") / "shapes"
     generate_shapes(root, TINY)
     return root
+
+
+def copy_dataset(tiny_shapes: Path, dest: Path, images: bool = True) -> Path:
+    """A copy of the tiny dataset (without its images when ``images`` is false) that a test may damage."""
+    ignore = None if images else shutil.ignore_patterns("images")
+    return Path(shutil.copytree(tiny_shapes, dest, ignore=ignore))
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative path) with the sha256 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------ composed configs
+def compose_cfg(overrides: list[str], tmp_path: Path) -> DictConfig:
+    """Compose conf/config.yaml as train.py would, with the run's folder at ``tmp_path/out``."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.paths.root_dir = str(ROOT)
+        cfg.paths.output_dir = str(tmp_path / "out")
+        cfg.hydra.runtime.output_dir = str(tmp_path / "out")
+    HydraConfig().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]  # train.py sees the config without the hydra node, as under @hydra.main
+    return cfg
+
+
+def compose_plain(overrides: list[str], tmp_path: Path) -> dict[str, Any]:
+    """``compose_cfg`` resolved to plain data, as validate_config and check_environment take it."""
+    return OmegaConf.to_container(compose_cfg(overrides, tmp_path), resolve=True)
 
 
 def tiny_overrides(data_root: Path, out: Path, cache: Path | None = None) -> list[str]:
@@ -45,11 +109,114 @@ def tiny_overrides(data_root: Path, out: Path, cache: Path | None = None) -> lis
     ]
 
 
+# ------------------------------------------------------------------------------------------ train.py runs
+def subprocess_env() -> dict[str, str]:
+    """The environment of a train.py subprocess: unbuffered output, as many threads as the tests' own."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+
+
 def run_train(args: list[str], timeout: float = 600, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """``python train.py ARGS`` in a subprocess (the way users run it)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout, **kwargs)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+def error_line(proc: subprocess.CompletedProcess) -> str:
+    """The single ``error: ...`` line a failed train.py printed; fails when stderr holds anything else."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
+def metrics_rows(run: Path) -> list[dict[str, str]]:
+    """The rows of a run's CSV log (``logger=csv``), one per logged step; "" where a key was not logged."""
+    with open(run / "csv" / "version_0" / "metrics.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def logged(run: Path, key: str) -> dict[int, float]:
+    """The values of ``key`` in a run's CSV log, by step, in the order they were logged."""
+    return {int(row["step"]): float(row[key]) for row in metrics_rows(run) if row.get(key)}
+
+
+# --------------------------------------------------------------------------------- models and their files
+def never_ending_captioner(words: Sequence[str], mode: str = "soft",
+                           favoured: Sequence[str] = ()) -> tuple[Captioner, Vocabulary, dict]:
+    """An untrained ``SMALL_NET`` captioner (seeded, in eval mode), its vocabulary and config: its captions
+    never end (always max_len words) and the ``favoured`` words are far likelier than the others."""
+    torch.manual_seed(0)
+    vocab = Vocabulary(words)
+    config = {**SMALL_NET, "decoder": {**SMALL_NET["decoder"], "mode": mode}}
+    model = build_captioner(config, len(vocab)).eval()
+    with torch.no_grad():
+        model.decoder.classifier.bias[vocab.end_id] = -1e4
+        for word in favoured:
+            model.decoder.classifier.bias[vocab.stoi[word]] += 20.0
+    return model, vocab, config
+
+
+def write_bundle(path: Path, words: Sequence[str], mode: str = "soft", favoured: Sequence[str] = ()) -> Path:
+    """The bundle of ``never_ending_captioner`` at ``path`` (for SMALL_IMAGE_SIZE images); returns ``path``."""
+    model, vocab, config = never_ending_captioner(words, mode, favoured)
+    save_bundle(path, model, vocab, config, preprocess={"image_size": SMALL_IMAGE_SIZE})
+    return path
+
+
+def tampered(bundle: str | Path, path: Path, change: Callable[[dict], None]) -> Path:
+    """A copy of ``bundle`` at ``path`` with ``change`` applied to its loaded contents; returns ``path``."""
+    raw = torch.load(bundle, weights_only=True)
+    change(raw)
+    torch.save(raw, path)
+    return path
+
+
+def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
+    """A run folder as train.py leaves it: checkpoints/last.ckpt (written with ``objective``; None: before
+    model.objective existed) and bundle.pt, for a tiny ``RUN_NET`` model trained on 64 px images."""
+    vocab = Vocabulary(["a", "red", "circle"])
+    model = build_captioner(RUN_NET, len(vocab))
+    hyper = {} if objective is None else {"objective": objective}
+    (folder / "checkpoints").mkdir(parents=True)
+    save_torch({"pytorch-lightning_version": "2.6.0", "epoch": 3, "hyper_parameters": hyper,
+                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+                CHECKPOINT_KEY: bundle_metadata(RUN_NET, vocab, {"image_size": 64})},
+               folder / "checkpoints" / "last.ckpt")
+    if bundle:
+        save_bundle(folder / "bundle.pt", model, vocab, RUN_NET, {"image_size": 64})
+    return folder
+
+
+def make_decoder(mode: str = "soft", seed: int = 0, **options: Any) -> ShowAttendTellDecoder:
+    """A seeded (V words, D channels) decoder 16 wide without dropout, in eval mode; ``options`` are its other
+    arguments."""
+    torch.manual_seed(seed)
+    return ShowAttendTellDecoder(V, D, 16, 16, 16, mode=mode, dropout=0.0, **options).eval()
+
+
+def features_for(batch: int = 5, seed: int = 1) -> torch.Tensor:
+    """Random grid features (batch, L, D) for ``make_decoder``'s decoder."""
+    return torch.randn(batch, L, D, generator=torch.Generator().manual_seed(seed))
+
+
+def random_images(batch: int = 2, size: int = SMALL_IMAGE_SIZE, seed: int = 0) -> torch.Tensor:
+    """A seeded batch of normal noise images (batch, 3, size, size)."""
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+class Links(HTMLParser):
+    """The ``src`` and ``href`` links of an HTML page (as written, URL-quoted) and its text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.links += [value for name, value in attrs if name in ("src", "href") and value]
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)

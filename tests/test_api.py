@@ -18,28 +18,11 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 
 import captioner
 from captioner.data.images import ImageError
-from captioner.data.vocab import Vocabulary
 from captioner.inference import Captioned, caption_files
-from captioner.model.bundle import save_bundle
-from captioner.model.captioner import build_captioner
-from conftest import ROOT
+from conftest import ROOT, write_bundle
 
-CONFIG = {"encoder": {"name": "resnet18"},
-          "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
-IMAGE_SIZE = 96  # resnet18: a 3x3 attention grid
 GREEDY = {"method": "greedy", "max_len": 4}
-
-
-def _bundle(path: Path, mode: str) -> Path:
-    torch.manual_seed(0)
-    vocab = Vocabulary(WORDS)
-    config = {**CONFIG, "decoder": {**CONFIG["decoder"], "mode": mode}}
-    model = build_captioner(config, len(vocab)).eval()
-    with torch.no_grad():
-        model.decoder.classifier.bias[vocab.end_id] = -1e4  # captions of exactly max_len words
-    save_bundle(path, model, vocab, config, preprocess={"image_size": IMAGE_SIZE})
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +30,7 @@ def run(tmp_path_factory) -> Path:
     """A training run's folder holding a (soft attention) bundle."""
     folder = tmp_path_factory.mktemp("runs") / "2026-01-01_00-00-00"
     folder.mkdir()
-    _bundle(folder / "bundle.pt", "soft")
+    write_bundle(folder / "bundle.pt", WORDS)
     return folder
 
 
@@ -136,7 +119,7 @@ def test_what_cannot_be_captioned_is_one_clear_error(model, image, error, messag
 
 @pytest.mark.parametrize("mode", ["soft", "hard"])
 def test_show_attention_draws_one_panel_per_word(mode, photos, tmp_path):
-    model = captioner.load_model(_bundle(tmp_path / f"{mode}.pt", mode))
+    model = captioner.load_model(write_bundle(tmp_path / f"{mode}.pt", WORDS, mode))
     for source in (photos[0], Image.open(photos[0]), pil_to_tensor(Image.open(photos[0]).convert("RGB"))):
         result = model.caption(source, **GREEDY)
         fig = captioner.show_attention(result)

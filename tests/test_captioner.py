@@ -14,6 +14,7 @@ from captioner.errors import BundleError, ConfigError
 from captioner.model.bundle import load_bundle, save_bundle
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.self_attention import SelfAttentionStack
+from conftest import random_images, tampered
 
 CONFIG = {
     "encoder": {"name": "resnet18", "weights": None, "grid": 2},
@@ -43,10 +44,6 @@ def bundle(model, vocab, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("bundle") / "model.pt"
     save_bundle(path, model, vocab, {**CONFIG, "encoder": {**CONFIG["encoder"], "weights": "DEFAULT"}})
     return path
-
-
-def _images(batch: int = 2) -> torch.Tensor:
-    return torch.randn(batch, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(0))
 
 
 def _captions(n: int, length: int = 6, vocab_size: int = 11) -> torch.Tensor:
@@ -79,7 +76,7 @@ def test_build_captioner_refuses_unknown_keys(config, message):
 
 
 def test_encoder_runs_once_per_image(model):
-    images, captions = _images(2), _captions(10)
+    images, captions = random_images(2), _captions(10)
     image_index = torch.arange(2).repeat_interleave(5)  # five captions per image
     batches = []
     hooks = [model.encoder.stages[0].register_forward_hook(lambda m, args, out: batches.append(args[0].shape[0])),
@@ -95,7 +92,7 @@ def test_encoder_runs_once_per_image(model):
 
 
 def test_forward_equals_forward_features_of_encode(model):
-    images, captions = _images(2), _captions(4)
+    images, captions = random_images(2), _captions(4)
     image_index = torch.tensor([0, 1, 1, 0])
     with torch.no_grad():
         features, grid = model.encode(images)  # what a feature cache stores
@@ -116,7 +113,7 @@ def test_a_partly_trained_encoder_caches_its_frozen_stages_and_trains_the_rest(v
               "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
     torch.manual_seed(0)
     model = build_captioner(config, len(vocab)).train()
-    images, captions, index = _images(2), _captions(4), torch.tensor([0, 1, 1, 0])
+    images, captions, index = random_images(2), _captions(4), torch.tensor([0, 1, 1, 0])
     features, grid = model.encode(images)  # layer1's output: 64 channels on a 24x24 map at 96 px
     assert features.shape == (2, 24 * 24, 64) and grid == (24, 24) and not features.requires_grad
     direct, cached = model(images, captions, index), model.forward_features(features, captions, index, grid)
@@ -133,7 +130,7 @@ def test_a_partly_trained_encoder_caches_its_frozen_stages_and_trains_the_rest(v
 
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_generate_returns_per_word_alphas_on_the_grid(model, method):
-    images = _images(3)
+    images = random_images(3)
     generation, grid = model.generate(images, method=method, max_len=7, beam_size=2,
                                       generator=torch.Generator().manual_seed(0))
     assert grid == model.encoder.grid_size(IMAGE_SIZE) == (2, 2)
@@ -154,12 +151,12 @@ def test_generate_applies_min_len_and_ngram_blocking(model, method):
     from captioner.model import decoding
 
     options = dict(max_len=8, min_len=3, no_repeat_ngram_size=1)
-    generation, _ = model.generate(_images(3), method=method, beam_size=2, generator=torch.Generator().manual_seed(0),
-                                   **options)
+    generation, _ = model.generate(random_images(3), method=method, beam_size=2,
+                                   generator=torch.Generator().manual_seed(0), **options)
     for row in range(3):
         words = generation.tokens[row, : generation.lengths[row]].tolist()
         assert len(words) > 3 and len(set(words)) == len(words)  # 3 words before <end> at least, none twice
-    features = model.attend_grid(model.encode(_images(3))[0])
+    features = model.attend_grid(model.encode(random_images(3))[0])
     direct = {"greedy": lambda: decoding.greedy(model.decoder, features, start_id=1, end_id=2, **options),
               "sample": lambda: decoding.sample(model.decoder, features, start_id=1, end_id=2,
                                                 generator=torch.Generator().manual_seed(0), **options),
@@ -170,7 +167,7 @@ def test_generate_applies_min_len_and_ngram_blocking(model, method):
 
 def test_generate_refuses_unknown_method(model):
     with pytest.raises(ConfigError, match="method='topk'"):
-        model.generate(_images(1), method="topk")
+        model.generate(random_images(1), method="topk")
 
 
 def test_bundle_round_trip_generates_identically(model, vocab, bundle, tmp_path, monkeypatch):
@@ -180,7 +177,7 @@ def test_bundle_round_trip_generates_identically(model, vocab, bundle, tmp_path,
     assert config["encoder"]["weights"] == "DEFAULT" and config["decoder"] == CONFIG["decoder"]
     expected_state = model.state_dict()
     assert all(torch.equal(value, expected_state[key]) for key, value in loaded.state_dict().items())
-    images = _images(2)
+    images = random_images(2)
     for method in ("greedy", "beam"):
         expected, grid = model.generate(images, method=method, max_len=6)
         actual, loaded_grid = loaded.generate(images, method=method, max_len=6)
@@ -212,14 +209,6 @@ def test_bundle_holds_plain_data_only(bundle, vocab):
     assert all(isinstance(v, torch.Tensor) for v in raw["state_dict"].values())
 
 
-def _tampered(bundle: Path, tmp_path: Path, change) -> Path:
-    raw = torch.load(bundle, weights_only=True)
-    change(raw)
-    path = tmp_path / "tampered.pt"
-    torch.save(raw, path)
-    return path
-
-
 def _bigger_vocab(raw: dict) -> None:
     bigger = Vocabulary([*raw["vocab"]["words"][4:], "triangle"])
     raw["vocab"], raw["vocab_fingerprint"] = bigger.to_dict(), bigger.fingerprint()
@@ -245,7 +234,7 @@ def _drop(raw: dict, key: str) -> None:
     (lambda raw: raw.update(state_dict=[1, 2]), "state_dict is not a mapping of names to tensors"),
 ])
 def test_load_bundle_refuses_mismatches(bundle, tmp_path, change, message):
-    path = _tampered(bundle, tmp_path, change)
+    path = tampered(bundle, tmp_path / "tampered.pt", change)
     with pytest.raises(BundleError, match=rf"^bundle {path}: .*{message}"):
         load_bundle(path)
 

@@ -15,7 +15,6 @@ import struct
 import subprocess
 import sys
 import zlib
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import Callable
 from urllib.parse import unquote
@@ -31,38 +30,22 @@ from captioner import cli
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.evaluation.cococaption import java_available
-from captioner.model.bundle import load_model, save_bundle
-from captioner.model.captioner import build_captioner
+from captioner.model.bundle import load_model
 from captioner.viz import overlay
-from conftest import ROOT, run_train
+from conftest import ROOT, Links, run_train, tampered, write_bundle
 
-CONFIG = {"encoder": {"name": "resnet18"},
-          "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
-IMAGE_SIZE = 96  # resnet18: a 3x3 attention grid
 WORDS = ["a", "red", "blue", "green", "circle", "square", "triangle", "left", "of", "above"]
 SHAPE_WORDS = ("circle", "square", "triangle")
 MAX_LEN = "3"
 
 
-def _bundle(path: Path, mode: str) -> Path:
-    """An untrained bundle whose captions never end and only name shapes: exactly --max-len words, and
-    object words for attention correctness."""
-    torch.manual_seed(0)
-    vocab = Vocabulary(WORDS)
-    config = {**CONFIG, "decoder": {**CONFIG["decoder"], "mode": mode}}
-    model = build_captioner(config, len(vocab)).eval()
-    with torch.no_grad():
-        model.decoder.classifier.bias[vocab.end_id] = -1e4
-        for word in SHAPE_WORDS:
-            model.decoder.classifier.bias[vocab.stoi[word]] += 20.0
-    save_bundle(path, model, vocab, config, preprocess={"image_size": IMAGE_SIZE})
-    return path
-
-
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory) -> dict[str, str]:
+    """Untrained bundles (soft and hard attention) whose captions never end and only name shapes: exactly
+    --max-len words, and object words for attention correctness."""
     folder = tmp_path_factory.mktemp("bundles")
-    return {mode: str(_bundle(folder / f"{mode}.pt", mode)) for mode in ("soft", "hard")}
+    return {mode: str(write_bundle(folder / f"{mode}.pt", WORDS, mode, favoured=SHAPE_WORDS))
+            for mode in ("soft", "hard")}
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -339,15 +322,6 @@ def test_attend_draws_one_panel_per_word(mode, bundles, inputs, figures, tmp_pat
     assert marks == [0] + [1 if mode == "hard" else 0] * 3  # hard attention: the attended cell is outlined
 
 
-class _Links(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.links: list[str] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        self.links += [unquote(value) for name, value in attrs if name in ("src", "href") and value]
-
-
 def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path, capsys):
     folder, good, bad = inputs
     images = [good[0], str(folder / "03_text.jpg"), good[-1], good[-2]]
@@ -360,9 +334,9 @@ def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path
     assert sorted(out.glob("*.png")) == sorted(Path(row[2]) for row in rows)
     assert err.splitlines()[0].startswith(f"error: {folder / '03_text.jpg'}: not an image file")
     page = (out / "index.html").read_text()
-    parser = _Links()
+    parser = Links()
     parser.feed(page)
-    linked = {(out / link).resolve() for link in parser.links}
+    linked = {(out / unquote(link)).resolve() for link in parser.links}
     assert linked == {Path(p).resolve() for row in rows for p in (row[0], row[2])}
     assert all(row[1] in page for row in rows)
 
@@ -395,12 +369,6 @@ class _RunsCode:
         return os.makedirs, (str(self.marker),)
 
 
-def _tampered(bundle: str, path: Path, change: Callable[[dict], None]) -> None:
-    raw = torch.load(bundle, weights_only=True)
-    change(raw)
-    torch.save(raw, path)
-
-
 def _swap_two_words(raw: dict) -> None:
     words = raw["vocab"]["words"]
     words[-1], words[-2] = words[-2], words[-1]
@@ -421,14 +389,14 @@ BAD_MODELS: dict[str, tuple[Callable[[str, Path], None] | None, str]] = {
                               "refused"),
     "a tensor": (lambda bundle, path: torch.save(torch.zeros(3), path),
                  "neither a captioner bundle nor a training checkpoint"),
-    "newer bundle": (lambda bundle, path: _tampered(bundle, path, lambda raw: raw.update(version=99)),
+    "newer bundle": (lambda bundle, path: tampered(bundle, path, lambda raw: raw.update(version=99)),
                      "bundle version 99 is newer"),
-    "altered vocabulary": (lambda bundle, path: _tampered(bundle, path, _swap_two_words), "the vocabulary was altered"),
-    "other vocabulary": (lambda bundle, path: _tampered(bundle, path, _other_vocabulary),
+    "altered vocabulary": (lambda bundle, path: tampered(bundle, path, _swap_two_words), "the vocabulary was altered"),
+    "other vocabulary": (lambda bundle, path: tampered(bundle, path, _other_vocabulary),
                          "the vocabulary has 15 words but the decoder.embedding weights have 14 rows"),
-    "other config": (lambda bundle, path: _tampered(bundle, path, lambda raw: raw["config"]["decoder"].update(
+    "other config": (lambda bundle, path: tampered(bundle, path, lambda raw: raw["config"]["decoder"].update(
         hidden_dim=32)), "shape mismatch"),
-    "no image size": (lambda bundle, path: _tampered(bundle, path, lambda raw: raw.pop("preprocess")),
+    "no image size": (lambda bundle, path: tampered(bundle, path, lambda raw: raw.pop("preprocess")),
                       "has no preprocessing settings"),
     "foreign checkpoint": (lambda bundle, path: torch.save({"pytorch-lightning_version": "2.4.0", "state_dict": {}},
                                                            path), 'has no "captioner" entry'),

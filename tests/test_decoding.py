@@ -12,9 +12,8 @@ from captioner.model import decoding
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import beam_search, greedy, sample
 from captioner.model.losses import CaptionLoss
+from conftest import D, END, L, START, V, features_for, make_decoder
 
-START, END = 1, 2
-V, D, L = 12, 6, 4
 METHODS = {"greedy": greedy, "sample": sample, "beam": beam_search}
 
 
@@ -75,15 +74,6 @@ def test_length_penalty_changes_the_ranking():
     assert long.tokens.tolist() == [[4, 5, 6, 2]] and long.lengths.tolist() == [4]
     assert_close(long.scores, torch.tensor([math.log(0.45) / (9 / 6) ** 2]), atol=1e-4, rtol=0)
     assert_close(long.alphas[0], torch.eye(7)[[START, 4, 5, 6]])
-
-
-def make_decoder(mode: str = "soft", seed: int = 0, **options) -> ShowAttendTellDecoder:
-    torch.manual_seed(seed)
-    return ShowAttendTellDecoder(V, D, 16, 16, 16, mode=mode, dropout=0.0, **options).eval()
-
-
-def features_for(batch: int = 5, seed: int = 1):
-    return torch.randn(batch, L, D, generator=torch.Generator().manual_seed(seed))
 
 
 def with_end_bias(decoder: ShowAttendTellDecoder, bias: float) -> ShowAttendTellDecoder:

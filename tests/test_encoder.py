@@ -13,10 +13,7 @@ from torchvision.models import get_model
 from captioner.errors import ConfigError
 from captioner.model import encoder as encoder_module
 from captioner.model.encoder import Encoder
-
-
-def _images(size: int = 64, batch: int = 2, seed: int = 0) -> torch.Tensor:
-    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+from conftest import random_images
 
 
 def _with_reference(name: str, monkeypatch: pytest.MonkeyPatch, **kwargs) -> tuple[Encoder, nn.Module]:
@@ -40,7 +37,7 @@ def _with_reference(name: str, monkeypatch: pytest.MonkeyPatch, **kwargs) -> tup
 ])
 def test_cut_is_the_trunk_before_global_pooling(monkeypatch, name, head, channels, size, grid):
     encoder, reference = _with_reference(name, monkeypatch)
-    images = _images(size)
+    images = random_images(size=size)
     with torch.no_grad():
         feature_map = encoder.feature_map(images)  # (B, C, H, W)
         features = encoder(images)  # (B, L, C)
@@ -63,7 +60,7 @@ def test_grid_pooling_equals_adaptive_avg_pool(resnet18):
     pooled = Encoder("resnet18", grid=2).eval()
     pooled.load_state_dict(resnet18.state_dict())
     for size, map_size in ((128, 4), (96, 3), (64, 2)):  # 4 -> 2 in blocks, 3 -> 2 overlapping, 2 -> 2 as is
-        images = _images(size)
+        images = random_images(size=size)
         with torch.no_grad():
             full = resnet18.feature_map(images)  # (B, C, map, map)
             expected = F.adaptive_avg_pool2d(full, 2)  # (B, C, 2, 2)
@@ -76,7 +73,7 @@ def test_grid_pooling_equals_adaptive_avg_pool(resnet18):
 
 def test_stage_reads_the_grid_from_an_earlier_stage(monkeypatch):
     encoder, reference = _with_reference("resnet18", monkeypatch, stage="layer3")
-    images = _images(96)
+    images = random_images(size=96)
     with torch.no_grad():
         expected = reference.layer3(reference.layer2(reference.layer1(
             reference.maxpool(reference.relu(reference.bn1(reference.conv1(images)))))))  # (B, 256, 6, 6)
@@ -94,7 +91,7 @@ def test_grid_never_upsamples():
     with pytest.raises(ConfigError, match=r"encoder.grid=4 is larger than the 2x2 feature map"):
         encoder.grid_size(64)
     with pytest.raises(ConfigError, match="only shrinks"):
-        encoder(_images(64))
+        encoder(random_images(size=64))
 
 
 def test_grid_size_of_too_small_image():
@@ -152,7 +149,7 @@ def test_frozen_encoder_has_no_grad_and_fixed_batchnorm():
     assert not any(p.requires_grad for p in encoder.parameters())
     assert not any(bn.training for bn in _batchnorms(encoder))
     before = {k: v.clone() for k, v in encoder.state_dict().items()}
-    features = encoder(_images(64))
+    features = encoder(random_images(size=64))
     assert not features.requires_grad
     for key, value in encoder.state_dict().items():  # running_mean/var, num_batches_tracked unchanged
         assert torch.equal(value, before[key]), key
@@ -167,7 +164,7 @@ def test_partially_trainable_trains_only_last_stages():
     assert {bn.training for bn in _batchnorms(encoder.stages[:6])} == {False}  # conv1 .. layer2
     frozen_stats = encoder.stages.layer2[0].bn1.running_mean.clone()
     trained_stats = encoder.stages.layer4[0].bn1.running_mean.clone()
-    encoder(_images(64)).sum().backward()
+    encoder(random_images(size=64)).sum().backward()
     assert torch.equal(encoder.stages.layer2[0].bn1.running_mean, frozen_stats)
     assert not torch.equal(encoder.stages.layer4[0].bn1.running_mean, trained_stats)
     assert encoder.stages.layer3[0].conv1.weight.grad.abs().sum() > 0
@@ -188,7 +185,7 @@ def test_trainable_stages_of_features_models_and_bounds():
 def test_channels_last_gives_the_same_features(resnet18):
     fast = Encoder("resnet18", channels_last=True).eval()
     fast.load_state_dict(resnet18.state_dict())
-    images = _images(64)
+    images = random_images(size=64)
     with torch.no_grad():
         torch.testing.assert_close(fast(images), resnet18(images), rtol=1e-4, atol=1e-4)
 

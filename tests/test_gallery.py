@@ -1,6 +1,5 @@
 """The HTML gallery: relative links to existing files, escaped text, atomic write."""
 
-from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -8,19 +7,7 @@ import pytest
 from PIL import Image
 
 from captioner.viz.gallery import GalleryEntry, write_gallery
-
-
-class Links(HTMLParser):
-    def __init__(self):
-        super().__init__()
-        self.links: list[str] = []
-        self.text: list[str] = []
-
-    def handle_starttag(self, tag, attrs):
-        self.links += [value for name, value in attrs if name in ("src", "href")]
-
-    def handle_data(self, data):
-        self.text.append(data)
+from conftest import Links
 
 
 def make_png(path: Path) -> Path:

@@ -7,25 +7,18 @@ import torch
 from PIL import Image
 
 from captioner.data.dataset import Skipped
-from captioner.data.vocab import Vocabulary
 from captioner.inference import Captioned, ImageFiles, caption_files
 from captioner.model.bundle import LoadedModel
-from captioner.model.captioner import build_captioner
+from conftest import never_ending_captioner
 
-CONFIG = {"encoder": {"name": "resnet18"},
-          "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
 IMAGE_SIZE = 64  # resnet18: a 2x2 grid
 
 
 @pytest.fixture(scope="module")
 def loaded() -> LoadedModel:
     """An untrained captioner whose captions never end (always max_len words)."""
-    torch.manual_seed(0)
-    vocab = Vocabulary(["a", "red", "blue", "circle", "square"])
-    model = build_captioner(CONFIG, len(vocab)).eval()
-    with torch.no_grad():
-        model.decoder.classifier.bias[vocab.end_id] = -1e4
-    return LoadedModel(model, vocab, CONFIG, IMAGE_SIZE)
+    model, vocab, config = never_ending_captioner(["a", "red", "blue", "circle", "square"])
+    return LoadedModel(model, vocab, config, IMAGE_SIZE)
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,46 +27,17 @@ from captioner.fileio import new_folder, save_torch, write_json
 from captioner.model.losses import CaptionLoss
 from captioner.training.checkpoint_io import AtomicCheckpointIO
 from captioner.training.validate import check_environment, validate_config
-from conftest import ROOT, TINY, run_train, tiny_overrides
-from test_train import compose_cfg
+from conftest import (ROOT, TINY, compose_cfg, copy_dataset, error_line, logged, metrics_rows, run_train, snapshot,
+                      subprocess_env, tiny_overrides)
 
 STEPS_PER_EPOCH = TINY.n_train // 16  # tiny_overrides: data.batch_size=16
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` with the sha256 of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def error_line(proc: subprocess.CompletedProcess) -> str:
-    """The single ``error: ...`` line a failed train.py printed; fails when stderr holds anything else."""
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
-    return lines[0]
-
-
-def train_losses(run: Path) -> dict[int, float]:
-    """``train/loss`` per step from a run's metrics.csv."""
-    with open(run / "csv" / "version_0" / "metrics.csv", newline="") as handle:
-        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(handle) if row["train/loss"]}
-
-
 def first_logged_lr(run: Path) -> tuple[int, float]:
     """The first ``(step, learning rate of the decoder's group)`` a run's LearningRateMonitor logged."""
-    with open(run / "csv" / "version_0" / "metrics.csv", newline="") as handle:
-        rows = csv.DictReader(handle)
-        key = next(k for k in rows.fieldnames if k.startswith("lr-Adam"))  # "lr-Adam/pg1" beside the encoder's
-        row = next(r for r in rows if r[key])
-    return int(row["step"]), float(row[key])
-
-
-def copy_dataset(tiny_shapes: Path, dest: Path, images: bool = True) -> Path:
-    """A copy of the tiny dataset (without its images when ``images`` is false) that a test may damage."""
-    ignore = None if images else shutil.ignore_patterns("images")
-    return Path(shutil.copytree(tiny_shapes, dest, ignore=ignore))
+    key = next(k for k in metrics_rows(run)[0] if k.startswith("lr-Adam"))  # "lr-Adam/pg1" beside the encoder's
+    return next(iter(logged(run, key).items()))
 
 
 def nan_loss_at(step: int):
@@ -104,11 +73,10 @@ def test_sigkill_mid_epoch_then_resume_continues_from_the_last_checkpoint(tiny_s
               "callbacks.early_stopping=null", "callbacks.last_checkpoint.every_n_train_steps=2",
               "trainer.log_every_n_steps=1"]
     first, second = tmp_path / "first", tmp_path / "second"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     last = first / "checkpoints" / "last.ckpt"
     with open(tmp_path / "first.log", "w") as log:
         proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, f"hydra.run.dir={first}"],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                                cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while not last.exists():  # decoding images (no feature cache) keeps each step well over 20 ms
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
@@ -132,7 +100,7 @@ def test_sigkill_mid_epoch_then_resume_continues_from_the_last_checkpoint(tiny_s
     assert float(killed["optimizer_states"][0]["state"][0]["step"]) == step
     assert final["lr_schedulers"][0]["last_epoch"] == total  # the schedule carried over
     assert first_logged_lr(second) == (step, pytest.approx(killed["optimizer_states"][0]["param_groups"][0]["lr"]))
-    assert sorted(train_losses(second)) == list(range(step, total))  # only the steps after the checkpoint ran
+    assert sorted(logged(second, "train/loss")) == list(range(step, total))  # only the steps after the checkpoint ran
 
 
 def test_run_folders_are_never_shared(tmp_path: Path) -> None:
@@ -364,9 +332,9 @@ def test_missing_files_are_reported_with_their_key_before_any_work(overrides: li
     (tmp_path / "file.txt").write_text("x")
     cfg = compose_cfg([o.format(tmp=tmp_path) for o in overrides], tmp_path)
     plain = OmegaConf.to_container(cfg, resolve=True)
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError) as info:  # noqa: PT012  the checks train.py runs, in its order
         validate_config(plain)
-        check_environment(plain)
+        check_environment(plain, train.build("data.source", plain["data"]["source"]))
     assert message.format(tmp=tmp_path, data=ROOT / "data") in str(info.value)
 
 
@@ -398,9 +366,8 @@ def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tiny_
     run = tmp_path / "run"
     args = [*tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"), "trainer.max_epochs=1",
             "callbacks.last_checkpoint.every_n_train_steps=3"]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    proc = subprocess.run([sys.executable, str(script), "5", str(ROOT / "train.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script), "5", str(ROOT / "train.py"), *args], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
     last = run / "checkpoints" / "last.ckpt"
     assert error_line(proc) == (f"error: non-finite loss (nan) at epoch 0, step 5; training stopped, the last good "
                                 f"checkpoint is {last} (model.nonfinite=skip skips such batches instead)")
@@ -517,7 +484,7 @@ def test_two_runs_with_one_seed_give_identical_losses_and_captions(tiny_shapes: 
         monkeypatch.setenv("PYTHONHASHSEED", str(n))  # nothing may depend on the order of a set or dict of str
         runs.append(tmp_path / f"run{n}")
         run_train([*args, f"hydra.run.dir={runs[-1]}"])
-    losses = [train_losses(run) for run in runs]
+    losses = [logged(run, "train/loss") for run in runs]
     assert sorted(losses[0]) == list(range(6)) and losses[0] == losses[1]
     captions = [json.loads((run / "val_captions.json").read_text()) for run in runs]
     assert len(captions[0]) == TINY.n_val and captions[0] == captions[1]

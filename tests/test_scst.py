@@ -3,7 +3,6 @@ train.py (from a cross-entropy run, resumed, under DDP)."""
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
@@ -19,19 +18,8 @@ from captioner.model.captioner import net_from_bundle
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import PAD_ID, rollout
 from captioner.model.losses import SelfCriticalLoss
-from conftest import run_train, tiny_overrides
-
-START, END = 1, 2
-V, D, L = 12, 6, 4
-
-
-def make_decoder(mode: str = "soft", seed: int = 0) -> ShowAttendTellDecoder:
-    torch.manual_seed(seed)
-    return ShowAttendTellDecoder(V, D, 16, 16, 16, mode=mode, dropout=0.0)
-
-
-def features_for(batch: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(batch, L, D, generator=torch.Generator().manual_seed(seed))
+from conftest import (END, RUN_NET, START, compose_plain, features_for, logged, make_decoder, run_train,
+                      tiny_overrides, write_run)
 
 
 def teacher_forced_log_probs(decoder: ShowAttendTellDecoder, features: torch.Tensor, tokens: torch.Tensor,
@@ -141,31 +129,6 @@ def test_one_self_critical_step_makes_the_better_sample_likelier_and_the_worse_l
 
 
 # ------------------------------------------------------------------- where a run starts (start.py)
-NET = {"encoder": {"name": "resnet18", "weights": None, "trainable_stages": 0, "stage": "layer2", "grid": 2},
-       "feature_norm": True, "self_attention": {},
-       "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8, "mode": "hard", "attention": "dot"}}
-
-
-def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
-    """A run folder as train.py leaves it: checkpoints/last.ckpt (written with ``objective``; None: before
-    model.objective existed) and bundle.pt, for a tiny hard-attention model."""
-    from captioner.data.vocab import Vocabulary
-    from captioner.fileio import save_torch
-    from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
-    from captioner.model.captioner import build_captioner
-
-    vocab = Vocabulary(["a", "red", "circle"])
-    model = build_captioner(NET, len(vocab))
-    hyper = {} if objective is None else {"objective": objective}
-    (folder / "checkpoints").mkdir(parents=True)
-    save_torch({"pytorch-lightning_version": "2.6.0", "epoch": 3, "hyper_parameters": hyper,
-                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                CHECKPOINT_KEY: bundle_metadata(NET, vocab, {"image_size": 64})}, folder / "checkpoints" / "last.ckpt")
-    if bundle:
-        save_bundle(folder / "bundle.pt", model, vocab, NET, {"image_size": 64})
-    return folder
-
-
 def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_another(tmp_path: Path) -> None:
     from captioner.training.start import resolve_start
 
@@ -209,7 +172,7 @@ def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
     config = {"model": {"attention": "soft", "scorer": "additive", "decoder": {"embed_dim": 128}},
               "data": {"image_size": 96}}
     settings = model_settings(start.model, config, tmp_path / "out")
-    net = to_dict(net_from_bundle(NET))  # every field: what NET leaves out is the modules' constructor default
+    net = to_dict(net_from_bundle(RUN_NET))  # every field: what RUN_NET leaves out is the modules' constructor default
     assert settings == {**{f"model.{key}": value for key, value in net.items()},
                         "data.image_size": 64, "data.vocab_file": str(tmp_path / "out" / "vocab.json")}
     assert (settings["model.attention"], settings["model.scorer"], settings["model.self_attention"]["blocks"]) == (
@@ -217,10 +180,11 @@ def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
     assert Vocabulary.load(tmp_path / "out" / "vocab.json") == start.model.vocab
 
 
-def test_scst_settings_are_checked() -> None:
+def test_scst_settings_are_checked(tmp_path: Path) -> None:
+    from captioner.data.sources import ShapesSource
     from captioner.training.validate import check_environment, validate_config
 
-    cfg = compose_cfg(["experiment=demo_scst"])
+    cfg = compose_plain(["experiment=demo_scst"], tmp_path)
     assert cfg["model"]["objective"] == "scst" and cfg["model"]["scst"] == {"samples": 5, "baseline": "mean"}
     assert cfg["callbacks"]["model_checkpoint"]["monitor"] == "val/cider"
     assert cfg["callbacks"]["early_stopping"]["monitor"] == "val/cider"
@@ -236,21 +200,7 @@ def test_scst_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="model.objective='rl' is not valid; choose one of: cross_entropy, scst"):
         validate_config(bad)
     with pytest.raises(ConfigError, match="init_from='/no/such/run' does not exist"):
-        check_environment({**cfg, "init_from": "/no/such/run"})
-
-
-def compose_cfg(overrides: list[str]) -> dict:
-    """conf/config.yaml composed with ``overrides``, resolved to plain data (Hydra's run-time values stubbed)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf, open_dict
-
-    from conftest import ROOT
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    with open_dict(cfg):
-        cfg.paths.root_dir = cfg.paths.output_dir = str(ROOT)
-    return OmegaConf.to_container(cfg, resolve=True)
+        check_environment({**cfg, "init_from": "/no/such/run"}, ShapesSource(str(tmp_path / "shapes")))
 
 
 # -------------------------------------------------------------------------------------- SCST training
@@ -305,12 +255,6 @@ def ce_run(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "run"
 
 
-def logged(run: Path, key: str) -> list[float]:
-    """The values of ``key`` in a run's CSV log, in order."""
-    with open(run / "csv" / "version_0" / "metrics.csv") as file:
-        return [float(row[key]) for row in csv.DictReader(file) if row.get(key)]
-
-
 @pytest.mark.slow
 def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(ce_run: Path, tiny_shapes: Path,
                                                                     tmp_path: Path) -> None:
@@ -321,7 +265,7 @@ def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(ce_run: Path
     first = run_train([*base, f"ckpt_path={ce_run}", "trainer.max_epochs=2", f"hydra.run.dir={tmp_path / 'scst'}"])
     assert f"starting from the weights of {ce_run / 'bundle.pt'}" in first.stdout
     assert "CIDEr-D" in first.stdout
-    rewards = logged(tmp_path / "scst", "train/reward")  # the samples' mean CIDEr-D, one value per step
+    rewards = list(logged(tmp_path / "scst", "train/reward").values())  # the samples' mean CIDEr-D per step
     assert len(rewards) == 30 and sum(rewards[-10:]) > sum(rewards[:10]), rewards
     assert logged(tmp_path / "scst", "val/cider") and logged(ce_run, "val/cider")
     last = torch.load(tmp_path / "scst" / "checkpoints" / "last.ckpt", weights_only=True)

@@ -18,6 +18,7 @@ from captioner.data.readers import read_karpathy
 from captioner.data.shapes import (CELLS, COLOURS, SHAPES, ShapesSpec, generate_shapes, make_scene,
                                    shapes_records)
 from captioner.errors import ConfigError, DataError
+from conftest import snapshot
 
 SMALL = ShapesSpec(n_train=10, n_val=4, n_test=3, image_size=48)
 OBJECT = re.compile(rf"\b({'|'.join(COLOURS)}) ({'|'.join(SHAPES)})\b")
@@ -27,18 +28,13 @@ POSITION = re.compile(
     r"\b(top left|top right|bottom left|bottom right|top|bottom|left|right|center|middle)\b")
 
 
-def tree(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` by relative path, with its bytes."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> Path:
     return generate_shapes(tmp_path_factory.mktemp("shapes") / "shapes", SMALL)
 
 
 def test_layout_and_meta(small):
-    files = tree(small)
+    files = snapshot(small)
     expected = {"meta.json", "dataset_shapes.json"} | {
         f"annotations/{kind}_{split}.json"
         for kind in ("captions", "instances") for split in ("train", "val", "test")}
@@ -46,7 +42,7 @@ def test_layout_and_meta(small):
     assert len([f for f in files if f.startswith("images/train/") and f.endswith(".png")]) == 10
     assert len([f for f in files if f.startswith("images/test/")]) == 3
     assert not any(Path(f).name.startswith(".") for f in files)  # no marker or temporary file left
-    meta = json.loads(files["meta.json"])
+    meta = json.loads((small / "meta.json").read_text())
     assert meta == {"format": "captioner-shapes", "version": 1,
                     "params": {"n_train": 10, "n_val": 4, "n_test": 3, "image_size": 48, "seed": 0}}
     with Image.open(small / "images" / "val" / "000011.png") as image:
@@ -54,9 +50,9 @@ def test_layout_and_meta(small):
 
 
 def test_same_seed_gives_identical_files_and_another_seed_differs(tmp_path, small):
-    again = tree(generate_shapes(tmp_path / "again", SMALL))
-    assert again == tree(small)
-    other = tree(generate_shapes(tmp_path / "other", replace(SMALL, seed=1)))
+    again = snapshot(generate_shapes(tmp_path / "again", SMALL))
+    assert again == snapshot(small)
+    other = snapshot(generate_shapes(tmp_path / "other", replace(SMALL, seed=1)))
     assert set(other) == set(again)
     assert other["images/train/000001.png"] != again["images/train/000001.png"]
     assert other["annotations/captions_train.json"] != again["annotations/captions_train.json"]
@@ -159,12 +155,12 @@ def test_generating_again_is_a_no_op(small):
 
 
 def test_different_parameters_are_refused_and_nothing_is_touched(small):
-    before = tree(small)
+    before = snapshot(small)
     with pytest.raises(DataError, match=r"different parameters \(seed=0 \(asked 5\)\)"):
         generate_shapes(small, replace(SMALL, seed=5))
     with pytest.raises(DataError, match="n_train=10 \\(asked 11\\)"):
         generate_shapes(small, replace(SMALL, n_train=11))
-    assert tree(small) == before
+    assert snapshot(small) == before
 
 
 def test_a_foreign_non_empty_folder_is_refused(tmp_path):
@@ -209,7 +205,7 @@ def test_interrupted_generation_resumes_with_only_missing_images(tmp_path, monke
         os.utime(path, ns=(old, old))
     generate_shapes(root, SMALL)
     assert all(path.stat().st_mtime_ns == old for path in written)  # existing images not rewritten
-    assert tree(root) == tree(small)
+    assert snapshot(root) == snapshot(small)
 
 
 def test_copy_without_meta_but_with_marker_is_completed(tmp_path, small):
@@ -219,4 +215,4 @@ def test_copy_without_meta_but_with_marker_is_completed(tmp_path, small):
     (root / "images" / "test" / "000017.png").unlink()
     (root / "images" / "test" / ".000017.png.abc.tmp").write_bytes(b"half")
     generate_shapes(root, SMALL)
-    assert tree(root) == tree(small)
+    assert snapshot(root) == snapshot(small)

@@ -1,7 +1,8 @@
 """Dataset sources: where each split's records come from (COCO files, a Karpathy split file, built-in shapes).
 
-A source is a small object with ``prepare()`` (make sure the files exist) and ``records(split)``. The
-configs in ``conf/data`` pick one with ``_target_``; nothing else in the project needs to know which.
+A source is a small object with ``check_files()`` (before any work: is every file it was configured with
+there?), ``prepare()`` (make sure the files exist) and ``records(split)``. The configs in ``conf/data``
+pick one with ``_target_`` under ``data.source``; nothing else in the project needs to know which.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ from captioner.data.readers import SPLITS, Record, read_coco, read_karpathy
 from captioner.data.shapes import ShapesSpec, generate_shapes, shapes_records
 from captioner.errors import ConfigError, DataError, check_choice
 
+CONFIG_KEY = "data.source"  # where the training config holds the source: check_files names keys under it
+DATASET_HELP = "see data/README.md for where dataset files go"
+
 
 class Source(Protocol):
-    """What the data module needs from a dataset."""
+    """What training needs from a dataset."""
+
+    def check_files(self) -> None:
+        """Raise ConfigError naming the config key of a configured file or folder that is missing or is not
+        one (``data.source.split_file='...': file not found (...)``); check nothing that is created later."""
 
     def prepare(self) -> None:
         """Check (or create) the files; raise DataError naming what is missing."""
@@ -28,8 +36,17 @@ class Source(Protocol):
 def _require(path: str | Path, what: str) -> Path:
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{what} not found: {path} (see data/README.md for where dataset files go)")
+        raise DataError(f"{what} not found: {path} ({DATASET_HELP})")
     return path
+
+
+def _check_config_path(key: str, path: str | Path, kind: str) -> None:
+    """Raise ConfigError naming ``data.source.<key>`` unless ``path`` is an existing ``kind`` ("file" or "folder")."""
+    target = Path(path)
+    if not target.exists():
+        raise ConfigError(f"{CONFIG_KEY}.{key}={str(path)!r}: {kind} not found ({DATASET_HELP})")
+    if (kind == "file") != target.is_file():
+        raise ConfigError(f"{CONFIG_KEY}.{key}={str(path)!r} is not a {kind}")
 
 
 @dataclass
@@ -49,7 +66,15 @@ class CocoSource:
             return self.splits[split]
         if split in self.fallback and self.fallback[split] in self.splits:
             return self.splits[self.fallback[split]]
-        raise ConfigError(f"data.source.splits has no '{split}' entry; give one of: {', '.join(SPLITS)}")
+        raise ConfigError(f"{CONFIG_KEY}.splits has no '{split}' entry; give one of: {', '.join(SPLITS)}")
+
+    def check_files(self) -> None:
+        """Check each split's captions file, image folder and instances file (when given), in that order."""
+        for split, entry in self.splits.items():
+            _check_config_path(f"splits.{split}.captions", entry["captions"], "file")
+            _check_config_path(f"splits.{split}.images", entry["images"], "folder")
+            if entry.get("instances"):
+                _check_config_path(f"splits.{split}.instances", entry["instances"], "file")
 
     def prepare(self) -> None:
         """Check every configured annotation file and image folder exists."""
@@ -72,6 +97,11 @@ class KarpathySource:
     split_file: str
     image_root: str
     restval_as_train: bool = True
+
+    def check_files(self) -> None:
+        """Check that the split file is a file and the image root a folder."""
+        _check_config_path("split_file", self.split_file, "file")
+        _check_config_path("image_root", self.image_root, "folder")
 
     def prepare(self) -> None:
         """Check the split file and the image root exist."""
@@ -101,6 +131,11 @@ class ShapesSource:
                  seed: int = ShapesSpec.seed) -> None:
         self.root = root
         self.spec = ShapesSpec(n_train, n_val, n_test, image_size, seed)
+
+    def check_files(self) -> None:
+        """``root`` may be missing (the dataset is generated there on first use) but must not be a file."""
+        if Path(self.root).exists() and not Path(self.root).is_dir():
+            raise ConfigError(f"{CONFIG_KEY}.root={str(self.root)!r} is a file, not a folder")
 
     def prepare(self) -> None:
         """Generate the dataset if it is not there yet (a no-op when it is)."""

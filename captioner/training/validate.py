@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from captioner.config import TrainConfig, from_dict
+from captioner.data.sources import Source
 from captioner.errors import ConfigError, check_choice, check_range
 
 # What CaptionerModule logs, so what a checkpoint or early-stopping callback can monitor.
 MONITORS = ("val/bleu1", "val/bleu2", "val/bleu3", "val/bleu4", "val/cider", "val/loss", "val/attention_correctness",
             "train/loss")
-DATASET_HELP = "see data/README.md for where dataset files go"
 # The optional package each logger needs, and the extra of pyproject.toml that installs it.
 LOGGER_PACKAGES: dict[str, str] = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
 
@@ -59,36 +59,18 @@ def validate_config(cfg: dict[str, Any]) -> TrainConfig:
     return settings
 
 
-def _require(key: str, path: Any, kind: str, hint: str = DATASET_HELP) -> None:
-    """Raise ConfigError naming ``key`` unless ``path`` is an existing ``kind`` ("file" or "folder")."""
-    target = Path(path)
-    if not target.exists():
-        raise ConfigError(f"{key}={str(path)!r}: {kind} not found ({hint})")
-    if (kind == "file") != target.is_file():
-        raise ConfigError(f"{key}={str(path)!r} is not a {kind}")
-
-
-def check_environment(cfg: dict[str, Any]) -> None:
+def check_environment(cfg: dict[str, Any], source: Source) -> None:
     """Raise ConfigError for a file the config needs that is missing, a logger's package that is not
     installed, or an accelerator this machine lacks.
 
-    Dataset files (COCO and Karpathy sources), ``data.vocab_file``, ``ckpt_path`` and ``init_from`` must exist;
-    the built-in dataset's root and the feature cache are created on first use.
+    The dataset ``source`` checks its own files; ``data.vocab_file``, ``ckpt_path`` and ``init_from`` must
+    exist; the feature cache is created on first use.
     """
-    source = cfg["data"]["source"]
-    name = source["_target_"].rsplit(".", 1)[-1]
-    if name == "CocoSource":
-        for split, entry in source["splits"].items():
-            _require(f"data.source.splits.{split}.captions", entry["captions"], "file")
-            _require(f"data.source.splits.{split}.images", entry["images"], "folder")
-            if entry.get("instances"):
-                _require(f"data.source.splits.{split}.instances", entry["instances"], "file")
-    elif name == "KarpathySource":
-        _require("data.source.split_file", source["split_file"], "file")
-        _require("data.source.image_root", source["image_root"], "folder")
-    if cfg["data"].get("vocab_file"):
-        _require("data.vocab_file", cfg["data"]["vocab_file"], "file",
-                 "a vocabulary JSON file written by Vocabulary.save")
+    source.check_files()
+    vocab_file = cfg["data"].get("vocab_file")
+    if vocab_file and not Path(vocab_file).is_file():
+        raise ConfigError(f"data.vocab_file={vocab_file!r}: file not found (a vocabulary JSON file written by "
+                          "Vocabulary.save)")
     for name, node in (cfg.get("logger") or {}).items():
         package = LOGGER_PACKAGES.get(node["_target_"].rsplit(".", 1)[-1]) if node else None
         if package and importlib.util.find_spec(package) is None:

@@ -1,0 +1,135 @@
+"""Dataset sources: the built-in dataset's spec, COCO's split fallback, and each source's check of its own files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+
+from captioner.data.shapes import ShapesSpec
+from captioner.data.sources import CocoSource, KarpathySource, ShapesSource
+from captioner.errors import ConfigError
+from captioner.training.validate import check_environment
+from conftest import compose_plain, copy_dataset
+
+HELP = "(see data/README.md for where dataset files go)"
+
+
+def test_shapes_source_holds_the_spec_the_config_describes(tmp_path: Path) -> None:
+    assert ShapesSource("data/shapes").spec == ShapesSpec()  # the built-in dataset's defaults: ShapesSpec's
+    assert ShapesSource("data/shapes").spec == ShapesSpec(n_train=3000, n_val=250, n_test=250, image_size=96, seed=0)
+    source = ShapesSource("data/shapes", n_train=5, image_size=48, seed=2)
+    assert source.root == "data/shapes" and source.spec == ShapesSpec(n_train=5, image_size=48, seed=2)
+    built = instantiate(compose_plain(["data=shapes"], tmp_path)["data"]["source"])  # as train.py builds it
+    assert isinstance(built, ShapesSource) and built.spec == ShapesSpec()
+    with pytest.raises(ConfigError, match="n_val=0 must be >= 1"):
+        ShapesSource("data/shapes", n_val=0)
+
+
+def test_shapes_source_generates_on_first_use_and_reads_each_split(tmp_path: Path) -> None:
+    source = ShapesSource(str(tmp_path / "shapes"), n_train=4, n_val=2, n_test=3, image_size=32)
+    source.check_files()  # nothing to check: the data is generated on first use
+    assert not (tmp_path / "shapes").exists()
+    source.prepare()
+    assert [len(source.records(split)) for split in ("train", "val", "test")] == [4, 2, 3]
+    assert [r.image_id for r in source.records("val")] == [5, 6]  # ids run on across the splits
+    assert all(len(r.captions) == 5 and r.boxes and Path(r.image_path).is_file() for r in source.records("test"))
+    with pytest.raises(ConfigError, match="split='restval' is not valid"):
+        source.records("restval")
+
+
+def _coco(root: Path, instances: bool = True) -> CocoSource:
+    """A CocoSource over the tiny dataset's COCO files: train and val, no test (it falls back to val)."""
+    annotations = root / "annotations"
+    return CocoSource({split: {"captions": str(annotations / f"captions_{split}.json"),
+                               "images": str(root / "images" / split),
+                               "instances": str(annotations / f"instances_{split}.json") if instances else None}
+                       for split in ("train", "val")})
+
+
+def test_coco_source_reads_its_splits_and_falls_back_to_val_for_test(tiny_shapes: Path) -> None:
+    source = _coco(tiny_shapes)
+    source.check_files()
+    source.prepare()
+    assert len(source.records("train")) == 240 and all(r.boxes for r in source.records("train"))
+    test, val = source.records("test"), source.records("val")
+    assert [(r.image_id, r.image_path) for r in test] == [(r.image_id, r.image_path) for r in val]
+    assert len(val) == 24 and {r.split for r in test} == {"test"}
+    without = _coco(tiny_shapes, instances=False)
+    without.check_files()  # instances: null is not a file to check
+    assert not any(r.boxes for r in without.records("val"))
+    with pytest.raises(ConfigError, match="data.source.splits has no 'test' entry"):
+        CocoSource(source.splits, fallback={}).records("test")
+
+
+@pytest.mark.parametrize("damage,key,kind", [
+    ("annotations/captions_val.json", "splits.val.captions", "file"),
+    ("images/train", "splits.train.images", "folder"),
+    ("annotations/instances_val.json", "splits.val.instances", "file"),
+])
+def test_coco_source_names_the_key_of_a_missing_file(damage: str, key: str, kind: str, tiny_shapes: Path,
+                                                      tmp_path: Path) -> None:
+    root = copy_dataset(tiny_shapes, tmp_path / "shapes", images=False)
+    (root / "images" / "train").mkdir(parents=True)
+    (root / "images" / "val").mkdir()
+    source = _coco(root)
+    source.check_files()
+    target = root / damage
+    if target.is_dir():
+        target.rmdir()
+    else:
+        target.unlink()
+    with pytest.raises(ConfigError) as info:
+        source.check_files()
+    assert str(info.value) == f"data.source.{key}='{target}': {kind} not found {HELP}"
+
+
+def test_coco_source_refuses_a_file_for_a_folder_and_a_folder_for_a_file(tiny_shapes: Path, tmp_path: Path) -> None:
+    root = copy_dataset(tiny_shapes, tmp_path / "shapes", images=False)
+    (root / "images" / "val").mkdir(parents=True)
+    (root / "images" / "train").write_text("not a folder")
+    with pytest.raises(ConfigError) as info:
+        _coco(root).check_files()
+    assert str(info.value) == f"data.source.splits.train.images='{root / 'images' / 'train'}' is not a folder"
+    source = _coco(root)
+    source.splits["train"]["images"] = str(root / "images" / "val")
+    source.splits["val"]["captions"] = str(root / "annotations")
+    with pytest.raises(ConfigError) as info:
+        source.check_files()
+    assert str(info.value) == f"data.source.splits.val.captions='{root / 'annotations'}' is not a file"
+
+
+def test_karpathy_source_names_the_key_of_a_missing_or_wrong_path(tiny_shapes: Path, tmp_path: Path) -> None:
+    split_file, images = tiny_shapes / "dataset_shapes.json", tiny_shapes / "images"
+    KarpathySource(str(split_file), str(images)).check_files()
+    cases = [(KarpathySource(str(tmp_path / "no.json"), str(images)),
+              f"data.source.split_file='{tmp_path / 'no.json'}': file not found {HELP}"),
+             (KarpathySource(str(images), str(images)), f"data.source.split_file='{images}' is not a file"),
+             (KarpathySource(str(split_file), str(tmp_path / "none")),
+              f"data.source.image_root='{tmp_path / 'none'}': folder not found {HELP}"),
+             (KarpathySource(str(split_file), str(split_file)),
+              f"data.source.image_root='{split_file}' is not a folder")]
+    for source, message in cases:
+        with pytest.raises(ConfigError) as info:
+            source.check_files()
+        assert str(info.value) == message
+
+
+@pytest.mark.parametrize("overrides", [
+    ["data=coco"],
+    ["data=flickr8k"],
+    ["data=coco_karpathy", "data.source.split_file={tmp}"],
+    ["data=coco_karpathy", "data.source.split_file={tmp}/file.txt"],
+    ["data=flickr30k", "data.source.split_file={tmp}/file.txt", "data.source.image_root={tmp}/file.txt"],
+    ["data.source.root={tmp}/file.txt"],
+])
+def test_check_environment_reports_what_the_source_finds(overrides: list[str], tmp_path: Path) -> None:
+    (tmp_path / "file.txt").write_text("x")
+    plain = compose_plain([o.format(tmp=tmp_path) for o in overrides], tmp_path)
+    source = instantiate(plain["data"]["source"])
+    with pytest.raises(ConfigError) as expected:
+        source.check_files()
+    with pytest.raises(ConfigError) as info:
+        check_environment(plain, source)
+    assert str(info.value) == str(expected.value) and str(info.value).startswith("data.source.")
