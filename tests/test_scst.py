@@ -16,8 +16,7 @@ from captioner.model import decoding
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import PAD_ID, rollout
 from captioner.model.losses import SelfCriticalLoss
-from conftest import (END, RUN_NET, START, compose_plain, features_for, logged, make_decoder, run_train,
-                      tiny_overrides, write_run)
+from conftest import END, START, compose_plain, features_for, logged, make_decoder, run_train, tiny_overrides
 
 
 def teacher_forced_log_probs(decoder: ShowAttendTellDecoder, features: torch.Tensor, tokens: torch.Tensor,
@@ -126,57 +125,7 @@ def test_one_self_critical_step_makes_the_better_sample_likelier_and_the_worse_l
     assert gain[0] > 0 > gain[1]
 
 
-# ------------------------------------------------------------------- where a run starts (start.py)
-def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_another(tmp_path: Path) -> None:
-    from captioner.training.start import resolve_start
-
-    ce, scst = write_run(tmp_path / "ce", None), write_run(tmp_path / "scst", "scst")
-    start = resolve_start(str(ce), None, "cross_entropy")  # as before: resume
-    assert start.resume == str(ce / "checkpoints" / "last.ckpt") and start.init is None
-    start = resolve_start(str(ce), None, "scst")  # a cross-entropy run: SCST starts from its selected model
-    assert start.resume is None and start.init == str(ce / "bundle.pt")
-    assert start.model.config["decoder"]["mode"] == "hard" and start.model.vocab.itos[4:] == ["a", "red", "circle"]
-    start = resolve_start(str(ce / "checkpoints" / "last.ckpt"), None, "scst")  # a checkpoint file: that one
-    assert start.init == str(ce / "checkpoints" / "last.ckpt")
-    assert resolve_start(str(ce / "bundle.pt"), None, "scst").init == str(ce / "bundle.pt")  # a bundle too
-    start = resolve_start(str(scst), None, "scst")  # an SCST run: resumed
-    assert start.resume == str(scst / "checkpoints" / "last.ckpt") and start.init is None
-    assert start.model.image_size == 64  # the model comes from the checkpoint when resuming as well
-    start = resolve_start(None, str(ce), "cross_entropy")  # init_from: a new run from the weights, any objective
-    assert start.init == str(ce / "bundle.pt") and start.resume is None
-    crashed = write_run(tmp_path / "crashed", None, bundle=False)
-    assert resolve_start(str(crashed), None, "scst").init == str(crashed / "checkpoints" / "last.ckpt")
-    assert resolve_start(None, None, "cross_entropy").model is None
-
-
-@pytest.mark.parametrize("ckpt,init,message", [
-    (None, None, "model.objective=scst fine-tunes a trained captioner: give ckpt_path="),
-    ("ce", "ce", "cannot be resumed by a model.objective=scst run and would start it from its weights"),
-])
-def test_scst_needs_one_model_to_start_from(ckpt: str | None, init: str | None, message: str,
-                                            tmp_path: Path) -> None:
-    from captioner.training.start import resolve_start
-
-    write_run(tmp_path / "ce", None)
-    with pytest.raises(ConfigError, match=message):
-        resolve_start(ckpt and str(tmp_path / ckpt), init and str(tmp_path / init), "scst")
-
-
-def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
-    from captioner.data.vocab import Vocabulary
-    from captioner.training.start import model_settings, resolve_start
-
-    start = resolve_start(str(write_run(tmp_path / "ce", None)), None, "scst")
-    config = {"model": {"attention": "soft", "scorer": "additive", "decoder": {"embed_dim": 128}},
-              "data": {"image_size": 96}}
-    settings = model_settings(start.model, config, tmp_path / "out")
-    decoder = {k: v for k, v in RUN_NET["decoder"].items() if k not in ("mode", "attention")}
-    assert settings == {"model.attention": "hard", "model.scorer": "dot", "model.encoder": RUN_NET["encoder"],
-                        "model.feature_norm": True, "model.self_attention": {}, "model.decoder": decoder,
-                        "data.image_size": 64, "data.vocab_file": str(tmp_path / "out" / "vocab.json")}
-    assert Vocabulary.load(tmp_path / "out" / "vocab.json") == start.model.vocab
-
-
+# ------------------------------------------------------------------------------------ SCST settings
 def test_scst_settings_are_checked(tmp_path: Path) -> None:
     from captioner.training.validate import check_environment, validate_config
 
