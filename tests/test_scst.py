@@ -16,7 +16,7 @@ from captioner.model import decoding
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import PAD_ID, rollout
 from captioner.model.losses import SelfCriticalLoss
-from conftest import END, START, compose_plain, features_for, logged, make_decoder, run_train, tiny_overrides
+from conftest import END, START, features_for, logged, make_decoder, run_train, tiny_overrides
 
 
 def teacher_forced_log_probs(decoder: ShowAttendTellDecoder, features: torch.Tensor, tokens: torch.Tensor,
@@ -123,29 +123,6 @@ def test_one_self_critical_step_makes_the_better_sample_likelier_and_the_worse_l
     after = teacher_forced_log_probs(decoder, features, drawn.tokens, 2).detach()
     gain = ((after - before) * mask).sum(dim=1)  # change of log p(caption)
     assert gain[0] > 0 > gain[1]
-
-
-# ------------------------------------------------------------------------------------ SCST settings
-def test_scst_settings_are_checked(tmp_path: Path) -> None:
-    from captioner.training.validate import check_environment, validate_config
-
-    cfg = compose_plain(["experiment=demo_scst"], tmp_path)
-    assert cfg["model"]["objective"] == "scst" and cfg["model"]["scst"] == {"samples": 5, "baseline": "mean"}
-    assert cfg["callbacks"]["model_checkpoint"]["monitor"] == "val/cider"
-    assert cfg["callbacks"]["early_stopping"]["monitor"] == "val/cider"
-    validate_config(cfg)
-    for key, value, message in [("samples", 1, "it needs model.scst.samples >= 2"),
-                                ("baseline", "best", "model.scst.baseline='best' is not valid"),
-                                ("samples", 0, "model.scst.samples=0 must be >= 1")]:
-        bad = {**cfg, "model": {**cfg["model"], "scst": {**cfg["model"]["scst"], key: value}}}
-        with pytest.raises(ConfigError, match=message):
-            validate_config(bad)
-    validate_config({**cfg, "model": {**cfg["model"], "scst": {"samples": 1, "baseline": "greedy"}}})
-    bad = {**cfg, "model": {**cfg["model"], "objective": "rl"}}
-    with pytest.raises(ConfigError, match="model.objective='rl' is not valid; choose one of: cross_entropy, scst"):
-        validate_config(bad)
-    with pytest.raises(ConfigError, match="init_from='/no/such/run' does not exist"):
-        check_environment({**cfg, "init_from": "/no/such/run"})
 
 
 # -------------------------------------------------------------------------------------- SCST training
