@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,9 +17,8 @@ import torch
 from captioner.data.dataset import Skipped, collate
 from captioner.data.features import FeatureCache
 from captioner.errors import DataError
-from captioner.fileio import new_folder, save_torch, write_json
+from captioner.fileio import save_torch
 from captioner.model.losses import CaptionLoss
-from captioner.training.checkpoint_io import AtomicCheckpointIO
 from conftest import (ROOT, TINY, compose_cfg, copy_dataset, error_line, logged, metrics_rows, run_train, snapshot,
                       subprocess_env, tiny_overrides)
 
@@ -97,18 +95,6 @@ def test_sigkill_mid_epoch_then_resume_continues_from_the_last_checkpoint(tiny_s
     assert sorted(logged(second, "train/loss")) == list(range(step, total))  # only the steps after the checkpoint ran
 
 
-def test_run_folders_are_never_shared(tmp_path: Path) -> None:
-    folders: list[Path] = []
-    threads = [threading.Thread(target=lambda: folders.append(new_folder(tmp_path / "runs" / "same-second")))
-               for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(set(folders)) == 8 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
-    assert new_folder(tmp_path / "runs" / "same-second") == tmp_path / "runs" / "same-second_8"
-
-
 def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path: Path) -> None:
     earlier = tmp_path / "run"
     earlier.mkdir()
@@ -131,28 +117,6 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
 
 
 # -------------------------------------------------------------------------------------- 2. atomic writes
-def test_an_interrupted_write_leaves_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "metrics.json"
-    write_json(path, {"bleu4": 0.25})
-    with pytest.raises(TypeError):
-        write_json(path, {"bleu4": 0.5, "oops": object()})  # fails half way through the dump
-    assert json.loads(path.read_text()) == {"bleu4": 0.25}
-    checkpoint = tmp_path / "last.ckpt"
-    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, checkpoint)
-    real_save = torch.save
-
-    def killed_half_way(obj: object, handle) -> None:
-        real_save(obj, handle)
-        handle.truncate(handle.tell() // 2)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(torch, "save", killed_half_way)
-    with pytest.raises(KeyboardInterrupt):
-        AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(3)}}, checkpoint)
-    assert torch.equal(AtomicCheckpointIO().load_checkpoint(checkpoint)["state_dict"]["w"], torch.ones(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "metrics.json"]  # no temporary file left
-    (tmp_path / "plain.txt").write_text("")
-    assert checkpoint.stat().st_mode == (tmp_path / "plain.txt").stat().st_mode  # not private like mkstemp's
 
 
 def test_feature_cache_build_is_atomic_and_never_deletes_a_folder(tmp_path: Path,
