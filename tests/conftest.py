@@ -40,6 +40,14 @@ SMALL_NET = {"encoder": {"name": "resnet18"},
              "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
 SMALL_IMAGE_SIZE = 96
 
+# The captioner of the model and bundle tests: resnet18 (random weights; at 96 px a 3x3 map) pooled to a 2x2 grid,
+# one self-attention block, a 16-wide decoder without dropout.
+CAPTIONER_NET = {
+    "encoder": {"name": "resnet18", "weights": None, "grid": 2},
+    "self_attention": {"blocks": 1, "heads": 2, "positional": True},
+    "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0},
+}
+
 # A tiny hard-attention model of every part (a trained stage, feature norm, self-attention, dot scorer): the
 # model of the runs write_run leaves.
 RUN_NET = {"encoder": {"name": "resnet18", "weights": None, "trainable_stages": 0, "stage": "layer2", "grid": 2},
@@ -144,6 +152,22 @@ def logged(run: Path, key: str) -> dict[int, float]:
 
 
 # --------------------------------------------------------------------------------- models and their files
+@pytest.fixture(scope="module")
+def small_vocab() -> Vocabulary:
+    """Seven words: eleven ids with the specials."""
+    return Vocabulary(["a", "red", "blue", "circle", "square", "left", "of"])
+
+
+@pytest.fixture(scope="module")
+def small_model(small_vocab: Vocabulary) -> Captioner:
+    """A ``CAPTIONER_NET`` captioner in eval mode whose self-attention gate is open (tests must not change it)."""
+    torch.manual_seed(0)
+    captioner = build_captioner(CAPTIONER_NET, len(small_vocab)).eval()
+    with torch.no_grad():
+        captioner.self_attention.blocks[0].gamma.fill_(0.5)
+    return captioner
+
+
 def never_ending_captioner(words: Sequence[str], mode: str = "soft",
                            favoured: Sequence[str] = ()) -> tuple[Captioner, Vocabulary, dict]:
     """An untrained ``SMALL_NET`` captioner (seeded, in eval mode), its vocabulary and config: its captions

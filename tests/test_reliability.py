@@ -8,25 +8,17 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from hydra.errors import CompactHydraException
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-import train
 
 from captioner.data.dataset import Skipped, collate
 from captioner.data.features import FeatureCache
-from captioner.errors import BundleError, ConfigError, DataError
-from captioner.fileio import new_folder, save_torch, write_json
+from captioner.errors import DataError
+from captioner.fileio import save_torch
 from captioner.model.losses import CaptionLoss
-from captioner.training.checkpoint_io import AtomicCheckpointIO
-from captioner.training.validate import check_environment, validate_config
 from conftest import (ROOT, TINY, compose_cfg, copy_dataset, error_line, logged, metrics_rows, run_train, snapshot,
                       subprocess_env, tiny_overrides)
 
@@ -103,18 +95,6 @@ def test_sigkill_mid_epoch_then_resume_continues_from_the_last_checkpoint(tiny_s
     assert sorted(logged(second, "train/loss")) == list(range(step, total))  # only the steps after the checkpoint ran
 
 
-def test_run_folders_are_never_shared(tmp_path: Path) -> None:
-    folders: list[Path] = []
-    threads = [threading.Thread(target=lambda: folders.append(new_folder(tmp_path / "runs" / "same-second")))
-               for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(set(folders)) == 8 and all(f.is_dir() and not any(f.iterdir()) for f in folders)
-    assert new_folder(tmp_path / "runs" / "same-second") == tmp_path / "runs" / "same-second_8"
-
-
 def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path: Path) -> None:
     earlier = tmp_path / "run"
     earlier.mkdir()
@@ -137,28 +117,6 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
 
 
 # -------------------------------------------------------------------------------------- 2. atomic writes
-def test_an_interrupted_write_leaves_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tmp_path / "metrics.json"
-    write_json(path, {"bleu4": 0.25})
-    with pytest.raises(TypeError):
-        write_json(path, {"bleu4": 0.5, "oops": object()})  # fails half way through the dump
-    assert json.loads(path.read_text()) == {"bleu4": 0.25}
-    checkpoint = tmp_path / "last.ckpt"
-    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, checkpoint)
-    real_save = torch.save
-
-    def killed_half_way(obj: object, handle) -> None:
-        real_save(obj, handle)
-        handle.truncate(handle.tell() // 2)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(torch, "save", killed_half_way)
-    with pytest.raises(KeyboardInterrupt):
-        AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(3)}}, checkpoint)
-    assert torch.equal(AtomicCheckpointIO().load_checkpoint(checkpoint)["state_dict"]["w"], torch.ones(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "metrics.json"]  # no temporary file left
-    (tmp_path / "plain.txt").write_text("")
-    assert checkpoint.stat().st_mode == (tmp_path / "plain.txt").stat().st_mode  # not private like mkstemp's
 
 
 def test_feature_cache_build_is_atomic_and_never_deletes_a_folder(tmp_path: Path,
@@ -210,21 +168,6 @@ def test_a_bad_checkpoint_is_one_line_through_train_py(damage: str, message: str
     assert message in error_line(proc) and str(path) in error_line(proc)
 
 
-@pytest.mark.parametrize("write,message", [
-    (lambda p: p.write_bytes(b""), "is empty"),
-    (lambda p: p.write_bytes(b"\x80\x04K\x01."), "is truncated or corrupt"),
-    (lambda p: save_torch({"weights": torch.ones(2)}, p), "is not a Lightning checkpoint of this project"),
-    (lambda p: (p / "checkpoints").mkdir(parents=True), "checkpoint not found"),
-])
-def test_resolve_checkpoint_refuses_every_kind_of_bad_file(write, message: str, tmp_path: Path) -> None:
-    from captioner.training.start import resolve_start
-
-    path = tmp_path / "run"
-    write(path)
-    with pytest.raises((BundleError, ConfigError), match=message):
-        resolve_start(str(path), None, "cross_entropy")
-
-
 # --------------------------------------------------------------------------------------------- 4. bad data
 @pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True], ids=["images", "feature-cache"])
@@ -265,77 +208,6 @@ def test_a_malformed_annotation_file_is_one_line_naming_it(damage, problem: str,
 
 
 # -------------------------------------------------------------------------------- 5. bad configs and args
-def config_error(overrides: list[str], tmp_path: Path) -> str:
-    """The one-line error train.py reports for ``overrides`` before any data work: Hydra's composition
-    (schemas), ``validate_config``, then building the dataset source and the trainer with its callbacks and
-    loggers (Lightning checks its own arguments)."""
-    try:
-        cfg = compose_cfg(overrides, tmp_path)
-    except (CompactHydraException, OmegaConfBaseException) as exc:
-        return train.one_line(exc)
-    plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    with pytest.raises(ConfigError) as info:
-        validate_config(plain)
-        train.build("data.source", plain["data"]["source"])
-        train.build_trainer(plain)
-    return str(info.value)
-
-
-@pytest.mark.parametrize("override,message", [
-    ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
-    ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
-    ("model.decoding.min_len=20", "model.decoding.min_len=20 must be < max_len=20"),
-    ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be >= 0"),
-    ("model.nonfinite_check_interval=0", "model.nonfinite_check_interval=0 must be >= 1"),
-    ("model.attention=medium", "model.attention='medium' is not valid; choose one of: soft, hard"),
-    ("model.decoder.embed_dim=big", "model.decoder.embed_dim='big' must be int"),
-    ("data.batch_size=-3", "data.batch_size=-3 must be >= 1"),
-    ("model.decoder.dropout=1.5", "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
-    ("+model.decoder.hiden_dim=3", "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
-    ("model.foo=1", "model.foo is not a known key; valid keys: attention, scorer"),
-    ("trainer.devices=abc", "trainer: `devices` selected with `CPUAccelerator` should be an int > 0"),
-    ("trainer.devices=0", "trainer: `Trainer(devices=0)` value is not a valid input"),
-    ("trainer.max_epochs=0", "trainer.max_epochs=0 must be >= 1"),
-    ("trainer.precision=17", "trainer: Precision 17 is invalid. Allowed precision values:"),
-    ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 must be >= 0.0"),
-    ("+trainer.strategy=ddpp", "trainer: You selected an invalid strategy name: `strategy='ddpp'`"),
-    ("trainer.min_epochs=5000", "trainer.min_epochs=5000 must be <= trainer.max_epochs="),
-    ("+trainer.max_epoch=3", "trainer: Trainer.__init__() got an unexpected keyword argument 'max_epoch'"),
-    ("+trainer.logger=false", "trainer.logger is passed by train.py itself"),
-    ("callbacks.last_checkpoint.every_n_train_steps=-5",
-     "callbacks.last_checkpoint: Invalid value for every_n_train_steps=-5. Must be >= 0"),
-    ("callbacks.early_stopping.monitor=val/bleu5", "callbacks.early_stopping.monitor='val/bleu5' is not valid"),
-    ("callbacks.model_checkpoint.mode=maximum", "callbacks.model_checkpoint: `mode` can be min, max but got maximum"),
-    ("+callbacks.model_checkpoint.save_best=true",
-     "callbacks.model_checkpoint: ModelCheckpoint.__init__() got an unexpected keyword argument 'save_best'"),
-    ("logger.csv._target_=lightning.CSVLoger", "logger.csv: Error loading 'lightning.CSVLoger': ModuleNotFoundError"),
-    ("data.source.n_train=0", "data.source.n_train=0 must be >= 1"),
-    ("+data.source.size=3", "data.source: ShapesSource.__init__() got an unexpected keyword argument 'size'"),
-    ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
-    ("+epochs=3", "epochs is not a known key; valid keys: task_name, seed"),
-    ("train=maybe", "train='maybe' must be true or false"),
-])
-def test_every_config_value_is_checked(override: str, message: str, tmp_path: Path) -> None:
-    assert config_error([override], tmp_path).startswith(message)
-
-
-@pytest.mark.parametrize("overrides,message", [
-    (["data=coco"], "data.source.splits.train.captions='{data}/coco/annotations/captions_train2014.json': file "
-                    "not found (see data/README.md"),
-    (["data=flickr8k"], "data.source.split_file='{data}/karpathy/dataset_flickr8k.json': file not found"),
-    (["data=coco_karpathy", "data.source.split_file={tmp}"], "data.source.split_file='{tmp}' is not a file"),
-    (["data.vocab_file={tmp}/vocab.json"], "data.vocab_file='{tmp}/vocab.json': file not found"),
-    (["data.source.root={tmp}/file.txt"], "data.source.root='{tmp}/file.txt' is a file, not a folder"),
-])
-def test_missing_files_are_reported_with_their_key_before_any_work(overrides: list[str], message: str,
-                                                                    tmp_path: Path) -> None:
-    (tmp_path / "file.txt").write_text("x")
-    cfg = compose_cfg([o.format(tmp=tmp_path) for o in overrides], tmp_path)
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    with pytest.raises(ConfigError) as info:  # noqa: PT012  the checks train.py runs, in its order
-        validate_config(plain)
-        check_environment(plain, train.build("data.source", plain["data"]["source"]))
-    assert message.format(tmp=tmp_path, data=ROOT / "data") in str(info.value)
 
 
 def test_a_missing_dataset_file_stops_train_py_before_any_work(tmp_path: Path) -> None:

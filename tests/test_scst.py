@@ -11,15 +11,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from captioner.config import to_dict
 from captioner.errors import ConfigError
 from captioner.model import decoding
-from captioner.model.captioner import net_from_bundle
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import PAD_ID, rollout
 from captioner.model.losses import SelfCriticalLoss
-from conftest import (END, RUN_NET, START, compose_plain, features_for, logged, make_decoder, run_train,
-                      tiny_overrides, write_run)
+from conftest import END, START, features_for, logged, make_decoder, run_train, tiny_overrides
 
 
 def teacher_forced_log_probs(decoder: ShowAttendTellDecoder, features: torch.Tensor, tokens: torch.Tensor,
@@ -126,81 +123,6 @@ def test_one_self_critical_step_makes_the_better_sample_likelier_and_the_worse_l
     after = teacher_forced_log_probs(decoder, features, drawn.tokens, 2).detach()
     gain = ((after - before) * mask).sum(dim=1)  # change of log p(caption)
     assert gain[0] > 0 > gain[1]
-
-
-# ------------------------------------------------------------------- where a run starts (start.py)
-def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_another(tmp_path: Path) -> None:
-    from captioner.training.start import resolve_start
-
-    ce, scst = write_run(tmp_path / "ce", None), write_run(tmp_path / "scst", "scst")
-    start = resolve_start(str(ce), None, "cross_entropy")  # as before: resume
-    assert start.resume == str(ce / "checkpoints" / "last.ckpt") and start.init is None
-    start = resolve_start(str(ce), None, "scst")  # a cross-entropy run: SCST starts from its selected model
-    assert start.resume is None and start.init == str(ce / "bundle.pt")
-    assert start.model.config["decoder"]["mode"] == "hard" and start.model.vocab.itos[4:] == ["a", "red", "circle"]
-    start = resolve_start(str(ce / "checkpoints" / "last.ckpt"), None, "scst")  # a checkpoint file: that one
-    assert start.init == str(ce / "checkpoints" / "last.ckpt")
-    assert resolve_start(str(ce / "bundle.pt"), None, "scst").init == str(ce / "bundle.pt")  # a bundle too
-    start = resolve_start(str(scst), None, "scst")  # an SCST run: resumed
-    assert start.resume == str(scst / "checkpoints" / "last.ckpt") and start.init is None
-    assert start.model.image_size == 64  # the model comes from the checkpoint when resuming as well
-    start = resolve_start(None, str(ce), "cross_entropy")  # init_from: a new run from the weights, any objective
-    assert start.init == str(ce / "bundle.pt") and start.resume is None
-    crashed = write_run(tmp_path / "crashed", None, bundle=False)
-    assert resolve_start(str(crashed), None, "scst").init == str(crashed / "checkpoints" / "last.ckpt")
-    assert resolve_start(None, None, "cross_entropy").model is None
-
-
-@pytest.mark.parametrize("ckpt,init,message", [
-    (None, None, "model.objective=scst fine-tunes a trained captioner: give ckpt_path="),
-    ("ce", "ce", "cannot be resumed by a model.objective=scst run and would start it from its weights"),
-])
-def test_scst_needs_one_model_to_start_from(ckpt: str | None, init: str | None, message: str,
-                                            tmp_path: Path) -> None:
-    from captioner.training.start import resolve_start
-
-    write_run(tmp_path / "ce", None)
-    with pytest.raises(ConfigError, match=message):
-        resolve_start(ckpt and str(tmp_path / ckpt), init and str(tmp_path / init), "scst")
-
-
-def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
-    from captioner.data.vocab import Vocabulary
-    from captioner.training.start import model_settings, resolve_start
-
-    start = resolve_start(str(write_run(tmp_path / "ce", None)), None, "scst")
-    config = {"model": {"attention": "soft", "scorer": "additive", "decoder": {"embed_dim": 128}},
-              "data": {"image_size": 96}}
-    settings = model_settings(start.model, config, tmp_path / "out")
-    net = to_dict(net_from_bundle(RUN_NET))  # every field: what RUN_NET leaves out is the modules' constructor default
-    assert settings == {**{f"model.{key}": value for key, value in net.items()},
-                        "data.image_size": 64, "data.vocab_file": str(tmp_path / "out" / "vocab.json")}
-    assert (settings["model.attention"], settings["model.scorer"], settings["model.self_attention"]["blocks"]) == (
-        "hard", "dot", 1)
-    assert Vocabulary.load(tmp_path / "out" / "vocab.json") == start.model.vocab
-
-
-def test_scst_settings_are_checked(tmp_path: Path) -> None:
-    from captioner.data.sources import ShapesSource
-    from captioner.training.validate import check_environment, validate_config
-
-    cfg = compose_plain(["experiment=demo_scst"], tmp_path)
-    assert cfg["model"]["objective"] == "scst" and cfg["model"]["scst"] == {"samples": 5, "baseline": "mean"}
-    assert cfg["callbacks"]["model_checkpoint"]["monitor"] == "val/cider"
-    assert cfg["callbacks"]["early_stopping"]["monitor"] == "val/cider"
-    validate_config(cfg)
-    for key, value, message in [("samples", 1, "model.scst.samples=1: baseline=mean compares each sample"),
-                                ("baseline", "best", "model.scst.baseline='best' is not valid"),
-                                ("samples", 0, "model.scst.samples=0 must be >= 1")]:
-        bad = {**cfg, "model": {**cfg["model"], "scst": {**cfg["model"]["scst"], key: value}}}
-        with pytest.raises(ConfigError, match=message):
-            validate_config(bad)
-    validate_config({**cfg, "model": {**cfg["model"], "scst": {"samples": 1, "baseline": "greedy"}}})
-    bad = {**cfg, "model": {**cfg["model"], "objective": "rl"}}
-    with pytest.raises(ConfigError, match="model.objective='rl' is not valid; choose one of: cross_entropy, scst"):
-        validate_config(bad)
-    with pytest.raises(ConfigError, match="init_from='/no/such/run' does not exist"):
-        check_environment({**cfg, "init_from": "/no/such/run"}, ShapesSource(str(tmp_path / "shapes")))
 
 
 # -------------------------------------------------------------------------------------- SCST training

@@ -1,0 +1,181 @@
+"""The inference bundle (save_bundle, load_bundle) and load_model, which also reads training checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import MappingProxyType
+from typing import Callable
+
+import pytest
+import torch
+
+from captioner.data.vocab import Vocabulary
+from captioner.errors import BundleError, ConfigError
+from captioner.model.bundle import CHECKPOINT_KEY, load_bundle, load_model, save_bundle
+from captioner.model.captioner import Captioner
+from conftest import CAPTIONER_NET, RUN_NET, random_images, tampered, write_run
+
+
+@pytest.fixture(scope="module")
+def bundle(small_model, small_vocab, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("bundle") / "model.pt"
+    config = {**CAPTIONER_NET, "encoder": {**CAPTIONER_NET["encoder"], "weights": "DEFAULT"}}
+    save_bundle(path, small_model, small_vocab, config)
+    return path
+
+
+def test_bundle_round_trip_generates_identically(small_model, small_vocab, bundle, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no pretrained weight file anywhere
+    loaded, loaded_vocab, config = load_bundle(bundle)
+    assert loaded_vocab == small_vocab and not loaded.training
+    assert config["encoder"]["weights"] == "DEFAULT" and config["decoder"] == CAPTIONER_NET["decoder"]
+    expected_state = small_model.state_dict()
+    assert all(torch.equal(value, expected_state[key]) for key, value in loaded.state_dict().items())
+    images = random_images(2)
+    for method in ("greedy", "beam"):
+        expected, grid = small_model.generate(images, method=method, max_len=6)
+        actual, loaded_grid = loaded.generate(images, method=method, max_len=6)
+        assert grid == loaded_grid
+        for field in ("tokens", "scores", "alphas", "lengths"):
+            assert torch.equal(getattr(actual, field), getattr(expected, field)), (method, field)
+
+
+class _Compiled(torch.nn.Module):
+    """Names its child like torch.compile's OptimizedModule does."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = module
+
+
+def test_bundle_of_a_compiled_decoder_loads(small_model, small_vocab, tmp_path):
+    wrapped = Captioner(small_model.encoder, _Compiled(small_model.decoder), small_model.self_attention)
+    assert "decoder._orig_mod.embedding.weight" in wrapped.state_dict()
+    save_bundle(tmp_path / "compiled.pt", wrapped, small_vocab, CAPTIONER_NET)
+    loaded, _, _ = load_bundle(tmp_path / "compiled.pt")
+    assert torch.equal(loaded.decoder.embedding.weight, small_model.decoder.embedding.weight)
+
+
+def test_bundle_holds_plain_data_only(bundle, small_vocab):
+    raw = torch.load(bundle, weights_only=True)
+    assert raw["format"] == "captioner-bundle" and raw["version"] == 1
+    assert raw["vocab"] == small_vocab.to_dict() and raw["vocab_fingerprint"] == small_vocab.fingerprint()
+    assert all(isinstance(v, torch.Tensor) for v in raw["state_dict"].values())
+
+
+def _bigger_vocab(raw: dict) -> None:
+    bigger = Vocabulary([*raw["vocab"]["words"][4:], "triangle"])
+    raw["vocab"], raw["vocab_fingerprint"] = bigger.to_dict(), bigger.fingerprint()
+
+
+def _drop(raw: dict, key: str) -> None:
+    del raw[key]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda raw: raw.update(format="captioner-checkpoint"), "not a captioner bundle"),
+    (lambda raw: _drop(raw, "state_dict"), r"not a complete bundle \(missing state_dict\)"),
+    (lambda raw: raw.update(version=2), "bundle version 2 is newer than this captioner reads"),
+    (lambda raw: raw.update(vocab={"words": ["a"]}), "malformed vocabulary"),
+    (lambda raw: raw.update(vocab_fingerprint="0123456789abcdef"), "fingerprint '0123456789abcdef' does not match"),
+    (_bigger_vocab, "the vocabulary has 12 words but the decoder.embedding weights have 11 rows"),
+    (lambda raw: raw["config"]["encoder"].update(name="resnet7"), "config does not build a model.*'resnet7'"),
+    (lambda raw: raw["config"].update(trainer={}), "config does not build a model.*'trainer'"),
+    (lambda raw: raw["config"]["decoder"].update(embed_dim="16"), "config does not build a model"),
+    (lambda raw: raw["config"]["decoder"].update(hidden_dim=32), r"shape mismatch \(saved vs model\): decoder"),
+    (lambda raw: raw["config"].update(self_attention=None), r"unexpected: self_attention.blocks.0"),
+    (lambda raw: raw["state_dict"].pop("decoder.init_h.bias"), r"missing: decoder.init_h.bias"),
+    (lambda raw: raw.update(state_dict=[1, 2]), "state_dict is not a mapping of names to tensors"),
+])
+def test_load_bundle_refuses_mismatches(bundle, tmp_path, change, message):
+    path = tampered(bundle, tmp_path / "tampered.pt", change)
+    with pytest.raises(BundleError, match=rf"^bundle {path}: .*{message}"):
+        load_bundle(path)
+
+
+def test_load_bundle_refuses_files_that_are_not_bundles(tmp_path):
+    torch.save({"format": "captioner-bundle", "payload": os.path.join}, tmp_path / "code.pt")  # pickled callable
+    with pytest.raises(BundleError, match="refused: it contains pickled Python objects"):
+        load_bundle(tmp_path / "code.pt")
+    torch.save(torch.zeros(3), tmp_path / "tensor.pt")
+    with pytest.raises(BundleError, match="not a captioner bundle"):
+        load_bundle(tmp_path / "tensor.pt")
+    (tmp_path / "text.pt").write_text("hello")
+    with pytest.raises(BundleError, match="text.pt"):
+        load_bundle(tmp_path / "text.pt")
+    with pytest.raises(BundleError, match="not found"):
+        load_bundle(tmp_path / "missing.pt")
+
+
+class _Payload:
+    """An arbitrary class: unpickling it must never happen."""
+
+
+def test_load_bundle_refuses_a_pickled_class(tmp_path):
+    torch.save({"format": "captioner-bundle", "version": 1, "config": _Payload()}, tmp_path / "class.pt")
+    with pytest.raises(BundleError, match=r"class.pt was refused"):
+        load_bundle(tmp_path / "class.pt")
+
+
+def test_save_bundle_checks_what_it_writes(small_model, small_vocab, tmp_path):
+    with pytest.raises(BundleError, match="the vocabulary has 5 words but the decoder.embedding weights have 11"):
+        save_bundle(tmp_path / "a.pt", small_model, Vocabulary(["a"]), CAPTIONER_NET)
+    with pytest.raises(ConfigError, match="model.decoder.embed_dim=<object object at 0x[0-9a-f]+> must be a int"):
+        save_bundle(tmp_path / "b.pt", small_model, small_vocab, {**CAPTIONER_NET, "decoder": {"embed_dim": object()}})
+    with pytest.raises(ConfigError, match="unknown model config key 'data'"):
+        save_bundle(tmp_path / "c.pt", small_model, small_vocab, {**CAPTIONER_NET, "data": {}})
+    assert not any(tmp_path.iterdir())  # nothing written, not even a temporary file
+    # any mapping (e.g. an OmegaConf DictConfig) is stored as plain dicts and lists
+    config = {**CAPTIONER_NET, "decoder": MappingProxyType(CAPTIONER_NET["decoder"])}
+    save_bundle(tmp_path / "d.pt", small_model, small_vocab, config)
+    assert torch.load(tmp_path / "d.pt", weights_only=True)["config"] == CAPTIONER_NET
+
+
+def test_load_model_reads_a_training_checkpoint_like_its_bundle(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", objective=None)
+    from_checkpoint = load_model(run / "checkpoints" / "last.ckpt")
+    from_bundle, from_folder = load_model(run / "bundle.pt"), load_model(run)  # a run folder means its bundle.pt
+    for loaded in (from_checkpoint, from_bundle, from_folder):
+        assert loaded.image_size == 64 and loaded.vocab.itos[4:] == ["a", "red", "circle"]
+        assert loaded.config == RUN_NET and not loaded.model.training
+    weights = from_bundle.model.state_dict()
+    assert all(torch.equal(value, weights[key]) for key, value in from_checkpoint.model.state_dict().items())
+    images = random_images(2, size=64)
+    greedy = [loaded.model.generate(images, method="greedy", max_len=5)[0] for loaded in (from_checkpoint, from_bundle)]
+    assert torch.equal(greedy[0].tokens, greedy[1].tokens) and torch.equal(greedy[0].alphas, greedy[1].alphas)
+
+
+def _checkpoint_without(key: str | None) -> Callable[[dict], None]:
+    """A change to a checkpoint: its bundle metadata loses ``key`` (None: the whole entry)."""
+    def change(raw: dict) -> None:
+        if key is None:
+            del raw[CHECKPOINT_KEY]
+        else:
+            del raw[CHECKPOINT_KEY][key]
+    return change
+
+
+@pytest.mark.parametrize("file,change,message", [
+    ("checkpoints/last.ckpt", _checkpoint_without(None),
+     'has no "captioner" entry \\(model config, vocabulary, image size\\); only checkpoints written by this version'),
+    ("checkpoints/last.ckpt", _checkpoint_without("vocab"), 'its "captioner" entry is incomplete \\(missing vocab\\)'),
+    ("checkpoints/last.ckpt", _checkpoint_without("preprocess"), "has no preprocessing settings \\(the image size"),
+    ("bundle.pt", lambda raw: raw.pop("preprocess"), "has no preprocessing settings"),
+    ("bundle.pt", lambda raw: raw.update(preprocess={"image_size": 0}),
+     "malformed preprocessing settings \\(preprocess.image_size=0 must be >= 1\\)"),
+    ("bundle.pt", lambda raw: raw.update(format="other"), "neither a captioner bundle nor a training checkpoint"),
+])
+def test_load_model_refuses_a_file_it_cannot_caption_with(file: str, change: Callable[[dict], None], message: str,
+                                                          tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", objective=None)
+    path = tampered(run / file, tmp_path / Path(file).name, change)
+    with pytest.raises(BundleError, match=message) as info:
+        load_model(path)
+    assert str(path) in str(info.value)
+
+
+def test_load_model_of_a_run_folder_without_a_bundle_names_what_to_give(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", objective=None, bundle=False)  # a run that has not finished
+    with pytest.raises(BundleError, match=f"^{run} is a folder without bundle.pt .*one of its checkpoints/\\*.ckpt"):
+        load_model(run)

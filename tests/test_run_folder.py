@@ -1,0 +1,70 @@
+"""A run's folder: claimed new by the first process, holding the composed config, marked when the run fails."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+
+from captioner.training.run_folder import RANK_VARIABLES, first_process, mark_failed, print_config_tree
+from conftest import compose_plain
+
+
+def test_the_config_is_printed_as_a_tree_and_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    plain = compose_plain([], tmp_path)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # rich is not installed
+    print_config_tree(plain, tmp_path / "run")
+    printed = capsys.readouterr().out
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert printed == f"config (saved as {tmp_path / 'run' / 'config.yaml'}):\n{saved}\n"
+    assert yaml.safe_load(saved) == plain  # resolved: no ${...} left
+    assert "${" not in saved
+    sections = [line.split(":")[0] for line in saved.splitlines() if line and not line.startswith(" ")]
+    assert sections[:6] == ["data", "model", "trainer", "callbacks", "logger", "paths"]
+    assert set(sections) == set(plain)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a DDP worker neither prints nor writes
+    print_config_tree(plain, tmp_path / "worker")
+    assert capsys.readouterr().out == "" and not (tmp_path / "worker").exists()
+
+
+def test_the_config_tree_is_drawn_with_rich_when_installed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("rich")
+    plain = compose_plain([], tmp_path)
+    print_config_tree(plain, tmp_path)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [f"config (saved as {tmp_path / 'config.yaml'}):", "config"]
+    branches = [line[4:].split(":")[0].strip() for line in lines if line.startswith(("├── ", "└── "))]
+    first = ["data", "model", "trainer", "callbacks", "logger", "paths"]
+    assert branches == first + [key for key in plain if key not in first]
+    assert any("beam_size: 3" in line for line in lines) and "seed: 0" in " ".join(lines)
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == plain
+
+
+def test_a_failed_run_says_so_in_its_log_and_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log_file = tmp_path / "train.log"
+    handler = logging.FileHandler(log_file)
+    logging.getLogger().addHandler(handler)
+    try:
+        mark_failed(tmp_path, "RuntimeError: boom")
+        monkeypatch.setenv("RANK", "1")  # another rank of the run writes nothing
+        mark_failed(tmp_path / "rank1", "RuntimeError: boom")
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    assert (tmp_path / "FAILED").read_text() == "RuntimeError: boom\n"
+    assert log_file.read_text() == "run failed: RuntimeError: boom\n"
+    assert not (tmp_path / "rank1").exists()
+
+
+@pytest.mark.parametrize("variable", RANK_VARIABLES)
+def test_only_the_process_that_started_the_run_is_the_first(variable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert first_process()
+    monkeypatch.setenv(variable, "0")
+    assert first_process()
+    monkeypatch.setenv(variable, "1")
+    assert not first_process()
