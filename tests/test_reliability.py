@@ -1,4 +1,6 @@
-"""Reliability: crash and resume, atomic writes, safe loading, bad data, bad configs, NaN losses, determinism."""
+"""Reliability of whole runs (train.py): crash and resume, run folders, bad checkpoints, bad data, bad configs,
+non-finite losses, determinism. The parts they rest on are tested with their modules (test_fileio, test_checkpoint_io,
+test_features, test_start, test_validate, ...)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.data.dataset import Skipped, collate
-from captioner.data.features import FeatureCache
-from captioner.errors import DataError
 from captioner.fileio import save_torch
 from captioner.model.losses import CaptionLoss
 from conftest import (ROOT, TINY, compose_cfg, copy_dataset, error_line, logged, metrics_rows, run_train, snapshot,
@@ -116,43 +115,7 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
     assert layouts == [[".hydra", "FAILED", "train.log"], [".hydra", "FAILED", "train.log"], ["0", "multirun.yaml"]]
 
 
-# -------------------------------------------------------------------------------------- 2. atomic writes
-
-
-def test_feature_cache_build_is_atomic_and_never_deletes_a_folder(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from captioner.data import features
-
-    items = [{"image": torch.rand(3, 8, 8), "captions": [torch.tensor([1, 4, 2])], "image_id": i, "index": i}
-             for i in range(4)]
-    batches = [collate(items[:2]), collate([*items[2:], Skipped("gone.png", "file not found")])]
-
-    def encode(images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        return images.flatten(2).transpose(1, 2), (8, 8)
-
-    def killed(path: Path, obj: object) -> None:
-        raise KeyboardInterrupt
-
-    cache = FeatureCache(tmp_path / "cache" / "train-key")
-    with monkeypatch.context() as patch:
-        patch.setattr(features, "write_json", killed)  # features.npy written, index.json not yet
-        with pytest.raises(KeyboardInterrupt):
-            cache.build(encode, batches, "cpu")
-    assert not cache.exists() and list((tmp_path / "cache").iterdir()) == []
-    cache.build(encode, batches, "cpu")
-    assert 3 in cache and cache.skip_reason("gone.png") == "file not found"
-    assert cache.get(3).dtype == torch.float16  # stored and handed out in fp16
-    assert torch.allclose(cache.get(3).float(), items[3]["image"].flatten(1).T, atol=1e-2)
-    FeatureCache(cache.folder).build(encode, batches, "cpu")  # a cache finished by another process wins
-    in_the_way = FeatureCache(tmp_path / "cache" / "val-key")
-    in_the_way.folder.mkdir()
-    (in_the_way.folder / "notes.txt").write_text("mine")
-    with pytest.raises(DataError, match="is in the way of the feature cache"):
-        in_the_way.build(encode, batches, "cpu")
-    assert (in_the_way.folder / "notes.txt").read_text() == "mine"
-
-
-# ---------------------------------------------------------------------------------------------- 3. loading
+# ---------------------------------------------------------------------------------------------- 2. loading
 @pytest.mark.parametrize("damage,message", [
     ("truncated", "is truncated or corrupt"),
     ("code", "was refused: it contains pickled Python objects (posix.system)"),
@@ -168,7 +131,7 @@ def test_a_bad_checkpoint_is_one_line_through_train_py(damage: str, message: str
     assert message in error_line(proc) and str(path) in error_line(proc)
 
 
-# --------------------------------------------------------------------------------------------- 4. bad data
+# --------------------------------------------------------------------------------------------- 3. bad data
 @pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True], ids=["images", "feature-cache"])
 def test_unreadable_images_are_skipped_and_reported(cache: bool, tiny_shapes: Path, tmp_path: Path) -> None:
@@ -207,7 +170,7 @@ def test_a_malformed_annotation_file_is_one_line_naming_it(damage, problem: str,
     assert str(annotations) in line and problem in line
 
 
-# -------------------------------------------------------------------------------- 5. bad configs and args
+# -------------------------------------------------------------------------------- 4. bad configs and args
 
 
 def test_a_missing_dataset_file_stops_train_py_before_any_work(tmp_path: Path) -> None:
@@ -228,7 +191,7 @@ def test_hydra_errors_are_one_line_without_a_traceback(override: str, message: s
     assert error_line(proc).startswith(message)
 
 
-# ----------------------------------------------------------------------------------- 6. non-finite loss
+# ----------------------------------------------------------------------------------- 5. non-finite loss
 @pytest.mark.slow
 def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tiny_shapes: Path,
                                                                            tmp_path: Path) -> None:
@@ -343,7 +306,7 @@ def test_the_loss_is_read_back_every_n_steps_not_every_step(tiny_shapes: Path, t
     assert {float(state["step"]) for state in checkpoint["optimizer_states"][0]["state"].values()} == {5.0}
 
 
-# ------------------------------------------------------------------------------------------ 7. determinism
+# ------------------------------------------------------------------------------------------ 6. determinism
 @pytest.mark.slow
 def test_two_runs_with_one_seed_give_identical_losses_and_captions(tiny_shapes: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
