@@ -1,11 +1,17 @@
 """CaptionerModule: the model it builds from its settings, the loss it trains, and its optimiser steps."""
 
+from pathlib import Path
+
 import pytest
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from captioner.data.vocab import Vocabulary
 from captioner.model.self_attention import SelfAttentionStack
 from captioner.training.module import CaptionerModule
+from captioner.training.validate import validate_config
+from conftest import compose_cfg
 
 CAPTIONS = ["a red circle", "a blue square on the left", "a green triangle at the top"]
 SMALL = {"name": "resnet18", "stage": "layer1", "grid": 2}
@@ -55,3 +61,19 @@ def test_a_flagged_optimiser_step_changes_nothing(fused: bool) -> None:
             for p, saved in zip(params, moments):
                 assert all(torch.equal(value, optimizer.state[p][key]) for key, value in saved.items())
     assert [float(optimizer.state[p]["step"]) for p in params] == [2.0, 2.0]
+
+
+def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> None:
+    cfg = compose_cfg(["model.decoding.method=beam", "model.decoding.max_len=8", "model.decoding.min_len=3",
+                       "model.decoding.no_repeat_ngram_size=1"], tmp_path)
+    validate_config(OmegaConf.to_container(cfg, resolve=True))
+    torch.manual_seed(0)
+    module = instantiate(cfg.model, vocab=Vocabulary([f"w{i}" for i in range(20)]), _convert_="all").eval()
+    features, _ = module.model.encode(torch.randn(4, 3, 96, 96))  # what the demo's feature cache holds
+    generation, _ = module.generate({"features": features})
+    for row in range(4):
+        words = generation.tokens[row, : generation.lengths[row]].tolist()
+        assert len(words) > 3 and len(set(words)) == len(words)  # 3 words before <end> at least, none twice
+    module.decode_cfg.update(min_len=0, no_repeat_ngram_size=0)
+    free, _ = module.generate({"features": features})
+    assert any(len(set(row[:n].tolist())) < n for row, n in zip(free.tokens, free.lengths))  # without: repeats
