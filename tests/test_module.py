@@ -1,11 +1,18 @@
-"""CaptionerModule: the model it builds from its settings, and its training-time schedule of the decoder."""
+"""CaptionerModule: the model it builds from its settings, the loss it trains, and its optimiser steps."""
+
+from pathlib import Path
 
 import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import SelfAttentionStack
 from captioner.training.module import CaptionerModule
+from captioner.training.validate import validate_config
+from conftest import compose_cfg
 
 CAPTIONS = ["a red circle", "a blue square on the left", "a green triangle at the top"]
 SMALL = {"name": "resnet18", "stage": "layer1", "grid": 2}
@@ -29,3 +36,46 @@ def test_self_attention_blocks_are_built_only_when_asked(vocab, self_attention, 
 def test_unk_is_excluded_from_the_loss(vocab):
     module = CaptionerModule(vocab, encoder=SMALL)
     assert module.criterion.unk_id == vocab.unk_id and module.criterion.pad_id == vocab.pad_id
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_flagged_optimiser_step_changes_nothing(fused: bool) -> None:
+    """The step of a non-finite loss leaves the parameters, Adam's moments and its step count as they were:
+    fused Adam skips it on the device; an unfused one (loaded from an older checkpoint) gets no gradients."""
+    module = CaptionerModule(Vocabulary(["a"]), encoder={"name": "resnet18", "weights": None})
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
+    optimizer = torch.optim.Adam(params, lr=0.1, fused=fused)
+    for scale in (1.0, float("nan"), 1.0):
+        optimizer.zero_grad()
+        loss = sum((p**2).sum() for p in params) * scale
+        loss.backward()
+        module._step_nonfinite = ~torch.isfinite(loss)  # what training_step records for the step
+        before = [p.detach().clone() for p in params]
+        moments = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
+        module.on_before_optimizer_step(optimizer)
+        optimizer.step()
+        changed = [not torch.equal(b, p) for b, p in zip(before, params)]
+        if scale == scale:
+            assert all(changed)
+        else:
+            assert not any(changed)
+            for p, saved in zip(params, moments):
+                assert all(torch.equal(value, optimizer.state[p][key]) for key, value in saved.items())
+    assert [float(optimizer.state[p]["step"]) for p in params] == [2.0, 2.0]
+
+
+def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> None:
+    cfg = compose_cfg(["model.decoding.method=beam", "model.decoding.max_len=8", "model.decoding.min_len=3",
+                       "model.decoding.no_repeat_ngram_size=1"], tmp_path)
+    validate_config(OmegaConf.to_container(cfg, resolve=True))
+    torch.manual_seed(0)
+    module = instantiate(cfg.model, vocab=Vocabulary([f"w{i}" for i in range(20)]), _convert_="all").eval()
+    features, _ = module.model.encode(torch.randn(4, 3, 96, 96))  # what the demo's feature cache holds
+    generation, _ = module.generate({"features": features})
+    for row in range(4):
+        words = generation.tokens[row, : generation.lengths[row]].tolist()
+        assert len(words) > 3 and len(set(words)) == len(words)  # 3 words before <end> at least, none twice
+    module.settings.decoding.min_len = module.settings.decoding.no_repeat_ngram_size = 0
+    free, _ = module.generate({"features": features})
+    assert any(len(set(row[:n].tolist())) < n for row, n in zip(free.tokens, free.lengths))  # without: repeats

@@ -1,4 +1,6 @@
-"""Reliability: crash and resume, atomic writes, safe loading, bad data, bad configs, NaN losses, determinism."""
+"""Reliability of whole runs (train.py): crash and resume, run folders, bad checkpoints, bad data, bad configs,
+non-finite losses, determinism. The parts they rest on are tested with their modules (test_fileio, test_checkpoint_io,
+test_features, test_start, test_validate, ...)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.data.dataset import Skipped, collate
-from captioner.data.features import FeatureCache
-from captioner.errors import DataError
 from captioner.fileio import save_torch
 from captioner.model.losses import CaptionLoss
 from conftest import (ROOT, TINY, compose_cfg, copy_dataset, error_line, logged, metrics_rows, run_train, snapshot,
@@ -116,43 +115,7 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
     assert layouts == [[".hydra", "FAILED", "train.log"], [".hydra", "FAILED", "train.log"], ["0", "multirun.yaml"]]
 
 
-# -------------------------------------------------------------------------------------- 2. atomic writes
-
-
-def test_feature_cache_build_is_atomic_and_never_deletes_a_folder(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    from captioner.data import features
-
-    items = [{"image": torch.rand(3, 8, 8), "captions": [torch.tensor([1, 4, 2])], "image_id": i, "index": i}
-             for i in range(4)]
-    batches = [collate(items[:2]), collate([*items[2:], Skipped("gone.png", "file not found")])]
-
-    def encode(images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        return images.flatten(2).transpose(1, 2), (8, 8)
-
-    def killed(path: Path, obj: object) -> None:
-        raise KeyboardInterrupt
-
-    cache = FeatureCache(tmp_path / "cache" / "train-key")
-    with monkeypatch.context() as patch:
-        patch.setattr(features, "write_json", killed)  # features.npy written, index.json not yet
-        with pytest.raises(KeyboardInterrupt):
-            cache.build(encode, batches, "cpu")
-    assert not cache.exists() and list((tmp_path / "cache").iterdir()) == []
-    cache.build(encode, batches, "cpu")
-    assert 3 in cache and cache.skip_reason("gone.png") == "file not found"
-    assert cache.get(3).dtype == torch.float16  # stored and handed out in fp16
-    assert torch.allclose(cache.get(3).float(), items[3]["image"].flatten(1).T, atol=1e-2)
-    FeatureCache(cache.folder).build(encode, batches, "cpu")  # a cache finished by another process wins
-    in_the_way = FeatureCache(tmp_path / "cache" / "val-key")
-    in_the_way.folder.mkdir()
-    (in_the_way.folder / "notes.txt").write_text("mine")
-    with pytest.raises(DataError, match="is in the way of the feature cache"):
-        in_the_way.build(encode, batches, "cpu")
-    assert (in_the_way.folder / "notes.txt").read_text() == "mine"
-
-
-# ---------------------------------------------------------------------------------------------- 3. loading
+# ---------------------------------------------------------------------------------------------- 2. loading
 @pytest.mark.parametrize("damage,message", [
     ("truncated", "is truncated or corrupt"),
     ("code", "was refused: it contains pickled Python objects (posix.system)"),
@@ -168,7 +131,7 @@ def test_a_bad_checkpoint_is_one_line_through_train_py(damage: str, message: str
     assert message in error_line(proc) and str(path) in error_line(proc)
 
 
-# --------------------------------------------------------------------------------------------- 4. bad data
+# --------------------------------------------------------------------------------------------- 3. bad data
 @pytest.mark.slow
 @pytest.mark.parametrize("cache", [False, True], ids=["images", "feature-cache"])
 def test_unreadable_images_are_skipped_and_reported(cache: bool, tiny_shapes: Path, tmp_path: Path) -> None:
@@ -207,7 +170,7 @@ def test_a_malformed_annotation_file_is_one_line_naming_it(damage, problem: str,
     assert str(annotations) in line and problem in line
 
 
-# -------------------------------------------------------------------------------- 5. bad configs and args
+# -------------------------------------------------------------------------------- 4. bad configs and args
 
 
 def test_a_missing_dataset_file_stops_train_py_before_any_work(tmp_path: Path) -> None:
@@ -229,7 +192,7 @@ def test_hydra_errors_are_one_line_without_a_traceback(override: str, message: s
     assert error_line(proc).startswith(message)
 
 
-# ----------------------------------------------------------------------------------- 6. non-finite loss
+# ----------------------------------------------------------------------------------- 5. non-finite loss
 @pytest.mark.slow
 def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tiny_shapes: Path,
                                                                            tmp_path: Path) -> None:
@@ -268,36 +231,6 @@ def test_nonfinite_skip_skips_the_optimiser_step(tiny_shapes: Path, tmp_path: Pa
     adam = checkpoint["optimizer_states"][0]["state"]
     assert {float(state["step"]) for state in adam.values()} == {7.0}  # one of the 8 steps updated nothing
     assert str(last) in saved  # Lightning wrote its checkpoints through AtomicCheckpointIO
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_a_flagged_optimiser_step_changes_nothing(fused: bool) -> None:
-    """The step of a non-finite loss leaves the parameters, Adam's moments and its step count as they were:
-    fused Adam skips it on the device; an unfused one (loaded from an older checkpoint) gets no gradients."""
-    from captioner.data.vocab import Vocabulary
-    from captioner.training.module import CaptionerModule
-
-    module = CaptionerModule(Vocabulary(["a"]), encoder={"name": "resnet18", "weights": None})
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
-    optimizer = torch.optim.Adam(params, lr=0.1, fused=fused)
-    for scale in (1.0, float("nan"), 1.0):
-        optimizer.zero_grad()
-        loss = sum((p**2).sum() for p in params) * scale
-        loss.backward()
-        module._step_nonfinite = ~torch.isfinite(loss)  # what training_step records for the step
-        before = [p.detach().clone() for p in params]
-        moments = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
-        module.on_before_optimizer_step(optimizer)
-        optimizer.step()
-        changed = [not torch.equal(b, p) for b, p in zip(before, params)]
-        if scale == scale:
-            assert all(changed)
-        else:
-            assert not any(changed)
-            for p, saved in zip(params, moments):
-                assert all(torch.equal(value, optimizer.state[p][key]) for key, value in saved.items())
-    assert [float(optimizer.state[p]["step"]) for p in params] == [2.0, 2.0]
 
 
 def test_the_loss_is_read_back_every_n_steps_not_every_step(tiny_shapes: Path, tmp_path: Path,
@@ -344,7 +277,7 @@ def test_the_loss_is_read_back_every_n_steps_not_every_step(tiny_shapes: Path, t
     assert {float(state["step"]) for state in checkpoint["optimizer_states"][0]["state"].values()} == {5.0}
 
 
-# ------------------------------------------------------------------------------------------ 7. determinism
+# ------------------------------------------------------------------------------------------ 6. determinism
 @pytest.mark.slow
 def test_two_runs_with_one_seed_give_identical_losses_and_captions(tiny_shapes: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

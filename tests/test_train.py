@@ -47,24 +47,6 @@ def test_every_group_option_composes_and_validates(group: str, options: list[str
         validate_config(compose_plain([f"{group}={option}"], tmp_path))
 
 
-def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> None:
-    from captioner.data.vocab import Vocabulary
-
-    cfg = compose_cfg(["model.decoding.method=beam", "model.decoding.max_len=8", "model.decoding.min_len=3",
-                       "model.decoding.no_repeat_ngram_size=1"], tmp_path)
-    validate_config(OmegaConf.to_container(cfg, resolve=True))
-    torch.manual_seed(0)
-    module = instantiate(cfg.model, vocab=Vocabulary([f"w{i}" for i in range(20)]), _convert_="all").eval()
-    features, _ = module.model.encode(torch.randn(4, 3, 96, 96))  # what the demo's feature cache holds
-    generation, _ = module.generate({"features": features})
-    for row in range(4):
-        words = generation.tokens[row, : generation.lengths[row]].tolist()
-        assert len(words) > 3 and len(set(words)) == len(words)  # 3 words before <end> at least, none twice
-    module.settings.decoding.min_len = module.settings.decoding.no_repeat_ngram_size = 0
-    free, _ = module.generate({"features": features})
-    assert any(len(set(row[:n].tolist())) < n for row, n in zip(free.tokens, free.lengths))  # without: repeats
-
-
 def test_a_user_error_is_one_line_on_stderr_and_exit_2(tmp_path: Path) -> None:
     proc = run_train(["model.decoding.beam_size=0", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
     assert error_line(proc) == "error: model.decoding.beam_size=0 must be >= 1"

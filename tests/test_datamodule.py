@@ -1,0 +1,161 @@
+"""CaptionDataModule: records from its source, the vocabulary from the training captions, loaders, the feature cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from PIL import Image
+
+from captioner.data.dataset import Skipped
+from captioner.data.readers import Box, Record
+from captioner.data.vocab import Vocabulary
+from captioner.errors import DataError
+from captioner.training.datamodule import CaptionDataModule
+from captioner.training.module import CaptionerModule
+
+SIZE = 32
+COLOURS = {"red": (215, 48, 39), "green": (40, 160, 70), "blue": (40, 90, 215)}
+
+
+@dataclass
+class ListSource:
+    """A Source over records held in memory; counts how often it was prepared."""
+
+    splits: dict[str, list[Record]]
+    prepared: int = field(default=0)
+
+    def check_files(self) -> None:
+        """Nothing to check."""
+
+    def prepare(self) -> None:
+        self.prepared += 1
+
+    def records(self, split: str) -> list[Record]:
+        return self.splits[split]
+
+
+@pytest.fixture()
+def source(tmp_path: Path) -> ListSource:
+    """Three training images (one with two captions), two validation images (one of them missing), one test image."""
+    paths = {}
+    for name, colour in COLOURS.items():
+        paths[name] = tmp_path / f"{name}.png"
+        Image.new("RGB", (40, 30), colour).save(paths[name])
+    box = Box("square", 0.25, 0.25, 0.75, 0.75)
+    train = [Record(str(paths["red"]), 1, ("a red square", "a red box"), "train", (box,)),
+             Record(str(paths["green"]), 2, ("a green square",), "train"),
+             Record(str(paths["blue"]), 3, ("a blue square",), "train")]
+    val = [Record(str(paths["blue"]), 4, ("a blue square", "a purple square"), "val", (box,)),
+           Record(str(tmp_path / "gone.png"), 5, ("a red square",), "val")]
+    return ListSource({"train": train, "val": val, "test": [Record(str(paths["red"]), 6, ("a red square",), "test")]})
+
+
+def _datamodule(source: ListSource, **options: object) -> CaptionDataModule:
+    settings = {"image_size": SIZE, "batch_size": 2, "num_workers": 0, "min_word_count": 1, **options}
+    return CaptionDataModule(source, **settings)
+
+
+def test_setup_reads_each_split_once_and_builds_the_vocabulary_from_training_captions(source: ListSource) -> None:
+    datamodule = _datamodule(source, min_word_count=2)
+    datamodule.setup("fit")
+    datamodule.setup("validate")  # a second stage reuses what the first read
+    assert source.prepared == 1
+    assert datamodule.vocab.itos[4:] == ["a", "square", "red"]  # words seen twice in training; "purple" only in val
+    assert datamodule.references("val") == {4: [["a", "blue", "square"], ["a", "purple", "square"]],
+                                            5: [["a", "red", "square"]]}
+    assert datamodule.boxes("val") == {4: (Box("square", 0.25, 0.25, 0.75, 0.75),)}  # images without boxes left out
+
+
+def test_a_vocabulary_file_is_used_as_it_is(source: ListSource, tmp_path: Path) -> None:
+    saved = Vocabulary(["a", "purple", "circle"])
+    saved.save(tmp_path / "vocab.json")
+    datamodule = _datamodule(source, vocab_file=str(tmp_path / "vocab.json"))
+    datamodule.setup("fit")
+    assert datamodule.vocab == saved
+
+
+def test_a_training_split_without_images_is_refused(source: ListSource) -> None:
+    source.splits["train"] = []
+    with pytest.raises(DataError, match="the training split has no images"):
+        _datamodule(source).setup("fit")
+
+
+def test_the_vocabulary_travels_in_checkpoints_and_must_match(source: ListSource) -> None:
+    datamodule = _datamodule(source)
+    assert datamodule.state_dict() == {}  # nothing before setup
+    datamodule.setup("fit")
+    state = datamodule.state_dict()
+    assert Vocabulary.from_dict(state["vocab"]) == datamodule.vocab
+    datamodule.load_state_dict(state)
+    other = Vocabulary(["a", "red", "square", "green"])  # the same words in another order: other ids
+    with pytest.raises(DataError, match="the checkpoint's vocabulary differs from the one built from this dataset"):
+        datamodule.load_state_dict({"vocab": other.to_dict()})
+
+
+def test_loaders_hold_each_image_once_with_all_its_captions(source: ListSource) -> None:
+    datamodule = _datamodule(source, eval_batch_size=4)
+    datamodule.setup("fit")
+    batches = list(datamodule.train_dataloader())
+    assert [b["images"].shape[0] for b in batches] == [2, 1] and batches[0]["images"].shape[1:] == (3, SIZE, SIZE)
+    assert sorted(i for b in batches for i in b["image_ids"].tolist()) == [1, 2, 3]
+    assert sum(b["captions"].shape[0] for b in batches) == 4  # image 1's two captions in its batch
+    (val,) = list(datamodule.val_dataloader())  # in order, in one batch of 4
+    assert val["image_ids"].tolist() == [4] and val["captions"].shape[0] == 2
+    assert val["skipped"] == [Skipped(str(Path(source.splits["val"][1].image_path)), "file not found")]
+    (test,) = list(datamodule.test_dataloader())
+    assert test["image_ids"].tolist() == [6]
+    per_caption = _datamodule(source, per_caption=True)
+    per_caption.setup("fit")
+    train = list(per_caption.train_dataloader())
+    assert sum(b["images"].shape[0] for b in train) == 4 and all(b["captions"].shape[0] == b["images"].shape[0]
+                                                                 for b in train)
+    assert list(per_caption.val_dataloader())[0]["captions"].shape[0] == 2  # validation stays per image
+
+
+def test_moving_a_batch_to_the_device_keeps_the_skipped_images(source: ListSource) -> None:
+    datamodule = _datamodule(source, eval_batch_size=2)
+    datamodule.setup("fit")
+    (batch,) = list(datamodule.val_dataloader())
+    skipped = batch["skipped"]
+    moved = datamodule.transfer_batch_to_device(batch, torch.device("cpu"), 0)
+    assert moved["skipped"] is skipped and torch.equal(moved["captions"], batch["captions"])
+
+
+def _attach(datamodule: CaptionDataModule, module: CaptionerModule) -> None:
+    """What Lightning's trainer gives the data module: the module, this process's rank, a barrier."""
+    datamodule.trainer = SimpleNamespace(lightning_module=module, local_rank=0,
+                                         strategy=SimpleNamespace(barrier=lambda name: None))
+
+
+def test_the_feature_cache_is_built_once_and_the_loaders_yield_features(source: ListSource, tmp_path: Path) -> None:
+    datamodule = _datamodule(source, feature_cache=str(tmp_path / "cache"), feature_dtype="float32")
+    datamodule.setup("fit")
+    torch.manual_seed(0)
+    module = CaptionerModule(datamodule.vocab, encoder={"name": "resnet18", "stage": "layer2", "trainable_stages": 1})
+    _attach(datamodule, module)
+    batches = list(datamodule.train_dataloader())
+    assert "images" not in batches[0] and batches[0]["features"].shape == (2, 64, 64)  # layer1: 8x8 map, 64 channels
+    (folder,) = (tmp_path / "cache").iterdir()
+    assert folder.name.startswith("train-")
+    module.eval()
+    image = datamodule.image_dataset("train")[2]["image"]
+    features = {b: f for batch in batches for b, f in zip(batch["image_ids"].tolist(), batch["features"])}
+    assert torch.allclose(features[3], module.model.encode(image[None])[0][0], atol=1e-5)
+    modified = folder.stat().st_mtime_ns
+    list(datamodule.train_dataloader())  # the next epoch reads the same cache
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [folder.name] and folder.stat().st_mtime_ns == modified
+    (val,) = list(datamodule.val_dataloader())
+    assert val["skipped"][0].reason == "file not found"  # an unreadable image is recorded in the cache
+
+
+def test_a_feature_cache_of_an_encoder_trained_whole_is_refused(source: ListSource, tmp_path: Path) -> None:
+    datamodule = _datamodule(source, feature_cache=str(tmp_path / "cache"))
+    datamodule.setup("fit")
+    _attach(datamodule, CaptionerModule(datamodule.vocab, encoder={"name": "resnet18", "trainable_stages": -1}))
+    with pytest.raises(DataError, match="model.encoder.trainable_stages=-1 trains all of them: freeze some"):
+        datamodule.train_dataloader()
+    assert not (tmp_path / "cache").exists()
