@@ -30,8 +30,13 @@ from typing import NoReturn
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import (CompactHydraException, ConfigCompositionException, InstantiationException,
-                          MissingConfigException, OverrideParseException)
+from hydra.errors import (
+    CompactHydraException,
+    ConfigCompositionException,
+    InstantiationException,
+    MissingConfigException,
+    OverrideParseException,
+)
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -90,8 +95,12 @@ def train(cfg: DictConfig) -> float | None:
     # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
     # Lightning's CombinedLoader builds torch's deprecated LeafSpec for every loader: its change to make.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                            category=FutureWarning, module=r"lightning\.pytorch\.utilities\._pytree")
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
     output_dir = Path(cfg.paths.output_dir)
     print_config_tree(plain, output_dir)
     validate_config(plain)
@@ -116,18 +125,20 @@ def train(cfg: DictConfig) -> float | None:
     if cfg.train:
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-        ckpt_path = best or (ckpt_path if trainer.checkpoint_callback is None else
-                             trainer.checkpoint_callback.last_model_path) or None
-    metrics = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True,
-                               verbose=False)[0]
+        ckpt_path = (
+            best
+            or (ckpt_path if trainer.checkpoint_callback is None else trainer.checkpoint_callback.last_model_path)
+            or None
+        )
+    metrics = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)[0]
     if cfg.test:
-        metrics.update(trainer.test(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True,
-                                    verbose=False)[0])
+        metrics.update(
+            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)[0]
+        )
     if not trainer.is_global_zero:
         return metrics.get("val/bleu4")
 
-    write_results(output_dir / "val_captions.json",
-                  {i: " ".join(w) for i, w in module.predictions["val"].items()})
+    write_results(output_dir / "val_captions.json", {i: " ".join(w) for i, w in module.predictions["val"].items()})
     write_metrics(output_dir / "metrics.json", {k: float(v) for k, v in metrics.items()})
     bundle = output_dir / BUNDLE_NAME
     module.export_bundle(str(bundle))
@@ -142,11 +153,16 @@ def summary(metrics: dict, ckpt_path: str | None, bundle: Path, output_dir: Path
     if "val/cider" in metrics:
         lines.append(f"  CIDEr-D {metrics['val/cider']:.4f} (coco-caption's CIDEr on these tokens)")
     if "val/attention_correctness" in metrics:
-        lines.append(f"  attention correctness (attention mass inside the named object's box): "
-                     f"{metrics['val/attention_correctness']:.3f}")
+        lines.append(
+            f"  attention correctness (attention mass inside the named object's box): "
+            f"{metrics['val/attention_correctness']:.3f}"
+        )
     if "test/bleu4" in metrics:
-        lines.append("test BLEU: " + "  ".join(f"BLEU-{n} {metrics[f'test/bleu{n}']:.4f}" for n in range(1, 5))
-                     + f"  CIDEr-D {metrics.get('test/cider', float('nan')):.4f}")
+        lines.append(
+            "test BLEU: "
+            + "  ".join(f"BLEU-{n} {metrics[f'test/bleu{n}']:.4f}" for n in range(1, 5))
+            + f"  CIDEr-D {metrics.get('test/cider', float('nan')):.4f}"
+        )
     lines.append(f"checkpoint:       {ckpt_path}")
     lines.append(f"inference bundle: {bundle}")
     lines.append(f"run folder:       {output_dir}")
@@ -160,8 +176,9 @@ def build_trainer(plain: dict) -> object:
 
     callbacks = [build(f"callbacks.{name}", node) for name, node in (plain.get("callbacks") or {}).items() if node]
     loggers = [build(f"logger.{name}", node) for name, node in (plain.get("logger") or {}).items() if node]
-    return build("trainer", plain["trainer"], callbacks=callbacks, logger=loggers or False,
-                 plugins=[AtomicCheckpointIO()])
+    return build(
+        "trainer", plain["trainer"], callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]
+    )
 
 
 def build(section: str, node: dict, **given: object) -> object:

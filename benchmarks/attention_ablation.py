@@ -73,8 +73,9 @@ def named_shapes(words: list[str]) -> list[Shape]:
     return [(a, b) for a, b in zip(words, words[1:]) if a in COLOURS and b in SHAPES]
 
 
-def score(captions: dict[int, list[str]], references: dict[int, list[list[str]]],
-          shapes: dict[int, set[Shape]]) -> dict[int, dict[str, float]]:
+def score(
+    captions: dict[int, list[str]], references: dict[int, list[list[str]]], shapes: dict[int, set[Shape]]
+) -> dict[int, dict[str, float]]:
     """Per scene size: images, BLEU-4, precision and recall of the named shapes."""
     table = {}
     for size in sorted({len(s) for s in shapes.values()}):
@@ -85,10 +86,12 @@ def score(captions: dict[int, list[str]], references: dict[int, list[list[str]]]
         right = sum(shape in shapes[i] for i in ids for shape in named[i])
         said = sum(len(named[i]) for i in ids)
         found = sum(len(shapes[i] & set(named[i])) for i in ids)
-        table[size] = {"images": len(ids),
-                       "bleu4": corpus_bleu_scores(references, {i: captions[i] for i in ids})["bleu4"],
-                       "precision": right / said if said else 0.0,
-                       "recall": found / sum(len(shapes[i]) for i in ids)}
+        table[size] = {
+            "images": len(ids),
+            "bleu4": corpus_bleu_scores(references, {i: captions[i] for i in ids})["bleu4"],
+            "precision": right / said if said else 0.0,
+            "recall": found / sum(len(shapes[i]) for i in ids),
+        }
     return table
 
 
@@ -106,12 +109,16 @@ def main(argv: list[str] | None = None) -> None:
 
     print("| run | shapes | images | BLEU-4 | named shapes present (precision) | shapes named (recall) |")
     print("|---|---|---|---|---|---|")
-    runs = [(run.name, {row["image_id"]: tokenize(row["caption"]) for row in read_json(run / "val_captions.json")})
-            for run in args.runs]
+    runs = [
+        (run.name, {row["image_id"]: tokenize(row["caption"]) for row in read_json(run / "val_captions.json")})
+        for run in args.runs
+    ]
     for name, captions in [*runs, ("perfect content", perfect_captions(coco))]:
         for size, row in score(captions, references, shapes).items():
-            print(f"| {name} | {size} | {row['images']} | {row['bleu4']:.3f} | {row['precision']:.3f} "
-                  f"| {row['recall']:.3f} |")
+            print(
+                f"| {name} | {size} | {row['images']} | {row['bleu4']:.3f} | {row['precision']:.3f} "
+                f"| {row['recall']:.3f} |"
+            )
         print(f"| {name} | all | {len(captions)} | {corpus_bleu_scores(references, captions)['bleu4']:.3f} | | |")
 
 

@@ -19,10 +19,32 @@ import torch
 import common
 
 METHODS = (("greedy", "greedy", 1), ("beam 3", "beam", 3), ("beam 5", "beam", 5))
-THROUGHPUT_COLUMNS = ["size", "batch", "pipeline", "encoder ms", "decode ms", "ms/batch", "max/min", "images/s",
-                      "vs encoder alone", "words", "CNN images", "others %"]
-BEAM_COLUMNS = ["size", "beam", "batch", "ms/call", "max/min", "ms/image", "words", "torch calls/call",
-                "host reads/call", "others %"]
+THROUGHPUT_COLUMNS = [
+    "size",
+    "batch",
+    "pipeline",
+    "encoder ms",
+    "decode ms",
+    "ms/batch",
+    "max/min",
+    "images/s",
+    "vs encoder alone",
+    "words",
+    "CNN images",
+    "others %",
+]
+BEAM_COLUMNS = [
+    "size",
+    "beam",
+    "batch",
+    "ms/call",
+    "max/min",
+    "ms/image",
+    "words",
+    "torch calls/call",
+    "host reads/call",
+    "others %",
+]
 BEAM_BATCHES = (1, 8, 32, 128)
 
 
@@ -45,31 +67,77 @@ def throughput_rows(size: common.Size, args: argparse.Namespace) -> list[list[ob
     features, grid = encoded[0]
     cnn_images = counter.images / (args.warmup + args.repeats)
     encoder_s = encoder.median
-    rows = [[size.name, batch, "encoder alone", encoder_s * 1e3, 0.0, encoder_s * 1e3, encoder.spread,
-             batch / encoder_s, 1.0, "-", cnn_images, others.percent]]
+    rows = [
+        [
+            size.name,
+            batch,
+            "encoder alone",
+            encoder_s * 1e3,
+            0.0,
+            encoder_s * 1e3,
+            encoder.spread,
+            batch / encoder_s,
+            1.0,
+            "-",
+            cnn_images,
+            others.percent,
+        ]
+    ]
     words: dict[str, int] = {}
     for label, method, beam in METHODS:
+
         def decode() -> None:
             with common.autocast(args):
-                generation, _ = model.generate_from_features(features, grid, method=method, beam_size=beam,
-                                                             max_len=size.steps)
+                generation, _ = model.generate_from_features(
+                    features, grid, method=method, beam_size=beam, max_len=size.steps
+                )
             words[label] = generation.tokens.size(1)
 
         with common.OtherLoad() as others:
             decoding = common.measure(decode, args)
         total = encoder_s + decoding.median
-        rows.append([size.name, batch, f"encoder + {label}", encoder_s * 1e3, decoding.median * 1e3, total * 1e3,
-                     decoding.spread, batch / total, encoder_s / total, words[label], cnn_images, others.percent])
+        rows.append(
+            [
+                size.name,
+                batch,
+                f"encoder + {label}",
+                encoder_s * 1e3,
+                decoding.median * 1e3,
+                total * 1e3,
+                decoding.spread,
+                batch / total,
+                encoder_s / total,
+                words[label],
+                cnn_images,
+                others.percent,
+            ]
+        )
     with common.EncoderCounter(model) as counter, common.OtherLoad() as others, common.autocast(args):
-        total = common.measure(lambda: model.generate(images, method="beam", beam_size=3, max_len=size.steps),
-                               args, warmup=0, repeats=1).median
-    rows.append([size.name, batch, "Captioner.generate(beam 3), one call", "-", "-", total * 1e3, "-",
-                 batch / total, encoder_s / total, "-", counter.images, others.percent])
+        total = common.measure(
+            lambda: model.generate(images, method="beam", beam_size=3, max_len=size.steps), args, warmup=0, repeats=1
+        ).median
+    rows.append(
+        [
+            size.name,
+            batch,
+            "Captioner.generate(beam 3), one call",
+            "-",
+            "-",
+            total * 1e3,
+            "-",
+            batch / total,
+            encoder_s / total,
+            "-",
+            counter.images,
+            others.percent,
+        ]
+    )
     return rows
 
 
-def beam_rows(size: common.Size, batches: tuple[int, ...], args: argparse.Namespace, beam: int = 3
-              ) -> list[list[object]]:
+def beam_rows(
+    size: common.Size, batches: tuple[int, ...], args: argparse.Namespace, beam: int = 3
+) -> list[list[object]]:
     """Beam search from features for each batch size; the untimed warm-up call counts torch calls and host reads."""
     model = common.never_end(common.build_model(size, args).eval())
     rows = []
@@ -78,16 +146,29 @@ def beam_rows(size: common.Size, batches: tuple[int, ...], args: argparse.Namesp
 
         def search() -> torch.Tensor:
             with common.autocast(args):
-                generation, _ = model.generate_from_features(features, method="beam", beam_size=beam,
-                                                             max_len=size.steps)
+                generation, _ = model.generate_from_features(
+                    features, method="beam", beam_size=beam, max_len=size.steps
+                )
             return generation.tokens
 
         with common.OpCounter() as ops:
             words = search().size(1)
         with common.OtherLoad() as others:
             timing = common.measure(search, args, warmup=max(args.warmup - 1, 0))
-        rows.append([size.name, beam, batch, timing.median * 1e3, timing.spread, timing.median * 1e3 / batch, words,
-                     ops.calls, ops.host_reads, others.percent])
+        rows.append(
+            [
+                size.name,
+                beam,
+                batch,
+                timing.median * 1e3,
+                timing.spread,
+                timing.median * 1e3 / batch,
+                words,
+                ops.calls,
+                ops.host_reads,
+                others.percent,
+            ]
+        )
     return rows
 
 
@@ -95,14 +176,20 @@ def main(argv: list[str] | None = None) -> None:
     """Print the captioning-throughput table and the beam-search batching table."""
     args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
     sizes = common.sizes(args)
-    common.print_environment("Captioning", args, [size.describe() for size in sizes] + [
-        "max_len = the size's caption length; <end> is never emitted, so 'words' (steps decoded) = max_len",
-        "'vs encoder alone' = encoder time / (encoder + decode time); 'CNN images' = images entering the CNN "
-        "per batch (a hook on its first stage)",
-        "'host reads/call' = values read back to the host (bool(t), t.item(), ...: GPU syncs); counts that do "
-        "not grow with the batch mean no per-image Python loop",
-        "'max/min': slowest / fastest timed run of what the row times; 'others %': share of the cores other "
-        "processes kept busy meanwhile (/proc/stat), above ~10 % the row is slowed by contention"])
+    common.print_environment(
+        "Captioning",
+        args,
+        [size.describe() for size in sizes]
+        + [
+            "max_len = the size's caption length; <end> is never emitted, so 'words' (steps decoded) = max_len",
+            "'vs encoder alone' = encoder time / (encoder + decode time); 'CNN images' = images entering the CNN "
+            "per batch (a hook on its first stage)",
+            "'host reads/call' = values read back to the host (bool(t), t.item(), ...: GPU syncs); counts that do "
+            "not grow with the batch mean no per-image Python loop",
+            "'max/min': slowest / fastest timed run of what the row times; 'others %': share of the cores other "
+            "processes kept busy meanwhile (/proc/stat), above ~10 % the row is slowed by contention",
+        ],
+    )
     with common.timed_section():
         rows = [row for size in sizes for row in throughput_rows(size, args)]
         common.print_table("Captioning throughput (images to captions)", THROUGHPUT_COLUMNS, rows)

@@ -19,15 +19,15 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from captioner.data.vocab import Vocabulary
 from captioner.config import Attention, DecoderConfig, EncoderConfig, NetConfig
+from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import DecoderOutput
 from captioner.model.encoder import Encoder
@@ -59,11 +59,13 @@ class Size:
     def describe(self) -> str:
         """One line with every number of this size."""
         height, width, channels = encoder_grid(self)
-        return (f"{self.name}: {self.encoder} (frozen, random weights) {self.image_size} px -> "
-                f"{height}x{width}x{channels} grid, "
-                f"embed/hidden/attention {self.embed_dim}/{self.hidden_dim}/{self.attention_dim}, "
-                f"vocab {self.vocab_size:,}, {self.steps}-word captions, {self.captions_per_image} per image, "
-                f"training batch {self.batch} images, captioning batch {self.caption_batch}")
+        return (
+            f"{self.name}: {self.encoder} (frozen, random weights) {self.image_size} px -> "
+            f"{height}x{width}x{channels} grid, "
+            f"embed/hidden/attention {self.embed_dim}/{self.hidden_dim}/{self.attention_dim}, "
+            f"vocab {self.vocab_size:,}, {self.steps}-word captions, {self.captions_per_image} per image, "
+            f"training batch {self.batch} images, captioning batch {self.caption_batch}"
+        )
 
 
 # The COCO recipe (conf/experiment/coco_soft.yaml) and the built-in demo (conf/experiment/demo.yaml).
@@ -80,18 +82,28 @@ def make_parser(description: str) -> argparse.ArgumentParser:
     """The options every script takes: device, precision, channels-last, --tiny/--quick and iteration counts."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="fp32, or bf16 autocast as Lightning's bf16-mixed (default: fp32)")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="fp32, or bf16 autocast as Lightning's bf16-mixed (default: fp32)",
+    )
     parser.add_argument("--channels-last", action="store_true", help="run the CNN in channels-last memory format")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, one iteration: a smoke test")
-    parser.add_argument("--quick", action=argparse.BooleanOptionalAction, default=None,
-                        help=f"COCO training batches of {QUICK_COCO_BATCH} images instead of 32, fewer repeats "
-                             "(default: on for CPU, off for GPU)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op CPU threads (default: torch's, one per core)")
+    parser.add_argument(
+        "--quick",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"COCO training batches of {QUICK_COCO_BATCH} images instead of 32, fewer repeats "
+        "(default: on for CPU, off for GPU)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, one per core)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default: 1)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed runs, the median is reported (default: 2 quick, 5 otherwise)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed runs, the median is reported (default: 2 quick, 5 otherwise)"
+    )
     return parser
 
 
@@ -120,10 +132,15 @@ def sizes(args: argparse.Namespace) -> list[Size]:
 
 def build_model(size: Size, args: argparse.Namespace, mode: str = "soft") -> Captioner:
     """The captioner of ``size`` as the training config builds it (frozen encoder, feature norm) on the device."""
-    net = NetConfig(attention=Attention(mode), encoder=EncoderConfig(
-        name=size.encoder, stage=None, grid=size.grid, trainable_stages=0, channels_last=args.channels_last),
-        decoder=DecoderConfig(embed_dim=size.embed_dim, hidden_dim=size.hidden_dim, attention_dim=size.attention_dim,
-                              dropout=size.dropout))
+    net = NetConfig(
+        attention=Attention(mode),
+        encoder=EncoderConfig(
+            name=size.encoder, stage=None, grid=size.grid, trainable_stages=0, channels_last=args.channels_last
+        ),
+        decoder=DecoderConfig(
+            embed_dim=size.embed_dim, hidden_dim=size.hidden_dim, attention_dim=size.attention_dim, dropout=size.dropout
+        ),
+    )
     return build_captioner(net, size.vocab_size).to(args.device)
 
 
@@ -172,8 +189,9 @@ def autocast(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     return torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
 
-def model_train_step(size: Size, args: argparse.Namespace, mode: str, source: str
-                     ) -> tuple[Captioner, Callable[[], None], int]:
+def model_train_step(
+    size: Size, args: argparse.Namespace, mode: str, source: str
+) -> tuple[Captioner, Callable[[], None], int]:
     """The whole captioner's training step on a random batch of ``size``: the model, the step, its caption count.
 
     ``source``: "images" (each image once, its captions gathered after the encoder), "per_caption" (one
@@ -196,8 +214,9 @@ def model_train_step(size: Size, args: argparse.Namespace, mode: str, source: st
     return model, make_train_step(model, forward, captions, args), captions.size(0)
 
 
-def make_train_step(trained: nn.Module, forward: Callable[[], DecoderOutput], captions: Tensor,
-                    args: argparse.Namespace) -> Callable[[], None]:
+def make_train_step(
+    trained: nn.Module, forward: Callable[[], DecoderOutput], captions: Tensor, args: argparse.Namespace
+) -> Callable[[], None]:
     """One optimisation step as training runs it: ``forward`` and CaptionLoss (under autocast), backward,
     and Adam over the trainable parameters of ``trained`` (in train mode; frozen CNN stages stay in eval)."""
     trained.train()
@@ -237,8 +256,9 @@ class Timing:
         return max(self.runs) / min(self.runs)
 
 
-def measure(fn: Callable[[], object], args: argparse.Namespace, warmup: int | None = None,
-            repeats: int | None = None) -> Timing:
+def measure(
+    fn: Callable[[], object], args: argparse.Namespace, warmup: int | None = None, repeats: int | None = None
+) -> Timing:
     """Time ``repeats`` (default ``args.repeats``) runs of ``fn`` after ``warmup`` (default ``args.warmup``)
     untimed ones, the device synchronised around each run."""
     for _ in range(args.warmup if warmup is None else warmup):
@@ -272,9 +292,11 @@ def memory_method(device: torch.device) -> str:
     """How ``PeakMemory`` measures on ``device``."""
     if device.type == "cuda":
         return "torch.cuda.max_memory_allocated (tensors only)"
-    return ("peak RSS: /proc/self/status VmHWM, reset through /proc/self/clear_refs before each row "
-            "(the ru_maxrss high-water mark, made resettable); the whole process, ~0.7 GiB of it the "
-            "imported libraries")
+    return (
+        "peak RSS: /proc/self/status VmHWM, reset through /proc/self/clear_refs before each row "
+        "(the ru_maxrss high-water mark, made resettable); the whole process, ~0.7 GiB of it the "
+        "imported libraries"
+    )
 
 
 class PeakMemory:
@@ -341,8 +363,9 @@ class OtherLoad:
 
     def __exit__(self, *exc: object) -> None:
         if sys.platform == "linux":
-            busy, own, wall = (end - start for end, start in
-                               zip((_busy_seconds(), _own_seconds(), time.perf_counter()), self._start))
+            busy, own, wall = (
+                end - start for end, start in zip((_busy_seconds(), _own_seconds(), time.perf_counter()), self._start)
+            )
             self.percent = max(0.0, 100 * (busy - own) / (wall * (os.cpu_count() or 1)))
 
 
@@ -413,19 +436,22 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     return f"{model}, {os.cpu_count()} cores"
 
 
 def print_environment(title: str, args: argparse.Namespace, extra: Sequence[str] = ()) -> None:
     """Header: what is measured, on which machine and software, with which options, and the load."""
     print(f"## {title}\n")
-    print(f"- device: {args.device} ({device_name(args.device)}); torch {torch.__version__}, "
-          f"{torch.get_num_threads()} intra-op threads")
-    print(f"- precision {args.precision}, channels-last {args.channels_last}, quick {args.quick}, "
-          f"warm-up {args.warmup}, median of {args.repeats} timed runs")
+    print(
+        f"- device: {args.device} ({device_name(args.device)}); torch {torch.__version__}, "
+        f"{torch.get_num_threads()} intra-op threads"
+    )
+    print(
+        f"- precision {args.precision}, channels-last {args.channels_last}, quick {args.quick}, "
+        f"warm-up {args.warmup}, median of {args.repeats} timed runs"
+    )
     for line in extra:
         print(f"- {line}")
     print_load("at start")
@@ -446,5 +472,7 @@ def timed_section() -> Iterator[None]:
         yield
     print()
     print_load("at end")
-    print(f"- other processes used {_format(others.percent)} % of the cores during the run; "
-          f"script wall time {time.perf_counter() - start:.0f} s")
+    print(
+        f"- other processes used {_format(others.percent)} % of the cores during the run; "
+        f"script wall time {time.perf_counter() - start:.0f} s"
+    )

@@ -30,8 +30,17 @@ from captioner.data.features import FeatureCache, FeatureCaptionDataset
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
 
-COLUMNS = ["size", "source", "workers", "loader images/s", "per worker", "step consumes images/s", "loader / step",
-           "workers needed", "others %"]
+COLUMNS = [
+    "size",
+    "source",
+    "workers",
+    "loader images/s",
+    "per worker",
+    "step consumes images/s",
+    "loader / step",
+    "workers needed",
+    "others %",
+]
 JPEG_SIZE = (640, 480)
 WORDS = [f"word{i}" for i in range(50)]
 
@@ -55,6 +64,7 @@ def write_jpegs(folder: Path, count: int, seed: int = 0) -> list[Record]:
 def write_cache(folder: Path, dataset: CaptionDataset, locations: int, channels: int) -> FeatureCache:
     """A fp16 feature cache of random (L, C) grids for the images of ``dataset``, built as training builds
     one (``FeatureCache.build`` over a DataLoader), with random features in place of the encoder's."""
+
     def encode(images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         return torch.rand(images.size(0), locations, channels), (1, locations)
 
@@ -65,8 +75,9 @@ def write_cache(folder: Path, dataset: CaptionDataset, locations: int, channels:
 
 def loader_rate(dataset: Dataset, workers: int, batch: int, pin_memory: bool) -> float:
     """Images per second through a DataLoader as training builds it, the first batch (worker start) untimed."""
-    loader = DataLoader(dataset, batch_size=batch, shuffle=False, collate_fn=collate, num_workers=workers,
-                        pin_memory=pin_memory)
+    loader = DataLoader(
+        dataset, batch_size=batch, shuffle=False, collate_fn=collate, num_workers=workers, pin_memory=pin_memory
+    )
     iterator = iter(loader)
     next(iterator)
     images, start = 0, time.perf_counter()
@@ -81,8 +92,7 @@ def step_rate(size: common.Size, source: str, args: argparse.Namespace) -> float
     return size.batch / common.measure(step, args).median
 
 
-def size_rows(size: common.Size, folder: Path, records: list[Record], args: argparse.Namespace
-              ) -> list[list[object]]:
+def size_rows(size: common.Size, folder: Path, records: list[Record], args: argparse.Namespace) -> list[list[object]]:
     """Loader rows of both sources for ``size``, each next to the step's consumption."""
     vocab = Vocabulary(WORDS)
     height, width, channels = common.encoder_grid(size)
@@ -91,8 +101,11 @@ def size_rows(size: common.Size, folder: Path, records: list[Record], args: argp
     cache = write_cache(folder / f"cache-{size.name}", images, locations, channels)
     sources = [
         (f"JPEG 640x480 -> {size.image_size} px", "images", images),
-        (f"fp16 cache {locations}x{channels}", "features",
-         FeatureCaptionDataset(records, vocab, cache, max_len=size.steps)),
+        (
+            f"fp16 cache {locations}x{channels}",
+            "features",
+            FeatureCaptionDataset(records, vocab, cache, max_len=size.steps),
+        ),
     ]
     rows = []
     for label, source, dataset in sources:
@@ -101,18 +114,29 @@ def size_rows(size: common.Size, folder: Path, records: list[Record], args: argp
             with common.OtherLoad() as others:
                 rate = loader_rate(dataset, workers, size.batch, pin_memory=args.device.type == "cuda")
             per_worker = rate / max(workers, 1)
-            rows.append([size.name, label, workers or "0 (main process)", rate, per_worker, consumes,
-                         rate / consumes, math.ceil(consumes / per_worker), others.percent])
+            rows.append(
+                [
+                    size.name,
+                    label,
+                    workers or "0 (main process)",
+                    rate,
+                    per_worker,
+                    consumes,
+                    rate / consumes,
+                    math.ceil(consumes / per_worker),
+                    others.percent,
+                ]
+            )
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     """Print the loader-against-step table."""
     parser = common.make_parser(__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2],
-                        help="DataLoader worker counts to try (default: 0 1 2)")
-    parser.add_argument("--images", type=int, default=None,
-                        help="JPEGs to generate (default: 4 of the largest batch)")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts to try (default: 0 1 2)"
+    )
+    parser.add_argument("--images", type=int, default=None, help="JPEGs to generate (default: 4 of the largest batch)")
     args = common.parse(parser, argv)
     sizes = common.sizes(args)
     count = args.images or (4 * max(size.batch for size in sizes))
@@ -120,11 +144,17 @@ def main(argv: list[str] | None = None) -> None:
         folder = Path(tmp)
         records = write_jpegs(folder, count)
         kib = sum(Path(record.image_path).stat().st_size for record in records) / count / 1024
-        common.print_environment("Data loading", args, [size.describe() for size in sizes] + [
-            f"{count} generated JPEGs, {JPEG_SIZE[0]}x{JPEG_SIZE[1]}, mean {kib:.0f} KiB; the training "
-            "transform (resize to the model's size, to tensor, normalise); 5 captions each",
-            "the training step consumes at its measured rate (soft attention, random weights)",
-            "'others %': share of the cores other processes kept busy while the loader row ran (/proc/stat)"])
+        common.print_environment(
+            "Data loading",
+            args,
+            [size.describe() for size in sizes]
+            + [
+                f"{count} generated JPEGs, {JPEG_SIZE[0]}x{JPEG_SIZE[1]}, mean {kib:.0f} KiB; the training "
+                "transform (resize to the model's size, to tensor, normalise); 5 captions each",
+                "the training step consumes at its measured rate (soft attention, random weights)",
+                "'others %': share of the cores other processes kept busy while the loader row ran (/proc/stat)",
+            ],
+        )
         with common.timed_section():
             rows = [row for size in sizes for row in size_rows(size, folder, records, args)]
             common.print_table("Data loading against the training step", COLUMNS, rows)

@@ -44,8 +44,11 @@ def demo_batch(overrides: list[str]) -> tuple[object, dict]:
     """The CaptionerModule and the first training batch of the demo, built as ``train.py`` builds them,
     with the batch's grid features computed once under ``batch["features"]``."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["model=hard", *overrides, "data.feature_cache=null"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="config",
+            overrides=["model=hard", *overrides, "data.feature_cache=null"],
+            return_hydra_config=True,
+        )
     cfg.hydra.runtime.cwd = str(ROOT)  # paths.root_dir resolves through the runtime folder
     cfg.hydra.runtime.output_dir = str(ROOT / "outputs")
     from hydra.core.hydra_config import HydraConfig
@@ -86,9 +89,14 @@ def measure(module, batch: dict, name: str, resamples: int) -> tuple[float, floa
     """(split-half cosine, mean norm of one resample's gradient) for estimator ``name``."""
     decoder = module.model.decoder
     decoder.hard_estimator = "gumbel" if name == "gumbel" else "reinforce"
-    criterion = CaptionLoss(pad_id=module.criterion.pad_id, unk_id=module.criterion.unk_id, ds_lambda=0.0,
-                            reinforce_weight=1.0, reinforce_reward="suffix" if name == "suffix" else "word",
-                            entropy_weight=0.0).train()
+    criterion = CaptionLoss(
+        pad_id=module.criterion.pad_id,
+        unk_id=module.criterion.unk_id,
+        ds_lambda=0.0,
+        reinforce_weight=1.0,
+        reinforce_reward="suffix" if name == "suffix" else "word",
+        entropy_weight=0.0,
+    ).train()
     features = module._features(batch)
     gradients = []
     for _ in range(resamples):
@@ -120,10 +128,14 @@ def main(argv: list[str] | None = None) -> None:
     decoder.mode = "hard"
 
     images, captions = batch["image_index"].max().item() + 1, batch["captions"].shape[0]
-    print(f"one demo batch: {images} images, {captions} captions; {args.resamples} resamples per estimator; "
-          f"attention parameters' cross-entropy gradient norm under soft attention: {reference:.3g}")
-    print(f"\n| estimator | split-half cosine | gradient norm / cross-entropy's (weight 1) "
-          f"| at reinforce_weight={weight:g} |")
+    print(
+        f"one demo batch: {images} images, {captions} captions; {args.resamples} resamples per estimator; "
+        f"attention parameters' cross-entropy gradient norm under soft attention: {reference:.3g}"
+    )
+    print(
+        f"\n| estimator | split-half cosine | gradient norm / cross-entropy's (weight 1) "
+        f"| at reinforce_weight={weight:g} |"
+    )
     print("|---|---|---|---|")
     for name in ESTIMATORS:
         cosine, norm = measure(module, batch, name, args.resamples)

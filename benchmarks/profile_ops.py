@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -33,10 +33,12 @@ def repeats_a_bigram(words: list[str]) -> bool:
 
 def score(captions: dict[int, list[str]], references: dict[int, list[list[str]]]) -> dict[str, float]:
     """BLEU-4, CIDEr-D, the share of captions repeating a bigram and the mean caption length."""
-    return {"bleu4": corpus_bleu_scores(references, captions)["bleu4"],
-            "cider": corpus_cider_d(references, captions),
-            "repeats": sum(map(repeats_a_bigram, captions.values())) / len(captions),
-            "length": sum(map(len, captions.values())) / len(captions)}
+    return {
+        "bleu4": corpus_bleu_scores(references, captions)["bleu4"],
+        "cider": corpus_cider_d(references, captions),
+        "repeats": sum(map(repeats_a_bigram, captions.values())) / len(captions),
+        "length": sum(map(len, captions.values())) / len(captions),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,23 +53,31 @@ def main(argv: list[str] | None = None) -> None:
     records = shapes_records(args.data, args.split)
     references = {r.image_id: [tokenize(c) for c in r.captions] for r in records}
     image_ids = {r.image_path: r.image_id for r in records}
-    decodings = {"greedy": {"method": "greedy"}, f"beam {args.beam_size}": {"method": "beam",
-                                                                            "beam_size": args.beam_size}}
-    print(f"{len(records)} {args.split} images; BLEU-4: nltk corpus BLEU against all references; CIDEr-D: "
-          "pycocoevalcap's CIDEr on the same tokens, document frequencies from these references\n")
+    decodings = {
+        "greedy": {"method": "greedy"},
+        f"beam {args.beam_size}": {"method": "beam", "beam_size": args.beam_size},
+    }
+    print(
+        f"{len(records)} {args.split} images; BLEU-4: nltk corpus BLEU against all references; CIDEr-D: "
+        "pycocoevalcap's CIDEr on the same tokens, document frequencies from these references\n"
+    )
     print("| model | decoding | BLEU-4 | CIDEr-D | captions repeating a bigram | mean length |")
     print("|---|---|---|---|---|---|")
     human = [ref for refs in references.values() for ref in refs]
-    print(f"| references | written | | | {sum(map(repeats_a_bigram, human)) / len(human):.1%} "
-          f"| {sum(map(len, human)) / len(human):.1f} |")
+    print(
+        f"| references | written | | | {sum(map(repeats_a_bigram, human)) / len(human):.1%} "
+        f"| {sum(map(len, human)) / len(human):.1f} |"
+    )
     for run in args.runs:
         loaded = load_model(run / "bundle.pt" if run.is_dir() else run)
         label = run.parent.parent.name if run.is_dir() else run.name  # outputs/<task>/runs/<run>: the task
         for name, decode in decodings.items():
             captions = {image_ids[c.path]: c.words for c in caption_files(loaded, list(image_ids), **decode)}
             row = score(captions, references)
-            print(f"| {label} | {name} | {row['bleu4']:.3f} | {row['cider']:.3f} | {row['repeats']:.1%} "
-                  f"| {row['length']:.1f} |")
+            print(
+                f"| {label} | {name} | {row['bleu4']:.3f} | {row['cider']:.3f} | {row['repeats']:.1%} "
+                f"| {row['length']:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -15,10 +15,34 @@ import argparse
 
 import common
 
-TRAIN_COLUMNS = ["size", "attention", "input", "images x captions", "steps", "ms/step", "max/min", "images/s",
-                 "pairs/s", "CNN images/step", "peak MiB", "step MiB", "others %"]
-DECODER_COLUMNS = ["size", "attention", "images x captions", "steps", "ms/step", "max/min", "images/s", "pairs/s",
-                   "peak MiB", "step MiB", "others %"]
+TRAIN_COLUMNS = [
+    "size",
+    "attention",
+    "input",
+    "images x captions",
+    "steps",
+    "ms/step",
+    "max/min",
+    "images/s",
+    "pairs/s",
+    "CNN images/step",
+    "peak MiB",
+    "step MiB",
+    "others %",
+]
+DECODER_COLUMNS = [
+    "size",
+    "attention",
+    "images x captions",
+    "steps",
+    "ms/step",
+    "max/min",
+    "images/s",
+    "pairs/s",
+    "peak MiB",
+    "step MiB",
+    "others %",
+]
 DECODER_BATCH = 64
 SOURCES = {"images": "images", "per_caption": "images, per caption", "features": "cached features"}
 
@@ -26,13 +50,28 @@ SOURCES = {"images": "images", "per_caption": "images, per caption", "features":
 def step_row(size: common.Size, mode: str, source: str, args: argparse.Namespace) -> list[object]:
     """Time one configuration of the whole captioner's training step; ``source``: images, per_caption, features."""
     model, step, pairs = common.model_train_step(size, args, mode, source)
-    with common.PeakMemory(args.device) as memory, common.EncoderCounter(model) as counter, \
-            common.OtherLoad() as others:
+    with (
+        common.PeakMemory(args.device) as memory,
+        common.EncoderCounter(model) as counter,
+        common.OtherLoad() as others,
+    ):
         timing = common.measure(step, args)
     seconds = timing.median
-    return [size.name, mode, SOURCES[source], f"{size.batch} x {pairs}", size.steps, seconds * 1e3, timing.spread,
-            size.batch / seconds, pairs / seconds, counter.images / (args.warmup + args.repeats),
-            memory.peak_mib, memory.added_mib, others.percent]
+    return [
+        size.name,
+        mode,
+        SOURCES[source],
+        f"{size.batch} x {pairs}",
+        size.steps,
+        seconds * 1e3,
+        timing.spread,
+        size.batch / seconds,
+        pairs / seconds,
+        counter.images / (args.warmup + args.repeats),
+        memory.peak_mib,
+        memory.added_mib,
+        others.percent,
+    ]
 
 
 def decoder_row(size: common.Size, mode: str, images: int, args: argparse.Namespace) -> list[object]:
@@ -44,8 +83,19 @@ def decoder_row(size: common.Size, mode: str, images: int, args: argparse.Namesp
     with common.PeakMemory(args.device) as memory, common.OtherLoad() as others:
         timing = common.measure(step, args)
     seconds, pairs = timing.median, captions.size(0)
-    return [size.name, mode, f"{images} x {pairs}", size.steps, seconds * 1e3, timing.spread, images / seconds,
-            pairs / seconds, memory.peak_mib, memory.added_mib, others.percent]
+    return [
+        size.name,
+        mode,
+        f"{images} x {pairs}",
+        size.steps,
+        seconds * 1e3,
+        timing.spread,
+        images / seconds,
+        pairs / seconds,
+        memory.peak_mib,
+        memory.added_mib,
+        others.percent,
+    ]
 
 
 def decoder_batch(size: common.Size, args: argparse.Namespace) -> int:
@@ -59,12 +109,18 @@ def main(argv: list[str] | None = None) -> None:
     """Print the training-step table and the decoder-only table."""
     args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
     sizes = common.sizes(args)
-    common.print_environment("Training step", args, [size.describe() for size in sizes] + [
-        f"memory: {common.memory_method(args.device)}; 'step MiB' is the peak above the memory held before "
-        "the first step (model, batch), i.e. activations, gradients and Adam state",
-        "'CNN images/step' counts the images entering the encoder per step (a hook on its first stage)",
-        "'max/min': slowest / fastest timed run; 'others %': share of the cores other processes kept busy "
-        "during the row (/proc/stat), above ~10 % the row is slowed by contention"])
+    common.print_environment(
+        "Training step",
+        args,
+        [size.describe() for size in sizes]
+        + [
+            f"memory: {common.memory_method(args.device)}; 'step MiB' is the peak above the memory held before "
+            "the first step (model, batch), i.e. activations, gradients and Adam state",
+            "'CNN images/step' counts the images entering the encoder per step (a hook on its first stage)",
+            "'max/min': slowest / fastest timed run; 'others %': share of the cores other processes kept busy "
+            "during the row (/proc/stat), above ~10 % the row is slowed by contention",
+        ],
+    )
     with common.timed_section():
         rows = []
         for size in sizes:

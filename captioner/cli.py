@@ -20,16 +20,16 @@ import glob
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
 from captioner import __version__
+from captioner.config import DecodeMethod
 from captioner.data.dataset import Skipped
 from captioner.data.images import load_rgb
 from captioner.data.readers import Record
-from captioner.config import DecodeMethod
 from captioner.errors import CaptionerError, ConfigError, check_range
 from captioner.inference import Captioned, caption_files
 from captioner.model.bundle import LoadedModel, load_model
@@ -120,9 +120,15 @@ def _decode_options(args: argparse.Namespace) -> dict:
     check_range("--length-penalty", args.length_penalty, 0.0)
     check_range("--min-len", args.min_len, 0, args.max_len - 1, kind=int)
     check_range("--no-repeat-ngram-size", args.no_repeat_ngram_size, 0, kind=int)
-    return dict(method=args.method, beam_size=args.beam_size, max_len=args.max_len, temperature=args.temperature,
-                length_penalty=args.length_penalty, min_len=args.min_len,
-                no_repeat_ngram_size=args.no_repeat_ngram_size)
+    return dict(
+        method=args.method,
+        beam_size=args.beam_size,
+        max_len=args.max_len,
+        temperature=args.temperature,
+        length_penalty=args.length_penalty,
+        min_len=args.min_len,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+    )
 
 
 def _load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
@@ -165,15 +171,16 @@ def cmd_caption(args: argparse.Namespace) -> int:
             raise ConfigError("give images either as arguments or with --image-info, not both")
         return _server_results(args, echo=True)
     if not args.inputs:
-        raise ConfigError("give image files, folders or globs (- reads paths from standard input), "
-                          "or --image-info FILE --images DIR --out DIR")
+        raise ConfigError(
+            "give image files, folders or globs (- reads paths from standard input), "
+            "or --image-info FILE --images DIR --out DIR"
+        )
     if args.image_dir or args.name != DEFAULT_NAME or args.force:
         raise ConfigError("--images, --name and --force go with --image-info and --out")
     decode = _decode_options(args)
     loaded = _load(args, _device(args.device))
     paths, failed = _inputs(args)
-    for result in caption_files(loaded, paths, args.batch_size, args.workers, _progress(args, len(paths)),
-                                **decode):
+    for result in caption_files(loaded, paths, args.batch_size, args.workers, _progress(args, len(paths)), **decode):
         if isinstance(result, Skipped):
             _report(result)
             failed.append(result)
@@ -193,8 +200,10 @@ def _server_results(args: argparse.Namespace, echo: bool) -> int:
     from captioner.evaluation.results import server_results_name, write_results
 
     if not (args.image_info and args.image_dir and args.out):
-        raise ConfigError("--image-info, --images and --out go together: the COCO image list, the folder of "
-                          "its images and the folder for the results file")
+        raise ConfigError(
+            "--image-info, --images and --out go together: the COCO image list, the folder of "
+            "its images and the folder for the results file"
+        )
     decode = _decode_options(args)
     target = Path(args.out) / server_results_name(args.image_info, args.name)
     _refuse_overwrite(target, args)
@@ -215,8 +224,11 @@ def _server_results(args: argparse.Namespace, echo: bool) -> int:
         if echo:
             _print_result(result, args.json, record.image_id)
     if failed:
-        print(f"error: {len(failed)} of {len(records)} images could not be read (listed above); {target} was "
-              "not written, since the evaluation server needs a caption for every image", file=sys.stderr)
+        print(
+            f"error: {len(failed)} of {len(records)} images could not be read (listed above); {target} was "
+            "not written, since the evaluation server needs a caption for every image",
+            file=sys.stderr,
+        )
         return 1
     write_results(target, captions)
     print(f"results: {target} ({len(captions)} images)", file=sys.stderr)
@@ -243,15 +255,21 @@ def cmd_attend(args: argparse.Namespace) -> int:
     if single and len(paths) > 1:
         raise ConfigError(f"--out {out}: {len(paths)} images need a folder, not a .png file")
     entries = []
-    for result in caption_files(loaded, paths, args.batch_size, args.workers, _progress(args, len(paths)),
-                                **decode):
+    for result in caption_files(loaded, paths, args.batch_size, args.workers, _progress(args, len(paths)), **decode):
         if isinstance(result, Skipped):
             _report(result)
             failed.append(result)
             continue
         target = out if single else out / f"{len(entries):04d}_{Path(result.path).stem}.png"
-        draw_overlay(load_rgb(result.path), result.words, result.alphas, result.grid, target,
-                     locations=result.locations, title=result.caption)
+        draw_overlay(
+            load_rgb(result.path),
+            result.words,
+            result.alphas,
+            result.grid,
+            target,
+            locations=result.locations,
+            title=result.caption,
+        )
         entries.append(GalleryEntry(image=result.path, caption=result.caption, overlay=target))
         print(f"{result.path}\t{result.caption}\t{target}", flush=True)
     if not single and entries:
@@ -266,13 +284,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     datasets = [name for name in ("shapes", "karpathy", "coco_captions", "image_info") if getattr(args, name)]
     if len(datasets) != 1:
-        raise ConfigError("give exactly one dataset: --shapes ROOT, --karpathy FILE --images ROOT, "
-                          "--coco-captions FILE --images DIR, or --image-info FILE --images DIR")
+        raise ConfigError(
+            "give exactly one dataset: --shapes ROOT, --karpathy FILE --images ROOT, "
+            "--coco-captions FILE --images DIR, or --image-info FILE --images DIR"
+        )
     if args.instances and not args.coco_captions:
         raise ConfigError("--instances goes with --coco-captions")
     if args.image_info:
-        print(f"{args.image_info} lists images without captions: nothing to score; writing the results file "
-              "for the evaluation server", file=sys.stderr)
+        print(
+            f"{args.image_info} lists images without captions: nothing to score; writing the results file "
+            "for the evaluation server",
+            file=sys.stderr,
+        )
         return _server_results(args, echo=False)
     decode = _decode_options(args)
     device = _device(args.device)
@@ -281,8 +304,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         _refuse_overwrite(out / name, args)
     records = _records(args)
     loaded = _load(args, device)
-    metrics, skipped = evaluate_split(loaded, records, out, args.batch_size, args.workers, coco=not args.no_coco,
-                                      progress=_progress(args, len(records)), **decode)
+    metrics, skipped = evaluate_split(
+        loaded,
+        records,
+        out,
+        args.batch_size,
+        args.workers,
+        coco=not args.no_coco,
+        progress=_progress(args, len(records)),
+        **decode,
+    )
     for item in skipped:
         _report(item)
     print(metrics["table"])
@@ -315,8 +346,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if action.required or not action.option_strings or default is None or default is False \
-                or default == argparse.SUPPRESS:
+        if (
+            action.required
+            or not action.option_strings
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+        ):
             return text
         return f"{text} (default: %(default)s)".lstrip()
 
@@ -331,30 +367,44 @@ def build_parser() -> argparse.ArgumentParser:
         return commands.add_parser(name, help=text, description=text, formatter_class=_HelpFormatter)
 
     def common(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--model", required=True,
-                         help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint")
+        sub.add_argument(
+            "--model",
+            required=True,
+            help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint",
+        )
         sub.add_argument("--method", choices=list(DecodeMethod), default="beam", help="decoding method")
         sub.add_argument("--beam-size", type=int, default=3, help="captions kept per image by beam search")
         sub.add_argument("--max-len", type=int, default=20, help="maximum words per caption")
         sub.add_argument("--temperature", type=float, default=1.0, help="for --method sample")
         sub.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha for beam search")
         sub.add_argument("--min-len", type=int, default=0, help="no <end> before this many words (0: off)")
-        sub.add_argument("--no-repeat-ngram-size", type=int, default=0,
-                         help="no n-gram of this many words twice in a caption (0: off)")
+        sub.add_argument(
+            "--no-repeat-ngram-size",
+            type=int,
+            default=0,
+            help="no n-gram of this many words twice in a caption (0: off)",
+        )
         sub.add_argument("--batch-size", type=int, default=32, help="images encoded and decoded together")
         sub.add_argument("--workers", type=int, default=2, help="image-decoding processes; 0 decodes in this one")
         sub.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-        sub.add_argument("--no-progress", action="store_true",
-                         help=f"no progress bar on stderr (shown from {PROGRESS_MIN_IMAGES} images)")
+        sub.add_argument(
+            "--no-progress",
+            action="store_true",
+            help=f"no progress bar on stderr (shown from {PROGRESS_MIN_IMAGES} images)",
+        )
 
     def server(sub: argparse.ArgumentParser, images: str) -> None:
-        sub.add_argument("--image-info", metavar="FILE",
-                         help="COCO image list (image_info_test2014.json, or a captions file such as "
-                              "captions_val2014.json): caption its images and write the evaluation server's "
-                              "results file captions_<split>_<name>_results.json into --out")
+        sub.add_argument(
+            "--image-info",
+            metavar="FILE",
+            help="COCO image list (image_info_test2014.json, or a captions file such as "
+            "captions_val2014.json): caption its images and write the evaluation server's "
+            "results file captions_<split>_<name>_results.json into --out",
+        )
         sub.add_argument("--images", dest="image_dir", metavar="DIR", help=images)
-        sub.add_argument("--name", default=DEFAULT_NAME,
-                         help="algorithm name in the results file name (letters, digits, hyphens)")
+        sub.add_argument(
+            "--name", default=DEFAULT_NAME, help="algorithm name in the results file name (letters, digits, hyphens)"
+        )
 
     inputs_help = "image files, folders (searched recursively) and globs; - reads paths from standard input"
     caption = command("caption", "caption image files, folders and globs, or the images of a COCO image list")
@@ -375,8 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = command("evaluate", "BLEU and coco-caption metrics on a dataset split")
     common(evaluate)
-    evaluate.add_argument("--split", choices=("train", "val", "test"), default="test",
-                          help="split of --shapes and --karpathy (and the name of the --coco-captions one)")
+    evaluate.add_argument(
+        "--split",
+        choices=("train", "val", "test"),
+        default="test",
+        help="split of --shapes and --karpathy (and the name of the --coco-captions one)",
+    )
     evaluate.add_argument("--shapes", help="root of the built-in dataset")
     evaluate.add_argument("--karpathy", help="Karpathy split file (dataset_coco.json, dataset_flickr8k.json, ...)")
     evaluate.add_argument("--coco-captions", help="COCO captions file (captions_val2014.json, ...)")

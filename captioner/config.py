@@ -206,8 +206,10 @@ class NetConfig(Settings):
     def check(self) -> None:
         if self.attention == Attention.hard and self.scorer == Scorer.multihead:
             # Its expected context reads projected values, a sampled location would read a raw a_i.
-            raise ConfigError("scorer=multihead works with soft attention only: hard attention samples one "
-                              "annotation vector a_i, which multihead's projected context is not")
+            raise ConfigError(
+                "scorer=multihead works with soft attention only: hard attention samples one "
+                "annotation vector a_i, which multihead's projected context is not"
+            )
 
 
 @dataclass
@@ -293,8 +295,10 @@ class ScstConfig(Settings):
     def check(self) -> None:
         check_range("samples", self.samples, 1, kind=int)
         if self.baseline == ScstBaseline.mean and self.samples < 2:
-            raise ConfigError(f"samples={self.samples}: baseline=mean compares each sample with the image's "
-                              "other samples, so it needs samples >= 2")
+            raise ConfigError(
+                f"samples={self.samples}: baseline=mean compares each sample with the image's "
+                "other samples, so it needs samples >= 2"
+            )
 
 
 @dataclass
@@ -396,8 +400,9 @@ def from_dict(cls: type[T], values: Mapping[str, Any] | T, where: str = "") -> T
     fields = [f.name for f in dataclasses.fields(cls)]
     unknown = [key for key in values if key not in fields]
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]} is not a known key; valid keys: "
-                          f"{', '.join(f for f in fields if f != '_target_')}")
+        raise ConfigError(
+            f"{prefix}{unknown[0]} is not a known key; valid keys: {', '.join(f for f in fields if f != '_target_')}"
+        )
     kwargs = {key: _convert(hints[key], value, f"{prefix}{key}") for key, value in values.items()}
     try:
         return cls(**kwargs)
@@ -418,9 +423,12 @@ def bundle_layout(net: NetConfig) -> dict[str, Any]:
     """The network as a bundle stores it (and ``build_captioner`` takes it): the attention mode and the
     scorer inside the decoder's section, as ``mode`` and ``attention``."""
     plain = to_dict(net)
-    return {"encoder": plain["encoder"], "feature_norm": plain["feature_norm"],
-            "self_attention": plain["self_attention"],
-            "decoder": {**plain["decoder"], "mode": plain["attention"], "attention": plain["scorer"]}}
+    return {
+        "encoder": plain["encoder"],
+        "feature_norm": plain["feature_norm"],
+        "self_attention": plain["self_attention"],
+        "decoder": {**plain["decoder"], "mode": plain["attention"], "attention": plain["scorer"]},
+    }
 
 
 @dataclass

@@ -47,8 +47,9 @@ def check_choice(name: str, value: object, choices: "tuple | list") -> None:
         raise ConfigError(f"{name}={value!r} is not valid; choose one of: {valid}")
 
 
-def check_range(name: str, value: object, low: float | None = None, high: float | None = None,
-                kind: type | tuple = (int, float)) -> None:
+def check_range(
+    name: str, value: object, low: float | None = None, high: float | None = None, kind: type | tuple = (int, float)
+) -> None:
     """Raise ConfigError unless ``value`` has type ``kind`` and lies in [low, high]."""
     if isinstance(value, bool) or not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)

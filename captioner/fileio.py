@@ -14,8 +14,9 @@ import pickle
 import re
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any
 
 import torch
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence, Union
 
 import torch
 from PIL import Image
@@ -19,8 +19,8 @@ from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.errors import check_range
 from captioner.model.bundle import LoadedModel
 
-ImageLike = Union[str, os.PathLike, Image.Image, torch.Tensor]  # a file, a PIL image or a tensor (3, H, W)
-Images = Union[ImageLike, Sequence[ImageLike], torch.Tensor]  # one image, a list, or a batch tensor (B, 3, H, W)
+ImageLike = str | os.PathLike | Image.Image | torch.Tensor  # a file, a PIL image or a tensor (3, H, W)
+Images = ImageLike | Sequence[ImageLike] | torch.Tensor  # one image, a list, or a batch tensor (B, 3, H, W)
 
 
 class ImageFiles(Dataset):
@@ -69,8 +69,9 @@ def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, **decode) -> list[
     """Caption preprocessed images (B, 3, S, S) in one encoder and decoder call; ``path`` left None."""
     model, vocab = loaded.model, loaded.vocab
     device = next(model.parameters()).device
-    generation, grid = model.generate(pixels.to(device), start_id=vocab.start_id, end_id=vocab.end_id,
-                                      unk_id=vocab.unk_id, **decode)
+    generation, grid = model.generate(
+        pixels.to(device), start_id=vocab.start_id, end_id=vocab.end_id, unk_id=vocab.unk_id, **decode
+    )
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
     # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
     argmax = model.decoder.mode == "hard" and model.decoder.hard_inference == "argmax"
@@ -78,13 +79,17 @@ def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, **decode) -> list[
     for row in range(tokens.size(0)):
         words = vocab.decode(tokens[row].tolist())
         maps = alphas[row, : len(words)].float()  # (T, L)
-        results.append(Captioned(None, words, float(scores[row]), maps, grid,
-                                 locations=maps.argmax(dim=1).tolist() if argmax else None))
+        results.append(
+            Captioned(
+                None, words, float(scores[row]), maps, grid, locations=maps.argmax(dim=1).tolist() if argmax else None
+            )
+        )
     return results
 
 
-def caption_files(loaded: LoadedModel, paths: Sequence[str], batch_size: int = 32, workers: int = 0,
-                  progress: bool = False, **decode) -> Iterator[Captioned | Skipped]:
+def caption_files(
+    loaded: LoadedModel, paths: Sequence[str], batch_size: int = 32, workers: int = 0, progress: bool = False, **decode
+) -> Iterator[Captioned | Skipped]:
     """Caption ``paths`` a batch at a time, yielding one result per path in input order.
 
     Images are decoded in ``workers`` processes and resized to the model's ``image_size``; each batch
@@ -93,8 +98,12 @@ def caption_files(loaded: LoadedModel, paths: Sequence[str], batch_size: int = 3
     max_len, temperature, length_penalty, min_len, no_repeat_ngram_size). ``progress`` shows a bar on stderr.
     """
     batches = math.ceil(len(paths) / batch_size)
-    loader = DataLoader(ImageFiles(paths, loaded.image_size), batch_size=batch_size,
-                        num_workers=min(workers, batches), collate_fn=_keep_list)
+    loader = DataLoader(
+        ImageFiles(paths, loaded.image_size),
+        batch_size=batch_size,
+        num_workers=min(workers, batches),
+        collate_fn=_keep_list,
+    )
     with tqdm(total=len(paths), unit="img", file=sys.stderr, desc="captioning", disable=not progress) as bar:
         for number, items in enumerate(loader):
             first = number * batch_size  # index in ``paths`` of the batch's first item
@@ -117,8 +126,7 @@ def _one_image(images: Images) -> bool:
     return not isinstance(images, (list, tuple))
 
 
-def caption_images(loaded: LoadedModel, images: Images, batch_size: int = 32,
-                   **decode) -> Captioned | list[Captioned]:
+def caption_images(loaded: LoadedModel, images: Images, batch_size: int = 32, **decode) -> Captioned | list[Captioned]:
     """Caption image files, PIL images or image tensors, ``batch_size`` at a time, on the model's device.
 
     ``images`` is one image or a list of them (mixed kinds allowed), or a batch tensor (B, 3, H, W). A
@@ -135,7 +143,7 @@ def caption_images(loaded: LoadedModel, images: Images, batch_size: int = 32,
     transform = build_transform(loaded.image_size, train=False)
     results: list[Captioned] = []
     for start in range(0, len(items), batch_size):
-        chunk = items[start:start + batch_size]
+        chunk = items[start : start + batch_size]
         pictures = [load_rgb(item) if isinstance(item, (str, os.PathLike)) else to_rgb(item) for item in chunk]
         pixels = torch.stack([transform(picture) for picture in pictures])  # (B, 3, S, S)
         for item, result in zip(chunk, _caption_batch(loaded, pixels, **decode)):

@@ -9,10 +9,11 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -20,14 +21,13 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import train  # noqa: F401  registers the config schemas (captioner.config) with Hydra
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary
 from captioner.fileio import save_torch
 from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import ShowAttendTellDecoder
-
-import train  # noqa: F401  registers the config schemas (captioner.config) with Hydra
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -36,8 +36,10 @@ CONF = ROOT / "conf"
 TINY = ShapesSpec(n_train=240, n_val=24, n_test=24)
 
 # A small model: resnet18 with random weights (at 96 px a 3x3 attention grid), a 16-wide decoder without dropout.
-SMALL_NET = {"encoder": {"name": "resnet18"},
-             "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
+SMALL_NET = {
+    "encoder": {"name": "resnet18"},
+    "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0},
+}
 SMALL_IMAGE_SIZE = 96
 
 # The captioner of the model and bundle tests: resnet18 (random weights; at 96 px a 3x3 map) pooled to a 2x2 grid,
@@ -50,9 +52,12 @@ CAPTIONER_NET = {
 
 # A tiny hard-attention model of every part (a trained stage, feature norm, self-attention, dot scorer): the
 # model of the runs write_run leaves.
-RUN_NET = {"encoder": {"name": "resnet18", "weights": None, "trainable_stages": 0, "stage": "layer2", "grid": 2},
-           "feature_norm": True, "self_attention": {},
-           "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8, "mode": "hard", "attention": "dot"}}
+RUN_NET = {
+    "encoder": {"name": "resnet18", "weights": None, "trainable_stages": 0, "stage": "layer2", "grid": 2},
+    "feature_norm": True,
+    "self_attention": {},
+    "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8, "mode": "hard", "attention": "dot"},
+}
 
 # The small decoder of the decoding and SCST tests: V words, D feature channels, L grid locations.
 V, D, L = 12, 6, 4
@@ -76,8 +81,11 @@ def copy_dataset(tiny_shapes: Path, dest: Path, images: bool = True) -> Path:
 
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` (relative path) with the sha256 of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 # ------------------------------------------------------------------------------------ composed configs
@@ -125,8 +133,15 @@ def subprocess_env() -> dict[str, str]:
 
 def run_train(args: list[str], timeout: float = 600, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """``python train.py ARGS`` in a subprocess (the way users run it)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=timeout, **kwargs)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -168,8 +183,9 @@ def small_model(small_vocab: Vocabulary) -> Captioner:
     return captioner
 
 
-def never_ending_captioner(words: Sequence[str], mode: str = "soft",
-                           favoured: Sequence[str] = ()) -> tuple[Captioner, Vocabulary, dict]:
+def never_ending_captioner(
+    words: Sequence[str], mode: str = "soft", favoured: Sequence[str] = ()
+) -> tuple[Captioner, Vocabulary, dict]:
     """An untrained ``SMALL_NET`` captioner (seeded, in eval mode), its vocabulary and config: its captions
     never end (always max_len words) and the ``favoured`` words are far likelier than the others."""
     torch.manual_seed(0)
@@ -205,10 +221,16 @@ def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
     model = build_captioner(RUN_NET, len(vocab))
     hyper = {} if objective is None else {"objective": objective}
     (folder / "checkpoints").mkdir(parents=True)
-    save_torch({"pytorch-lightning_version": "2.6.0", "epoch": 3, "hyper_parameters": hyper,
-                "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-                CHECKPOINT_KEY: bundle_metadata(RUN_NET, vocab, {"image_size": 64})},
-               folder / "checkpoints" / "last.ckpt")
+    save_torch(
+        {
+            "pytorch-lightning_version": "2.6.0",
+            "epoch": 3,
+            "hyper_parameters": hyper,
+            "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
+            CHECKPOINT_KEY: bundle_metadata(RUN_NET, vocab, {"image_size": 64}),
+        },
+        folder / "checkpoints" / "last.ckpt",
+    )
     if bundle:
         save_bundle(folder / "bundle.pt", model, vocab, RUN_NET, {"image_size": 64})
     return folder

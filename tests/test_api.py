@@ -66,8 +66,10 @@ def test_a_path_a_pil_image_and_tensors_give_the_same_caption_and_attention(mode
     image = Image.open(photos[1])
     rgb = image.convert("RGB")
     uint8 = pil_to_tensor(rgb)  # (3, H, W) uint8, as torchvision.io.read_image gives
-    results = [model.caption(source, **GREEDY) for source in
-               (photos[1], str(photos[1]), image, uint8, uint8.float() / 255, pil_to_tensor(image.convert("L")))]
+    results = [
+        model.caption(source, **GREEDY)
+        for source in (photos[1], str(photos[1]), image, uint8, uint8.float() / 255, pil_to_tensor(image.convert("L")))
+    ]
     first = results[0]
     assert isinstance(first, Captioned) and len(first.words) == 4 and first.caption == " ".join(first.words)
     assert first.path == str(photos[1]) and first.image is None
@@ -104,14 +106,17 @@ def test_decoding_options_reach_generate(model, photos):
         model.caption(photos[0], no_such_option=1)
 
 
-@pytest.mark.parametrize("image, error, message", [
-    (123, TypeError, "not a int"),
-    (torch.rand(2, 3), ValueError, r"\(3, H, W\) or \(1, H, W\), got \(2, 3\)"),
-    (torch.rand(4, 8, 8), ValueError, r"got \(4, 8, 8\)"),
-    (torch.rand(3, 8, 8) * 2 - 1, ValueError, "values in \\[0, 1\\] \\(not normalised\\)"),
-    (torch.zeros(3, 8, 8, dtype=torch.int64), ValueError, "uint8 or floating point"),
-    ("missing.jpg", ImageError, "missing.jpg: file not found"),
-])
+@pytest.mark.parametrize(
+    "image, error, message",
+    [
+        (123, TypeError, "not a int"),
+        (torch.rand(2, 3), ValueError, r"\(3, H, W\) or \(1, H, W\), got \(2, 3\)"),
+        (torch.rand(4, 8, 8), ValueError, r"got \(4, 8, 8\)"),
+        (torch.rand(3, 8, 8) * 2 - 1, ValueError, "values in \\[0, 1\\] \\(not normalised\\)"),
+        (torch.zeros(3, 8, 8, dtype=torch.int64), ValueError, "uint8 or floating point"),
+        ("missing.jpg", ImageError, "missing.jpg: file not found"),
+    ],
+)
 def test_what_cannot_be_captioned_is_one_clear_error(model, image, error, message):
     with pytest.raises(error, match=message):
         model.caption(image, **GREEDY)
@@ -124,7 +129,7 @@ def test_show_attention_draws_one_panel_per_word(mode, photos, tmp_path):
         result = model.caption(source, **GREEDY)
         fig = captioner.show_attention(result)
         assert isinstance(fig, Figure)
-        panels = fig.axes[1:1 + len(result.words)]
+        panels = fig.axes[1 : 1 + len(result.words)]
         assert len(fig.axes) == 1 + len(result.words) + bool(result.words)  # image, words, colour bar
         assert [ax.get_title() for ax in panels] == result.words
         assert fig.get_suptitle() == result.caption

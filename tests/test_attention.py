@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from captioner.errors import ConfigError
 from captioner.config import Scorer
+from captioner.errors import ConfigError
 from captioner.model.attention import build_attention
 
 ATTENTION_TYPES = [kind.value for kind in Scorer]

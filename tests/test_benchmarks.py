@@ -9,16 +9,24 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
 from conftest import ROOT
 
 BENCHMARKS = ROOT / "benchmarks"
-SCRIPTS = ("common", "train_step", "captioning", "data_loading", "profile_ops", "attention_ablation", "scst_step",
-           "scst_demo")
+SCRIPTS = (
+    "common",
+    "train_step",
+    "captioning",
+    "data_loading",
+    "profile_ops",
+    "attention_ablation",
+    "scst_step",
+    "scst_demo",
+)
 
 
 @pytest.fixture
@@ -47,7 +55,7 @@ def table(stdout: str, title: str, rows: int) -> list[dict[str, str]]:
     assert f"### {title}\n" in stdout, stdout
     lines = stdout.split(f"### {title}\n", 1)[1].strip().splitlines()
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    body = [line for line in lines[2:2 + rows] if line.startswith("|")]
+    body = [line for line in lines[2 : 2 + rows] if line.startswith("|")]
     assert len(body) == rows and not lines[2 + rows].startswith("|"), stdout
     return [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")))) for line in body]
 
@@ -56,8 +64,12 @@ def test_train_step_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable
     stdout = run_tiny("train_step")
     rows = table(stdout, "Training step: encoder + decoder + loss + backward + Adam", 5)
     assert [(row["attention"], row["input"]) for row in rows] == [
-        ("soft", "images"), ("soft", "cached features"), ("hard", "images"), ("hard", "cached features"),
-        ("soft", "images, per caption")]
+        ("soft", "images"),
+        ("soft", "cached features"),
+        ("hard", "images"),
+        ("hard", "cached features"),
+        ("soft", "images, per caption"),
+    ]
     # 2 images with 5 captions each: the CNN sees 2 images per step, 10 in the per-caption layout, 0 from the cache
     assert [row["CNN images/step"] for row in rows] == ["2", "0", "2", "0", "10"]
     assert all(row["images x captions"] == "2 x 10" for row in rows)
@@ -68,8 +80,13 @@ def test_train_step_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable
 def test_captioning_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable[..., str]) -> None:
     stdout = run_tiny("captioning")
     rows = table(stdout, "Captioning throughput (images to captions)", 5)
-    assert [row["pipeline"] for row in rows] == ["encoder alone", "encoder + greedy", "encoder + beam 3",
-                                                 "encoder + beam 5", "Captioner.generate(beam 3), one call"]
+    assert [row["pipeline"] for row in rows] == [
+        "encoder alone",
+        "encoder + greedy",
+        "encoder + beam 3",
+        "encoder + beam 5",
+        "Captioner.generate(beam 3), one call",
+    ]
     assert all(row["CNN images"] == "2" for row in rows)  # once per image, whatever the beam size
     assert [row["words"] for row in rows[1:4]] == ["4", "4", "4"]  # <end> suppressed: always max_len words
     rows = table(stdout, "Beam search (beam 3) from features against the batch size", 2)
@@ -83,8 +100,11 @@ def test_data_loading_runs(run_tiny: Callable[..., str]) -> None:
     stdout = run_tiny("data_loading", "--workers", "0", "1")
     rows = table(stdout, "Data loading against the training step", 4)
     assert [(row["source"], row["workers"]) for row in rows] == [
-        ("JPEG 640x480 -> 64 px", "0 (main process)"), ("JPEG 640x480 -> 64 px", "1"),
-        ("fp16 cache 4x512", "0 (main process)"), ("fp16 cache 4x512", "1")]
+        ("JPEG 640x480 -> 64 px", "0 (main process)"),
+        ("JPEG 640x480 -> 64 px", "1"),
+        ("fp16 cache 4x512", "0 (main process)"),
+        ("fp16 cache 4x512", "1"),
+    ]
 
 
 def test_profile_runs(run_tiny: Callable[..., str]) -> None:
@@ -102,9 +122,9 @@ def test_gpu_options_run_on_cpu(run_tiny: Callable[..., str], script: str) -> No
     assert stdout.count("\n| tiny ") == 7  # both scripts: 5 rows in their first table, 2 in the second
 
 
-def test_attention_ablation_scores_named_shapes_by_scene_size(tiny_shapes: Path, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_attention_ablation_scores_named_shapes_by_scene_size(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from captioner.fileio import read_json, write_json
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -141,13 +161,17 @@ def test_scst_step_times_the_reward_inside_the_step(run_tiny: Callable[..., str]
     stdout = run_tiny("scst_step")
     rows = table(stdout, "SCST step: rollout + CIDEr-D reward + self-critical loss + backward + Adam", 4)
     assert [(row["attention"], row["baseline"]) for row in rows] == [
-        ("soft", "mean"), ("soft", "greedy"), ("hard", "mean"), ("hard", "greedy")]
+        ("soft", "mean"),
+        ("soft", "greedy"),
+        ("hard", "mean"),
+        ("hard", "greedy"),
+    ]
     assert all(row["images x samples"] == "2 x 5" and 0 < float(row["reward %"]) < 100 for row in rows)
 
 
-def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(tiny_shapes: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from captioner.data.vocab import Vocabulary
     from captioner.model.bundle import save_bundle
     from captioner.model.captioner import build_captioner
@@ -156,8 +180,10 @@ def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(tiny_shape
     demo = importlib.import_module("scst_demo")
     assert demo.repeats_a_bigram("a red circle and a red square".split())
     assert not demo.repeats_a_bigram("a red circle and a blue circle".split())
-    config = {"encoder": {"name": "resnet18", "weights": None, "grid": 2}, "decoder": {"embed_dim": 8,
-              "hidden_dim": 8, "attention_dim": 8}}
+    config = {
+        "encoder": {"name": "resnet18", "weights": None, "grid": 2},
+        "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8},
+    }
     vocab = Vocabulary(["a", "red", "circle"])
     save_bundle(tmp_path / "random.pt", build_captioner(config, len(vocab)), vocab, config, {"image_size": 64})
     demo.main([str(tmp_path / "random.pt"), "--data", str(tiny_shapes)])
@@ -165,6 +191,10 @@ def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(tiny_shape
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("24 val images")
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
-    assert [row[:2] for row in rows] == [["model", "decoding"], ["references", "written"], ["random.pt", "greedy"],
-                                         ["random.pt", "beam 3"]]
+    assert [row[:2] for row in rows] == [
+        ["model", "decoding"],
+        ["references", "written"],
+        ["random.pt", "greedy"],
+        ["random.pt", "beam 3"],
+    ]
     assert all(float(row[2]) >= 0 and float(row[3]) >= 0 for row in rows[2:])

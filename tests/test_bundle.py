@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable
 
 import pytest
 import torch
@@ -73,21 +73,24 @@ def _drop(raw: dict, key: str) -> None:
     del raw[key]
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda raw: raw.update(format="captioner-checkpoint"), "not a captioner bundle"),
-    (lambda raw: _drop(raw, "state_dict"), r"not a complete bundle \(missing state_dict\)"),
-    (lambda raw: raw.update(version=2), "bundle version 2 is newer than this captioner reads"),
-    (lambda raw: raw.update(vocab={"words": ["a"]}), "malformed vocabulary"),
-    (lambda raw: raw.update(vocab_fingerprint="0123456789abcdef"), "fingerprint '0123456789abcdef' does not match"),
-    (_bigger_vocab, "the vocabulary has 12 words but the decoder.embedding weights have 11 rows"),
-    (lambda raw: raw["config"]["encoder"].update(name="resnet7"), "config does not build a model.*'resnet7'"),
-    (lambda raw: raw["config"].update(trainer={}), "config does not build a model.*'trainer'"),
-    (lambda raw: raw["config"]["decoder"].update(embed_dim="16"), "config does not build a model"),
-    (lambda raw: raw["config"]["decoder"].update(hidden_dim=32), r"shape mismatch \(saved vs model\): decoder"),
-    (lambda raw: raw["config"].update(self_attention=None), r"unexpected: self_attention.blocks.0"),
-    (lambda raw: raw["state_dict"].pop("decoder.init_h.bias"), r"missing: decoder.init_h.bias"),
-    (lambda raw: raw.update(state_dict=[1, 2]), "state_dict is not a mapping of names to tensors"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda raw: raw.update(format="captioner-checkpoint"), "not a captioner bundle"),
+        (lambda raw: _drop(raw, "state_dict"), r"not a complete bundle \(missing state_dict\)"),
+        (lambda raw: raw.update(version=2), "bundle version 2 is newer than this captioner reads"),
+        (lambda raw: raw.update(vocab={"words": ["a"]}), "malformed vocabulary"),
+        (lambda raw: raw.update(vocab_fingerprint="0123456789abcdef"), "fingerprint '0123456789abcdef' does not match"),
+        (_bigger_vocab, "the vocabulary has 12 words but the decoder.embedding weights have 11 rows"),
+        (lambda raw: raw["config"]["encoder"].update(name="resnet7"), "config does not build a model.*'resnet7'"),
+        (lambda raw: raw["config"].update(trainer={}), "config does not build a model.*'trainer'"),
+        (lambda raw: raw["config"]["decoder"].update(embed_dim="16"), "config does not build a model"),
+        (lambda raw: raw["config"]["decoder"].update(hidden_dim=32), r"shape mismatch \(saved vs model\): decoder"),
+        (lambda raw: raw["config"].update(self_attention=None), r"unexpected: self_attention.blocks.0"),
+        (lambda raw: raw["state_dict"].pop("decoder.init_h.bias"), r"missing: decoder.init_h.bias"),
+        (lambda raw: raw.update(state_dict=[1, 2]), "state_dict is not a mapping of names to tensors"),
+    ],
+)
 def test_load_bundle_refuses_mismatches(bundle, tmp_path, change, message):
     path = tampered(bundle, tmp_path / "tampered.pt", change)
     with pytest.raises(BundleError, match=rf"^bundle {path}: .*{message}"):
@@ -148,26 +151,43 @@ def test_load_model_reads_a_training_checkpoint_like_its_bundle(tmp_path: Path) 
 
 def _checkpoint_without(key: str | None) -> Callable[[dict], None]:
     """A change to a checkpoint: its bundle metadata loses ``key`` (None: the whole entry)."""
+
     def change(raw: dict) -> None:
         if key is None:
             del raw[CHECKPOINT_KEY]
         else:
             del raw[CHECKPOINT_KEY][key]
+
     return change
 
 
-@pytest.mark.parametrize("file,change,message", [
-    ("checkpoints/last.ckpt", _checkpoint_without(None),
-     'has no "captioner" entry \\(model config, vocabulary, image size\\); only checkpoints written by this version'),
-    ("checkpoints/last.ckpt", _checkpoint_without("vocab"), 'its "captioner" entry is incomplete \\(missing vocab\\)'),
-    ("checkpoints/last.ckpt", _checkpoint_without("preprocess"), "has no preprocessing settings \\(the image size"),
-    ("bundle.pt", lambda raw: raw.pop("preprocess"), "has no preprocessing settings"),
-    ("bundle.pt", lambda raw: raw.update(preprocess={"image_size": 0}),
-     "malformed preprocessing settings \\(preprocess.image_size=0 must be >= 1\\)"),
-    ("bundle.pt", lambda raw: raw.update(format="other"), "neither a captioner bundle nor a training checkpoint"),
-])
-def test_load_model_refuses_a_file_it_cannot_caption_with(file: str, change: Callable[[dict], None], message: str,
-                                                          tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "file,change,message",
+    [
+        (
+            "checkpoints/last.ckpt",
+            _checkpoint_without(None),
+            'has no "captioner" entry \\(model config, vocabulary, image size\\); '
+            "only checkpoints written by this version",
+        ),
+        (
+            "checkpoints/last.ckpt",
+            _checkpoint_without("vocab"),
+            'its "captioner" entry is incomplete \\(missing vocab\\)',
+        ),
+        ("checkpoints/last.ckpt", _checkpoint_without("preprocess"), "has no preprocessing settings \\(the image size"),
+        ("bundle.pt", lambda raw: raw.pop("preprocess"), "has no preprocessing settings"),
+        (
+            "bundle.pt",
+            lambda raw: raw.update(preprocess={"image_size": 0}),
+            "malformed preprocessing settings \\(preprocess.image_size=0 must be >= 1\\)",
+        ),
+        ("bundle.pt", lambda raw: raw.update(format="other"), "neither a captioner bundle nor a training checkpoint"),
+    ],
+)
+def test_load_model_refuses_a_file_it_cannot_caption_with(
+    file: str, change: Callable[[dict], None], message: str, tmp_path: Path
+) -> None:
     run = write_run(tmp_path / "run", objective=None)
     path = tampered(run / file, tmp_path / Path(file).name, change)
     with pytest.raises(BundleError, match=message) as info:

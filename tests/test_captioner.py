@@ -30,15 +30,28 @@ def test_build_captioner_wires_the_parts(small_model, small_vocab):
     assert len(build_captioner({**CAPTIONER_NET, "self_attention": {}}, len(small_vocab)).self_attention.blocks) == 1
 
 
-@pytest.mark.parametrize("config, message", [
-    ({**CAPTIONER_NET, "optimizer": {}},
-     r"key 'optimizer'; valid keys: encoder, feature_norm, self_attention, decoder"),
-    ({**CAPTIONER_NET, "encoder": {"nmae": "resnet18"}}, r"encoder.nmae is not a known key; valid keys: name, weights, stage, grid"),
-    ({**CAPTIONER_NET, "decoder": {"vocab_size": 5}}, r"decoder.vocab_size is not a known key; valid keys: embed_dim"),
-    ({**CAPTIONER_NET, "self_attention": {"layers": 2}},
-     r"self_attention.layers is not a known key; valid keys: blocks, heads, positional"),
-    ({**CAPTIONER_NET, "decoder": [1, 2]}, r"'decoder' must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {**CAPTIONER_NET, "optimizer": {}},
+            r"key 'optimizer'; valid keys: encoder, feature_norm, self_attention, decoder",
+        ),
+        (
+            {**CAPTIONER_NET, "encoder": {"nmae": "resnet18"}},
+            r"encoder.nmae is not a known key; valid keys: name, weights, stage, grid",
+        ),
+        (
+            {**CAPTIONER_NET, "decoder": {"vocab_size": 5}},
+            r"decoder.vocab_size is not a known key; valid keys: embed_dim",
+        ),
+        (
+            {**CAPTIONER_NET, "self_attention": {"layers": 2}},
+            r"self_attention.layers is not a known key; valid keys: blocks, heads, positional",
+        ),
+        ({**CAPTIONER_NET, "decoder": [1, 2]}, r"'decoder' must be a mapping"),
+    ],
+)
 def test_build_captioner_refuses_unknown_keys(config, message):
     with pytest.raises(ConfigError, match=message):
         build_captioner(config, 11)
@@ -52,8 +65,10 @@ def test_encoder_runs_once_per_image(small_model):
     def count(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
         batches.append(args[0].shape[0])
 
-    hooks = [small_model.encoder.stages[0].register_forward_hook(count),
-             small_model.decoder.attention.key.register_forward_hook(count)]
+    hooks = [
+        small_model.encoder.stages[0].register_forward_hook(count),
+        small_model.decoder.attention.key.register_forward_hook(count),
+    ]
     try:
         output = small_model(images, captions, image_index)
     finally:
@@ -82,8 +97,10 @@ def test_forward_equals_forward_features_of_encode(small_model):
 
 
 def test_a_partly_trained_encoder_caches_its_frozen_stages_and_trains_the_rest(small_vocab):
-    config = {"encoder": {"name": "resnet18", "stage": "layer2", "grid": 2, "trainable_stages": 1},
-              "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0}}
+    config = {
+        "encoder": {"name": "resnet18", "stage": "layer2", "grid": 2, "trainable_stages": 1},
+        "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0},
+    }
     torch.manual_seed(0)
     model = build_captioner(config, len(small_vocab)).train()
     images, captions, index = random_images(2), _captions(4), torch.tensor([0, 1, 1, 0])
@@ -104,8 +121,9 @@ def test_a_partly_trained_encoder_caches_its_frozen_stages_and_trains_the_rest(s
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_generate_returns_per_word_alphas_on_the_grid(small_model, method):
     images = random_images(3)
-    generation, grid = small_model.generate(images, method=method, max_len=7, beam_size=2,
-                                      generator=torch.Generator().manual_seed(0))
+    generation, grid = small_model.generate(
+        images, method=method, max_len=7, beam_size=2, generator=torch.Generator().manual_seed(0)
+    )
     assert grid == small_model.encoder.grid_size(SMALL_IMAGE_SIZE) == (2, 2)
     steps = generation.tokens.size(1)
     assert generation.alphas.shape == (3, steps, grid[0] * grid[1]) and 1 <= steps <= 7
@@ -114,8 +132,9 @@ def test_generate_returns_per_word_alphas_on_the_grid(small_model, method):
         torch.testing.assert_close(generation.alphas[row, :length].sum(-1), torch.ones(length))
         assert torch.all(generation.alphas[row, length:] == 0)
     features, _ = small_model.encode(images)
-    again, again_grid = small_model.generate_from_features(features, grid, method=method, max_len=7, beam_size=2,
-                                                     generator=torch.Generator().manual_seed(0))
+    again, again_grid = small_model.generate_from_features(
+        features, grid, method=method, max_len=7, beam_size=2, generator=torch.Generator().manual_seed(0)
+    )
     assert again_grid == grid and torch.equal(again.tokens, generation.tokens)
 
 
@@ -124,17 +143,22 @@ def test_generate_applies_min_len_and_ngram_blocking(small_model, method):
     from captioner.model import decoding
 
     options = dict(max_len=8, min_len=3, no_repeat_ngram_size=1)
-    generation, _ = small_model.generate(random_images(3), method=method, beam_size=2,
-                                   generator=torch.Generator().manual_seed(0), **options)
+    generation, _ = small_model.generate(
+        random_images(3), method=method, beam_size=2, generator=torch.Generator().manual_seed(0), **options
+    )
     for row in range(3):
         words = generation.tokens[row, : generation.lengths[row]].tolist()
         assert len(words) > 3 and len(set(words)) == len(words)  # 3 words before <end> at least, none twice
     features = small_model.attend_grid(small_model.encode(random_images(3))[0])
-    direct = {"greedy": lambda: decoding.greedy(small_model.decoder, features, start_id=1, end_id=2, **options),
-              "sample": lambda: decoding.sample(small_model.decoder, features, start_id=1, end_id=2,
-                                                generator=torch.Generator().manual_seed(0), **options),
-              "beam": lambda: decoding.beam_search(small_model.decoder, features, start_id=1, end_id=2, beam_size=2,
-                                                   **options)}[method]()
+    direct = {
+        "greedy": lambda: decoding.greedy(small_model.decoder, features, start_id=1, end_id=2, **options),
+        "sample": lambda: decoding.sample(
+            small_model.decoder, features, start_id=1, end_id=2, generator=torch.Generator().manual_seed(0), **options
+        ),
+        "beam": lambda: decoding.beam_search(
+            small_model.decoder, features, start_id=1, end_id=2, beam_size=2, **options
+        ),
+    }[method]()
     assert torch.equal(generation.tokens, direct.tokens)
 
 
@@ -146,8 +170,11 @@ def test_generate_refuses_unknown_method(small_model):
 def test_feature_norm_standardises_each_channel_in_training_and_travels_in_the_bundle(tmp_path) -> None:
 
     torch.manual_seed(0)
-    config = {"encoder": {"name": "resnet18"}, "feature_norm": True,
-              "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8}}
+    config = {
+        "encoder": {"name": "resnet18"},
+        "feature_norm": True,
+        "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8},
+    }
     vocab = Vocabulary(["a", "b"])
     model = build_captioner(config, len(vocab)).train()
     features = torch.randn(4, 9, 512) * 7.0 + 3.0  # (B, L, C) far from unit scale

@@ -12,8 +12,9 @@ from captioner.errors import BundleError
 from captioner.training.checkpoint_io import AtomicCheckpointIO
 
 
-def test_a_checkpoint_write_killed_half_way_leaves_the_previous_checkpoint(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_write_killed_half_way_leaves_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     checkpoint = tmp_path / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, checkpoint)
     real_save = torch.save

@@ -19,7 +19,7 @@ def random_corpus(seed: int, images: int = 40, words: int = 25) -> tuple[list[li
     vocabulary = [f"w{i}" for i in range(words)]
 
     def caption(low: int, high: int) -> list[str]:
-        pool = vocabulary[:rng.choice([4, words])]  # a few captions over 4 words: repeated n-grams
+        pool = vocabulary[: rng.choice([4, words])]  # a few captions over 4 words: repeated n-grams
         return [rng.choice(pool) for _ in range(rng.randint(low, high))]
 
     references = [[caption(1, 14) for _ in range(rng.randint(1, 6))] for _ in range(images)]

@@ -15,8 +15,8 @@ import struct
 import subprocess
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from urllib.parse import unquote
 
 import numpy as np
@@ -44,8 +44,9 @@ def bundles(tmp_path_factory) -> dict[str, str]:
     """Untrained bundles (soft and hard attention) whose captions never end and only name shapes: exactly
     --max-len words, and object words for attention correctness."""
     folder = tmp_path_factory.mktemp("bundles")
-    return {mode: str(write_bundle(folder / f"{mode}.pt", WORDS, mode, favoured=SHAPE_WORDS))
-            for mode in ("soft", "hard")}
+    return {
+        mode: str(write_bundle(folder / f"{mode}.pt", WORDS, mode, favoured=SHAPE_WORDS)) for mode in ("soft", "hard")
+    }
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -84,12 +85,14 @@ def _truncated_jpeg(path: Path) -> None:
 
 def _bomb(path: Path) -> None:
     """A 60-byte PNG that claims 30000 x 30000 pixels."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b""))
-                     + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    )
 
 
 # Every mode and format Pillow reads, odd sizes; bad files interleaved (name -> maker, or (maker, reason)).
@@ -116,8 +119,7 @@ GOOD: dict[str, Callable[[Path], None]] = {
     "25_bitmap.bmp": _saver((20, 20)),
 }
 BAD: dict[str, tuple[Callable[[Path], None], str]] = {
-    "03_text.jpg": (lambda path: path.write_text("these are not the pixels you are looking for"),
-                    "not an image file"),
+    "03_text.jpg": (lambda path: path.write_text("these are not the pixels you are looking for"), "not an image file"),
     "06_empty.png": (lambda path: path.write_bytes(b""), "file is empty"),
     "09_truncated.jpg": (_truncated_jpeg, "truncated or corrupt image data"),
     "12_folder.png": (lambda path: path.mkdir(), "is a directory, not an image file"),
@@ -149,8 +151,9 @@ def _one_error_line(err: str, path: object, reason: str) -> None:
 def test_caption_a_folder_of_every_kind_of_file(bundles, inputs, tmp_path, capsys):
     folder, good, bad = inputs
     missing = str(tmp_path / "missing.jpg")
-    code = cli.main(["caption", str(folder), missing, "--model", bundles["soft"], "--max-len", MAX_LEN,
-                     "--batch-size", "4"])
+    code = cli.main(
+        ["caption", str(folder), missing, "--model", bundles["soft"], "--max-len", MAX_LEN, "--batch-size", "4"]
+    )
     out, err = capsys.readouterr()
     assert code == 1
     rows = [line.split("\t") for line in out.splitlines()]
@@ -181,8 +184,18 @@ def test_json_lines_and_decoding_options(bundles, inputs, capsys):
 
 @pytest.mark.parametrize("method", ["greedy", "beam"])
 def test_no_repeat_ngram_size_stops_square_square_square(method, bundles, inputs, capsys):
-    common = ["caption", *inputs[1][:4], "--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0",
-              "--method", method]
+    common = [
+        "caption",
+        *inputs[1][:4],
+        "--model",
+        bundles["soft"],
+        "--max-len",
+        MAX_LEN,
+        "--workers",
+        "0",
+        "--method",
+        method,
+    ]
     assert cli.main(common) == 0
     free = [line.split("\t")[1].split() for line in capsys.readouterr().out.splitlines()]
     assert any(len(set(words)) < len(words) for words in free)  # the shape words repeat
@@ -198,8 +211,16 @@ def test_globs_and_a_progress_bar_for_many_images(bundles, inputs, monkeypatch, 
     assert cli.main(args) == 1  # 06_empty.png matches the pattern too
     out, err = capsys.readouterr()
     assert [line.split("\t")[0] for line in out.splitlines()] == [
-        str(folder / name) for name in ("01_grey.png", "02_bilevel.png", "04_grey_alpha.png", "05_palette.png",
-                                        "07_palette_transparent.png", "08_rgba.png")]
+        str(folder / name)
+        for name in (
+            "01_grey.png",
+            "02_bilevel.png",
+            "04_grey_alpha.png",
+            "05_palette.png",
+            "07_palette_transparent.png",
+            "08_rgba.png",
+        )
+    ]
     assert "captioning" in err and "7/7" in err
     assert cli.main([*args, "--no-progress"]) == 1
     assert "captioning" not in capsys.readouterr().err
@@ -212,18 +233,27 @@ def test_expand_inputs(tmp_path):
     (tmp_path / "empty").mkdir()
     for name in ("a/2.jpg", "a/deep/1.PNG", "a/readme.md", "b.gif"):
         (tmp_path / name).write_bytes(b"x")
-    paths, errors = cli.expand_inputs([str(tmp_path / "a"), str(tmp_path / "*.gif"), str(tmp_path / "empty"),
-                                       str(tmp_path / "gone.jpg")])
-    assert paths == [str(tmp_path / "a/2.jpg"), str(tmp_path / "a/deep/1.PNG"), str(tmp_path / "b.gif"),
-                     str(tmp_path / "gone.jpg")]  # a named file is kept: loading it says what is wrong
+    paths, errors = cli.expand_inputs(
+        [str(tmp_path / "a"), str(tmp_path / "*.gif"), str(tmp_path / "empty"), str(tmp_path / "gone.jpg")]
+    )
+    assert paths == [
+        str(tmp_path / "a/2.jpg"),
+        str(tmp_path / "a/deep/1.PNG"),
+        str(tmp_path / "b.gif"),
+        str(tmp_path / "gone.jpg"),
+    ]  # a named file is kept: loading it says what is wrong
     assert [(e.path, e.reason) for e in errors] == [(str(tmp_path / "empty"), "folder holds no image files")]
 
 
 def test_console_script_streams_and_exit_status(bundles, inputs, tmp_path):
     good, missing = inputs[1][0], str(tmp_path / "missing.png")
     script = Path(sys.executable).parent / "captioner"
-    proc = subprocess.run([str(script), "caption", good, missing, "--model", bundles["soft"], "--max-len", "2"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(script), "caption", good, missing, "--model", bundles["soft"], "--max-len", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1, proc.stderr
     assert [line.split("\t")[0] for line in proc.stdout.splitlines()] == [good]
     assert proc.stderr.splitlines() == [f"error: {missing}: file not found"]
@@ -233,12 +263,28 @@ def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path,
     folder, good, _ = inputs
     missing = str(tmp_path / "missing.png")
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{good[1]}\n\n{missing}\r\n{good[2]}\n"))
-    code = cli.main(["caption", good[0], "-", str(folder / "24_wide.PNG"), "--model", bundles["soft"],
-                     "--max-len", "1", "--workers", "0"])
+    code = cli.main(
+        [
+            "caption",
+            good[0],
+            "-",
+            str(folder / "24_wide.PNG"),
+            "--model",
+            bundles["soft"],
+            "--max-len",
+            "1",
+            "--workers",
+            "0",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 1  # the missing file named on standard input
-    assert [line.split("\t")[0] for line in out.splitlines()] == [good[0], good[1], good[2],
-                                                                  str(folder / "24_wide.PNG")]
+    assert [line.split("\t")[0] for line in out.splitlines()] == [
+        good[0],
+        good[1],
+        good[2],
+        str(folder / "24_wide.PNG"),
+    ]
     assert err.splitlines() == [f"error: {missing}: file not found"]
     assert cli.main(["caption", "-", "-", "--model", bundles["soft"]]) == 2
     assert "given more than once" in capsys.readouterr().err
@@ -246,9 +292,14 @@ def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path,
 
 def test_paths_piped_into_the_command(bundles, inputs):
     good = inputs[1][:2]
-    proc = subprocess.run([sys.executable, "-m", "captioner.cli", "caption", "-", "--model", bundles["soft"],
-                           "--max-len", "2"], input="\n".join(good) + "\n", capture_output=True, text=True,
-                          timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "captioner.cli", "caption", "-", "--model", bundles["soft"], "--max-len", "2"],
+        input="\n".join(good) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     assert [line.split("\t")[0] for line in proc.stdout.splitlines()] == good
 
@@ -307,8 +358,10 @@ def figures(monkeypatch) -> list:
 def test_attend_draws_one_panel_per_word(mode, bundles, inputs, figures, tmp_path, capsys):
     image = str(inputs[0] / "24_wide.PNG")
     out = tmp_path / "overlay.png"
-    assert cli.main(["attend", image, "--model", bundles[mode], "--out", str(out), "--max-len", MAX_LEN,
-                     "--workers", "0"]) == 0
+    assert (
+        cli.main(["attend", image, "--model", bundles[mode], "--out", str(out), "--max-len", MAX_LEN, "--workers", "0"])
+        == 0
+    )
     path, caption, target = capsys.readouterr().out.strip().split("\t")
     assert (path, target) == (image, str(out))
     with Image.open(out) as png:
@@ -326,8 +379,23 @@ def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path
     folder, good, bad = inputs
     images = [good[0], str(folder / "03_text.jpg"), good[-1], good[-2]]
     out = tmp_path / "gallery"
-    assert cli.main(["attend", *images, "--model", bundles["soft"], "--out", str(out), "--max-len", MAX_LEN,
-                     "--batch-size", "2"]) == 1
+    assert (
+        cli.main(
+            [
+                "attend",
+                *images,
+                "--model",
+                bundles["soft"],
+                "--out",
+                str(out),
+                "--max-len",
+                MAX_LEN,
+                "--batch-size",
+                "2",
+            ]
+        )
+        == 1
+    )
     stdout, err = capsys.readouterr()
     rows = [line.split("\t") for line in stdout.splitlines()]
     assert [row[0] for row in rows] == [good[0], good[-1], good[-2]]
@@ -349,7 +417,8 @@ def test_out_is_never_overwritten_without_force(bundles, inputs, tmp_path, capsy
     capsys.readouterr()
     assert cli.main(args) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"error: --out {out}: {out} already exists; pass --force to overwrite it"]
+        f"error: --out {out}: {out} already exists; pass --force to overwrite it"
+    ]
     assert out.read_bytes() == before
     assert cli.main([*args, "--force"]) == 0
     (tmp_path / "used").mkdir()
@@ -385,21 +454,35 @@ BAD_MODELS: dict[str, tuple[Callable[[str, Path], None] | None, str]] = {
     "garbage bytes": (lambda bundle, path: path.write_bytes(os.urandom(4096)), "truncated or corrupt"),
     "text": (lambda bundle, path: path.write_text("hello"), "truncated or corrupt"),
     "truncated": (lambda bundle, path: path.write_bytes(Path(bundle).read_bytes()[:50_000]), "truncated or corrupt"),
-    "pickle that runs code": (lambda bundle, path: torch.save({"x": _RunsCode(path.with_suffix(".ran"))}, path),
-                              "refused"),
-    "a tensor": (lambda bundle, path: torch.save(torch.zeros(3), path),
-                 "neither a captioner bundle nor a training checkpoint"),
-    "newer bundle": (lambda bundle, path: tampered(bundle, path, lambda raw: raw.update(version=99)),
-                     "bundle version 99 is newer"),
+    "pickle that runs code": (
+        lambda bundle, path: torch.save({"x": _RunsCode(path.with_suffix(".ran"))}, path),
+        "refused",
+    ),
+    "a tensor": (
+        lambda bundle, path: torch.save(torch.zeros(3), path),
+        "neither a captioner bundle nor a training checkpoint",
+    ),
+    "newer bundle": (
+        lambda bundle, path: tampered(bundle, path, lambda raw: raw.update(version=99)),
+        "bundle version 99 is newer",
+    ),
     "altered vocabulary": (lambda bundle, path: tampered(bundle, path, _swap_two_words), "the vocabulary was altered"),
-    "other vocabulary": (lambda bundle, path: tampered(bundle, path, _other_vocabulary),
-                         "the vocabulary has 15 words but the decoder.embedding weights have 14 rows"),
-    "other config": (lambda bundle, path: tampered(bundle, path, lambda raw: raw["config"]["decoder"].update(
-        hidden_dim=32)), "shape mismatch"),
-    "no image size": (lambda bundle, path: tampered(bundle, path, lambda raw: raw.pop("preprocess")),
-                      "has no preprocessing settings"),
-    "foreign checkpoint": (lambda bundle, path: torch.save({"pytorch-lightning_version": "2.4.0", "state_dict": {}},
-                                                           path), 'has no "captioner" entry'),
+    "other vocabulary": (
+        lambda bundle, path: tampered(bundle, path, _other_vocabulary),
+        "the vocabulary has 15 words but the decoder.embedding weights have 14 rows",
+    ),
+    "other config": (
+        lambda bundle, path: tampered(bundle, path, lambda raw: raw["config"]["decoder"].update(hidden_dim=32)),
+        "shape mismatch",
+    ),
+    "no image size": (
+        lambda bundle, path: tampered(bundle, path, lambda raw: raw.pop("preprocess")),
+        "has no preprocessing settings",
+    ),
+    "foreign checkpoint": (
+        lambda bundle, path: torch.save({"pytorch-lightning_version": "2.4.0", "state_dict": {}}, path),
+        'has no "captioner" entry',
+    ),
 }
 
 
@@ -416,18 +499,24 @@ def test_a_bad_model_file_is_one_line_and_exit_2(kind, bundles, inputs, tmp_path
     assert not path.with_suffix(".ran").exists()  # the pickled call never ran
 
 
-@pytest.mark.parametrize("option, message", [
-    (["--beam-size", "0"], "--beam-size=0 must be >= 1"),
-    (["--max-len", "0"], "--max-len=0 must be >= 1"),
-    (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
-    (["--workers", "-1"], "--workers=-1 must be >= 0"),
-    (["--temperature", "0"], "--temperature=0.0 must be >= 1e-06"),
-    (["--min-len", "20"], "--min-len=20 must be in [0, 19]"),
-    (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size=-1 must be >= 0"),
-    pytest.param(["--device", "cuda"], "--device cuda: CUDA is not available on this machine; use --device cpu",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
-    (["--device", "gpu7"], "--device 'gpu7' is not a device; use auto, cpu, cuda or cuda:N"),
-])
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--beam-size", "0"], "--beam-size=0 must be >= 1"),
+        (["--max-len", "0"], "--max-len=0 must be >= 1"),
+        (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
+        (["--workers", "-1"], "--workers=-1 must be >= 0"),
+        (["--temperature", "0"], "--temperature=0.0 must be >= 1e-06"),
+        (["--min-len", "20"], "--min-len=20 must be in [0, 19]"),
+        (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size=-1 must be >= 0"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda: CUDA is not available on this machine; use --device cpu",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        ),
+        (["--device", "gpu7"], "--device 'gpu7' is not a device; use auto, cpu, cuda or cuda:N"),
+    ],
+)
 def test_a_bad_argument_is_one_line_and_exit_2(option, message, bundles, inputs, capsys):
     assert cli.main(["caption", inputs[1][0], "--model", bundles["soft"], *option]) == 2
     assert capsys.readouterr() == ("", f"error: {message}\n")
@@ -454,8 +543,23 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
     broken.write_bytes(broken.read_bytes()[:200])
     monkeypatch.setattr("captioner.evaluation.report.java_available", lambda: False)
     out = tmp_path / "eval"
-    args = ["evaluate", "--model", bundles["soft"], "--shapes", str(data), "--split", "test", "--out", str(out),
-            "--method", "greedy", "--max-len", MAX_LEN, "--workers", "0"]
+    args = [
+        "evaluate",
+        "--model",
+        bundles["soft"],
+        "--shapes",
+        str(data),
+        "--split",
+        "test",
+        "--out",
+        str(out),
+        "--method",
+        "greedy",
+        "--max-len",
+        MAX_LEN,
+        "--workers",
+        "0",
+    ]
     assert cli.main(args) == 1  # an unreadable test image: reported, the others evaluated
     stdout, err = capsys.readouterr()
     _one_error_line(err, broken, "truncated or corrupt")
@@ -478,8 +582,7 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
     for row in per_image:
         assert set(row) == {"image_id", "file", "caption", "references", "bleu1", "bleu2", "bleu3", "bleu4"}
         assert row["caption"] == captions[row["image_id"]] and Path(row["file"]).stem == f"{row['image_id']:06d}"
-        assert sorted(row["references"]) == sorted(a["caption"] for a in references
-                                                   if a["image_id"] == row["image_id"])
+        assert sorted(row["references"]) == sorted(a["caption"] for a in references if a["image_id"] == row["image_id"])
         expected = sentence_bleu([tokenize(r) for r in row["references"]], row["caption"].split(), weights=(1.0,))
         assert row["bleu1"] == pytest.approx(expected) and 0.0 <= row["bleu4"] <= row["bleu1"] <= 1.0
     assert max(row["bleu1"] for row in per_image) > 0.0
@@ -487,12 +590,15 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
     assert cli.main(args) == 2 and "pass --force" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("dataset, message", [
-    ([], "give exactly one dataset"),
-    (["--karpathy", "split.json"], "--images is required with --karpathy and --coco-captions"),
-    (["--shapes", "nowhere"], "nowhere holds no generated shapes dataset"),
-    (["--coco-captions", "captions.json", "--images", "nowhere"], "COCO captions file for 'test' not found"),
-])
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        ([], "give exactly one dataset"),
+        (["--karpathy", "split.json"], "--images is required with --karpathy and --coco-captions"),
+        (["--shapes", "nowhere"], "nowhere holds no generated shapes dataset"),
+        (["--coco-captions", "captions.json", "--images", "nowhere"], "COCO captions file for 'test' not found"),
+    ],
+)
 def test_evaluate_refuses_a_missing_dataset(dataset, message, bundles, tmp_path, capsys):
     assert cli.main(["evaluate", "--model", bundles["soft"], *dataset, "--out", str(tmp_path)]) == 2
     _one_error_line(capsys.readouterr().err, "", message)
@@ -507,10 +613,23 @@ def _image_info(shapes: Path, folder: Path, split: str = "test2014") -> Path:
     for path in sorted((shapes / "images" / "test").glob("*.png"), reverse=True):
         name = f"COCO_{split}_{int(path.stem):012d}.png"
         shutil.copy(path, folder / name)
-        images.append({"id": int(path.stem), "file_name": name, "width": 96, "height": 96,
-                       "license": 1, "coco_url": "", "date_captured": ""})
-    info = {"info": {"description": "test"}, "licenses": [], "images": images,
-            "categories": [{"id": 1, "name": "person", "supercategory": "person"}]}
+        images.append(
+            {
+                "id": int(path.stem),
+                "file_name": name,
+                "width": 96,
+                "height": 96,
+                "license": 1,
+                "coco_url": "",
+                "date_captured": "",
+            }
+        )
+    info = {
+        "info": {"description": "test"},
+        "licenses": [],
+        "images": images,
+        "categories": [{"id": 1, "name": "person", "supercategory": "person"}],
+    }
     target = folder.parent / f"image_info_{split}.json"
     target.write_text(json.dumps(info))
     return target
@@ -519,8 +638,23 @@ def _image_info(shapes: Path, folder: Path, split: str = "test2014") -> Path:
 def test_caption_an_image_info_file_for_the_evaluation_server(bundles, shapes, tmp_path, capsys):
     info = _image_info(shapes, tmp_path / "test2014")
     out = tmp_path / "server"
-    args = ["caption", "--image-info", str(info), "--images", str(tmp_path / "test2014"), "--out", str(out),
-            "--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0", "--name", "sat-soft"]
+    args = [
+        "caption",
+        "--image-info",
+        str(info),
+        "--images",
+        str(tmp_path / "test2014"),
+        "--out",
+        str(out),
+        "--model",
+        bundles["soft"],
+        "--max-len",
+        MAX_LEN,
+        "--workers",
+        "0",
+        "--name",
+        "sat-soft",
+    ]
     assert cli.main(args) == 0
     stdout, err = capsys.readouterr()
     target = out / "captions_test2014_sat-soft_results.json"
@@ -548,8 +682,7 @@ def test_caption_an_image_info_file_for_the_evaluation_server(bundles, shapes, t
     assert sorted(line["image_id"] for line in lines) == sorted(ids)
 
 
-def test_an_unreadable_image_of_an_image_info_file_is_named_and_nothing_written(bundles, shapes, tmp_path,
-                                                                               capsys):
+def test_an_unreadable_image_of_an_image_info_file_is_named_and_nothing_written(bundles, shapes, tmp_path, capsys):
     info = _image_info(shapes, tmp_path / "val2014", split="val2014")
     broken = sorted((tmp_path / "val2014").glob("*.png"))[2]
     broken.write_bytes(broken.read_bytes()[:100])
@@ -557,8 +690,23 @@ def test_an_unreadable_image_of_an_image_info_file_is_named_and_nothing_written(
     missing.unlink()
     out = tmp_path / "server"
     for command in ("caption", "evaluate"):
-        code = cli.main([command, "--image-info", str(info), "--images", str(tmp_path / "val2014"), "--out",
-                         str(out), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"])
+        code = cli.main(
+            [
+                command,
+                "--image-info",
+                str(info),
+                "--images",
+                str(tmp_path / "val2014"),
+                "--out",
+                str(out),
+                "--model",
+                bundles["soft"],
+                "--max-len",
+                "1",
+                "--workers",
+                "0",
+            ]
+        )
         stdout, err = capsys.readouterr()
         assert code == 1 and "Traceback" not in err
         lines = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -571,8 +719,18 @@ def test_an_unreadable_image_of_an_image_info_file_is_named_and_nothing_written(
 
 def test_evaluate_writes_the_server_file_for_an_image_info_file(bundles, shapes, tmp_path, capsys):
     info = _image_info(shapes, tmp_path / "test2014")
-    common = ["--images", str(tmp_path / "test2014"), "--model", bundles["soft"], "--max-len", MAX_LEN,
-              "--workers", "0", "--method", "greedy"]
+    common = [
+        "--images",
+        str(tmp_path / "test2014"),
+        "--model",
+        bundles["soft"],
+        "--max-len",
+        MAX_LEN,
+        "--workers",
+        "0",
+        "--method",
+        "greedy",
+    ]
     assert cli.main(["evaluate", "--image-info", str(info), "--out", str(tmp_path / "a"), *common]) == 0
     stdout, err = capsys.readouterr()
     assert stdout == "" and "nothing to score" in err
@@ -585,17 +743,29 @@ def test_evaluate_writes_the_server_file_for_an_image_info_file(bundles, shapes,
     _one_error_line(capsys.readouterr().err, info, "has no 'annotations': it lists images without captions")
 
 
-@pytest.mark.parametrize("change, message", [
-    (["--name", "my_model"], "--name 'my_model': use letters, digits and hyphens only"),
-    (["--rename", "test_images.json"], "cannot tell the COCO split from this file name"),
-    (["--drop", "--out"], "--image-info, --images and --out go together"),
-    (["--extra", "photo.jpg"], "give images either as arguments or with --image-info, not both"),
-    (["--duplicate"], "image 1 repeats image id"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["--name", "my_model"], "--name 'my_model': use letters, digits and hyphens only"),
+        (["--rename", "test_images.json"], "cannot tell the COCO split from this file name"),
+        (["--drop", "--out"], "--image-info, --images and --out go together"),
+        (["--extra", "photo.jpg"], "give images either as arguments or with --image-info, not both"),
+        (["--duplicate"], "image 1 repeats image id"),
+    ],
+)
 def test_a_bad_image_info_request_is_one_line_and_exit_2(change, message, bundles, shapes, tmp_path, capsys):
     info = _image_info(shapes, tmp_path / "test2014")
-    args = ["caption", "--image-info", str(info), "--images", str(tmp_path / "test2014"), "--out",
-            str(tmp_path / "out"), "--model", bundles["soft"]]
+    args = [
+        "caption",
+        "--image-info",
+        str(info),
+        "--images",
+        str(tmp_path / "test2014"),
+        "--out",
+        str(tmp_path / "out"),
+        "--model",
+        bundles["soft"],
+    ]
     if change[0] == "--name":
         args += change
     elif change[0] == "--rename":
@@ -617,8 +787,26 @@ def test_a_bad_image_info_request_is_one_line_and_exit_2(change, message, bundle
 @pytest.mark.skipif(not java_available(), reason="the coco-caption suite needs java")
 def test_evaluate_runs_the_coco_caption_suite(bundles, shapes, tmp_path, capsys):
     out = tmp_path / "eval"
-    assert cli.main(["evaluate", "--model", bundles["soft"], "--shapes", str(shapes), "--out", str(out),
-                     "--method", "greedy", "--max-len", MAX_LEN, "--workers", "0"]) == 0
+    assert (
+        cli.main(
+            [
+                "evaluate",
+                "--model",
+                bundles["soft"],
+                "--shapes",
+                str(shapes),
+                "--out",
+                str(out),
+                "--method",
+                "greedy",
+                "--max-len",
+                MAX_LEN,
+                "--workers",
+                "0",
+            ]
+        )
+        == 0
+    )
     metrics = json.loads((out / "metrics.json").read_text())
     suite = metrics["coco_caption"]  # COCOEvalCap's names, beside nltk's "bleu" section
     assert list(suite) == ["Bleu_1", "Bleu_2", "Bleu_3", "Bleu_4", "METEOR", "ROUGE_L", "CIDEr"]
@@ -632,12 +820,26 @@ def test_evaluate_runs_the_coco_caption_suite(bundles, shapes, tmp_path, capsys)
 
 @pytest.mark.slow
 def test_evaluate_a_training_checkpoint_like_its_bundle(shapes, tmp_path, capsys):
-    overrides = [f"data.source.root={shapes}", "data.source.n_train=20", "data.source.n_val=6",
-                 "data.source.n_test=6", "data.image_size=64", "data.feature_cache=null", "data.num_workers=0",
-                 "data.batch_size=10", "data.eval_batch_size=6", "model.decoder.embed_dim=16",
-                 "model.decoder.hidden_dim=16", "model.decoder.attention_dim=16", "trainer.max_epochs=1",
-                 "test=false", f"paths.log_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}", "logger=csv",
-                 "trainer.enable_progress_bar=false"]
+    overrides = [
+        f"data.source.root={shapes}",
+        "data.source.n_train=20",
+        "data.source.n_val=6",
+        "data.source.n_test=6",
+        "data.image_size=64",
+        "data.feature_cache=null",
+        "data.num_workers=0",
+        "data.batch_size=10",
+        "data.eval_batch_size=6",
+        "model.decoder.embed_dim=16",
+        "model.decoder.hidden_dim=16",
+        "model.decoder.attention_dim=16",
+        "trainer.max_epochs=1",
+        "test=false",
+        f"paths.log_dir={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "logger=csv",
+        "trainer.enable_progress_bar=false",
+    ]
     proc = run_train(overrides)
     bundle = Path(re.search(r"^inference bundle: +(.+)$", proc.stdout, re.MULTILINE).group(1))
     checkpoint = bundle.parent / "checkpoints" / "last.ckpt"
@@ -645,8 +847,25 @@ def test_evaluate_a_training_checkpoint_like_its_bundle(shapes, tmp_path, capsys
     assert from_checkpoint.image_size == from_bundle.image_size == 64  # data.image_size travels with the model
     assert from_checkpoint.vocab == from_bundle.vocab and from_checkpoint.config == from_bundle.config
     for name, model in (("checkpoint", checkpoint), ("bundle", bundle)):
-        assert cli.main(["evaluate", "--model", str(model), "--shapes", str(shapes), "--out", str(tmp_path / name),
-                         "--no-coco", "--method", "greedy", "--workers", "0"]) == 0
+        assert (
+            cli.main(
+                [
+                    "evaluate",
+                    "--model",
+                    str(model),
+                    "--shapes",
+                    str(shapes),
+                    "--out",
+                    str(tmp_path / name),
+                    "--no-coco",
+                    "--method",
+                    "greedy",
+                    "--workers",
+                    "0",
+                ]
+            )
+            == 0
+        )
     capsys.readouterr()
     results = [(tmp_path / name / "results.json").read_text() for name in ("checkpoint", "bundle")]
     assert results[0] == results[1] and len(json.loads(results[0])) == 6

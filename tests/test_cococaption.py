@@ -20,8 +20,11 @@ REFERENCES = {
     3: ["two blue squares", "a pair of blue squares side by side"],
 }
 # Same words as the first reference, but case, punctuation and spacing that PTB tokenisation removes.
-HYPOTHESES = {1: "A red circle is left of a blue square.", 2: "A green  triangle, above a yellow circle!",
-              3: "Two blue squares"}
+HYPOTHESES = {
+    1: "A red circle is left of a blue square.",
+    2: "A green  triangle, above a yellow circle!",
+    3: "Two blue squares",
+}
 
 
 class _NoSpice:
@@ -37,8 +40,9 @@ class _NoSpice:
 def _cocoevalcap(references: dict, hypotheses: dict, folder) -> COCOEvalCap:
     """pycocoevalcap's own COCOEvalCap run on the same captions, its prints silenced."""
     images = [{"id": i, "file_name": f"{i}.png"} for i in references]
-    annotations = [{"id": 10 * i + k, "image_id": i, "caption": c}
-                   for i, caps in references.items() for k, c in enumerate(caps)]
+    annotations = [
+        {"id": 10 * i + k, "image_id": i, "caption": c} for i, caps in references.items() for k, c in enumerate(caps)
+    ]
     (folder / "refs.json").write_text(json.dumps({"images": images, "annotations": annotations}))
     (folder / "res.json").write_text(json.dumps([{"image_id": i, "caption": c} for i, c in hypotheses.items()]))
     with contextlib.redirect_stdout(io.StringIO()):
@@ -66,8 +70,9 @@ def test_real_suite_gives_the_scores_and_names_of_cocoevalcap(monkeypatch, tmp_p
     reference = _cocoevalcap(REFERENCES, hypotheses, tmp_path)
     assert scores == pytest.approx({k: v for k, v in reference.eval.items() if k != "SPICE"}, abs=1e-9)
     for image_id, expected in reference.imgToEval.items():
-        assert per_image[image_id] == pytest.approx({k: v for k, v in expected.items()
-                                                     if k not in ("SPICE", "image_id")}, abs=1e-9)
+        assert per_image[image_id] == pytest.approx(
+            {k: v for k, v in expected.items() if k not in ("SPICE", "image_id")}, abs=1e-9
+        )
 
 
 def test_missing_java_is_a_clear_error(monkeypatch, tmp_path):

@@ -12,14 +12,23 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
+from test_train import compose_cfg
 
 import train
-from captioner.config import (Attention, DataConfig, DecoderConfig, ModelConfig, NetConfig, TrainConfig,
-                              bundle_layout, from_dict, to_dict)
+from captioner.config import (
+    Attention,
+    DataConfig,
+    DecoderConfig,
+    ModelConfig,
+    NetConfig,
+    TrainConfig,
+    bundle_layout,
+    from_dict,
+    to_dict,
+)
 from captioner.errors import ConfigError
 from captioner.model.captioner import net_from_bundle
 from conftest import ROOT
-from test_train import compose_cfg
 
 CONF = ROOT / "conf"
 GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig}
@@ -57,14 +66,27 @@ def _yaml_sections(path: Path) -> dict[str, dict]:
 
 @pytest.mark.parametrize("path", sorted(CONF.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONF)))
 def test_every_yaml_key_is_a_schema_field(path: Path) -> None:
-    unknown = [key for name, values in _yaml_sections(path).items()
-               for key in _unknown_keys(values, GROUP_SCHEMAS[name], name)]
+    unknown = [
+        key for name, values in _yaml_sections(path).items() for key in _unknown_keys(values, GROUP_SCHEMAS[name], name)
+    ]
     assert not unknown, f"{path}: keys without a schema field: {unknown}"
 
 
-@pytest.mark.parametrize("overrides", [[], ["model=hard"], ["experiment=coco_soft"], ["experiment=coco_hard"],
-                                       ["experiment=coco_finetune"], ["experiment=demo_scst"],
-                                       ["experiment=coco_scst"], ["data=coco"], ["data=flickr8k"], ["debug=overfit"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model=hard"],
+        ["experiment=coco_soft"],
+        ["experiment=coco_hard"],
+        ["experiment=coco_finetune"],
+        ["experiment=demo_scst"],
+        ["experiment=coco_scst"],
+        ["data=coco"],
+        ["data=flickr8k"],
+        ["debug=overfit"],
+    ],
+)
 def test_every_schema_field_has_a_value_after_composition(overrides: list[str], tmp_path: Path) -> None:
     cfg = compose_cfg(overrides, tmp_path)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -87,25 +109,31 @@ def test_a_misspelt_key_in_a_config_file_fails_at_composition_with_the_key(tmp_p
     shutil.copytree(CONF, conf)
     hard = conf / "model" / "hard.yaml"
     hard.write_text(hard.read_text() + "decoder:\n  hiden_dim: 64\n")
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        with pytest.raises(ConfigCompositionException) as info:
-            compose(config_name="config", overrides=["model=hard"])
+    with (
+        initialize_config_dir(config_dir=str(conf), version_base="1.3"),
+        pytest.raises(ConfigCompositionException) as info,
+    ):
+        compose(config_name="config", overrides=["model=hard"])
     assert train.one_line(info.value).startswith(
-        "model.decoder.hiden_dim is not a known key; valid keys: embed_dim, hidden_dim")
+        "model.decoder.hiden_dim is not a known key; valid keys: embed_dim, hidden_dim"
+    )
 
 
-@pytest.mark.parametrize("values,message", [
-    ({"decoder": {"dropout": 1.5}}, "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
-    ({"decoder": {"gate": "half"}}, "model.decoder.gate='half' is not valid; choose one of: scalar, vector, none"),
-    ({"decoder": {"embed_dim": "big"}}, "model.decoder.embed_dim='big' must be a int"),
-    ({"decoder": {"hiden_dim": 3}}, "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
-    ({"compile": "yes"}, "model.compile='yes' must be true or false"),
-    ({"scst": {"samples": 1}}, "model.scst.samples=1: baseline=mean compares each sample"),
-    ({"decoding": {"min_len": 20}}, "model.decoding.min_len=20 must be < max_len=20"),
-    ({"attention": "hard", "scorer": "multihead"}, "model.scorer=multihead works with soft attention only"),
-    ({"optimizer": {"lr": 0}}, "model.optimizer.lr=0.0 must be >= 1e-12"),
-    ({"nonfinite_check_interval": 0}, "model.nonfinite_check_interval=0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"decoder": {"dropout": 1.5}}, "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
+        ({"decoder": {"gate": "half"}}, "model.decoder.gate='half' is not valid; choose one of: scalar, vector, none"),
+        ({"decoder": {"embed_dim": "big"}}, "model.decoder.embed_dim='big' must be a int"),
+        ({"decoder": {"hiden_dim": 3}}, "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
+        ({"compile": "yes"}, "model.compile='yes' must be true or false"),
+        ({"scst": {"samples": 1}}, "model.scst.samples=1: baseline=mean compares each sample"),
+        ({"decoding": {"min_len": 20}}, "model.decoding.min_len=20 must be < max_len=20"),
+        ({"attention": "hard", "scorer": "multihead"}, "model.scorer=multihead works with soft attention only"),
+        ({"optimizer": {"lr": 0}}, "model.optimizer.lr=0.0 must be >= 1e-12"),
+        ({"nonfinite_check_interval": 0}, "model.nonfinite_check_interval=0 must be >= 1"),
+    ],
+)
 def test_from_dict_names_the_key_of_a_bad_value(values: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         from_dict(ModelConfig, values, "model")
@@ -131,8 +159,11 @@ def test_a_bundle_layout_round_trips_and_old_bundles_read() -> None:
     assert net_from_bundle(bundle_layout(net)) == net
     partial = {"encoder": {"name": "resnet18"}, "self_attention": {"heads": 2}, "decoder": {"mode": "hard"}}
     read = net_from_bundle(partial)  # what is left out means the modules' constructor defaults
-    assert (read.attention, read.scorer, read.self_attention.blocks, read.feature_norm) == ("hard", "additive", 1,
-                                                                                             False)
+    assert (read.attention, read.scorer, read.self_attention.blocks, read.feature_norm) == (
+        "hard",
+        "additive",
+        1,
+        False,
+    )
     assert (read.encoder.stage, read.encoder.trainable_stages, read.decoder.hidden_dim) == (None, 0, 512)
     assert net_from_bundle({"decoder": {}, "self_attention": None}).self_attention.blocks == 0
-

@@ -101,8 +101,9 @@ def test_plurals_match_and_other_words_are_ignored():
     assert matching_label("red", ["circle"]) is None
     boxes = [CENTRE, Box("circle", 0.0, 2 * THIRD, THIRD, 1.0), TOP_LEFT]  # circles at cells 4 and 6
     words = ["two", "circles", "right", "of", "a", "square", "<end>"]
-    alphas = torch.stack([one_hot(1), one_hot(4, 6), one_hot(2), one_hot(2), one_hot(2), one_hot(0, 8),
-                          one_hot(3)])  # (T=7, L=9)
+    alphas = torch.stack(
+        [one_hot(1), one_hot(4, 6), one_hot(2), one_hot(2), one_hot(2), one_hot(0, 8), one_hot(3)]
+    )  # (T=7, L=9)
     assert attention_in_boxes(words, alphas.numpy(), (3, 3), boxes) == [pytest.approx(1.0), pytest.approx(0.5)]
 
 
@@ -117,7 +118,9 @@ def test_more_steps_than_words_and_shape_errors():
 
 def test_uniform_baseline_is_the_covered_share_of_the_image():
     assert uniform_in_boxes(["a", "circle", "and", "square"], (3, 3), [CENTRE, TOP_LEFT]) == [
-        pytest.approx(1 / 9), pytest.approx(1 / 9)]
+        pytest.approx(1 / 9),
+        pytest.approx(1 / 9),
+    ]
     half = Box("circle", 0.0, 0.0, 0.5, 1.0)
     assert uniform_in_boxes(["circle"], (2, 7), [half]) == [pytest.approx(0.5)]
     uniform = np.full((1, 14), 1 / 14)
@@ -128,12 +131,16 @@ def test_accumulator_averages_over_object_words():
     metric = AttentionCorrectness()
     assert all(math.isnan(metric.compute()[key]) for key in ("mean_mass", "uniform_mass"))
     metric.update(1, ["a", "circle"], torch.stack([one_hot(0), one_hot(4)]), (3, 3), [CENTRE])  # mass 1
-    metric.update(2, ["a", "square", "and", "circle"], torch.stack([one_hot(0), one_hot(8), one_hot(0), one_hot(4)]),
-                  (3, 3), [CENTRE, TOP_LEFT])  # masses 0 and 1
+    metric.update(
+        2,
+        ["a", "square", "and", "circle"],
+        torch.stack([one_hot(0), one_hot(8), one_hot(0), one_hot(4)]),
+        (3, 3),
+        [CENTRE, TOP_LEFT],
+    )  # masses 0 and 1
     metric.update(3, ["nothing", "here"], torch.stack([one_hot(0), one_hot(0)]), (3, 3), [CENTRE])
     result = metric.compute()
-    assert result == {"mean_mass": pytest.approx(2 / 3), "uniform_mass": pytest.approx(1 / 9),
-                      "words": 3, "images": 3}
+    assert result == {"mean_mass": pytest.approx(2 / 3), "uniform_mass": pytest.approx(1 / 9), "words": 3, "images": 3}
 
 
 def test_state_and_merge_carry_the_accumulator_across_processes():
@@ -143,8 +150,12 @@ def test_state_and_merge_carry_the_accumulator_across_processes():
     parts[1].update(3, ["red"], one_hot(0).unsqueeze(0), (3, 3), [CENTRE])
     merged = AttentionCorrectness.merge(part.state() for part in parts)
     assert (merged.words, parts[0].words, parts[1].words) == (2, 1, 1)
-    assert merged.compute() == {"mean_mass": pytest.approx(0.5), "uniform_mass": pytest.approx(1 / 9),
-                                "words": 2, "images": 3}
+    assert merged.compute() == {
+        "mean_mass": pytest.approx(0.5),
+        "uniform_mass": pytest.approx(1 / 9),
+        "words": 2,
+        "images": 3,
+    }
 
 
 def test_an_image_padded_in_twice_by_a_distributed_sampler_counts_once():
@@ -153,5 +164,9 @@ def test_an_image_padded_in_twice_by_a_distributed_sampler_counts_once():
     ranks[1].update(2, ["circle"], one_hot(0).unsqueeze(0), (3, 3), [CENTRE])  # mass 0
     ranks[1].update(1, ["circle"], one_hot(4).unsqueeze(0), (3, 3), [CENTRE])  # image 1 again, as padding
     merged = AttentionCorrectness.merge(rank.state() for rank in ranks)
-    assert merged.compute() == {"mean_mass": pytest.approx(0.5), "uniform_mass": pytest.approx(1 / 9),
-                                "words": 2, "images": 2}
+    assert merged.compute() == {
+        "mean_mass": pytest.approx(0.5),
+        "uniform_mass": pytest.approx(1 / 9),
+        "words": 2,
+        "images": 2,
+    }

@@ -38,7 +38,7 @@ class ListSource:
         return self.splits[split]
 
 
-@pytest.fixture()
+@pytest.fixture
 def source(tmp_path: Path) -> ListSource:
     """Three training images (one with two captions), two validation images (one of them missing), one test image."""
     paths = {}
@@ -46,11 +46,15 @@ def source(tmp_path: Path) -> ListSource:
         paths[name] = tmp_path / f"{name}.png"
         Image.new("RGB", (40, 30), colour).save(paths[name])
     box = Box("square", 0.25, 0.25, 0.75, 0.75)
-    train = [Record(str(paths["red"]), 1, ("a red square", "a red box"), "train", (box,)),
-             Record(str(paths["green"]), 2, ("a green square",), "train"),
-             Record(str(paths["blue"]), 3, ("a blue square",), "train")]
-    val = [Record(str(paths["blue"]), 4, ("a blue square", "a purple square"), "val", (box,)),
-           Record(str(tmp_path / "gone.png"), 5, ("a red square",), "val")]
+    train = [
+        Record(str(paths["red"]), 1, ("a red square", "a red box"), "train", (box,)),
+        Record(str(paths["green"]), 2, ("a green square",), "train"),
+        Record(str(paths["blue"]), 3, ("a blue square",), "train"),
+    ]
+    val = [
+        Record(str(paths["blue"]), 4, ("a blue square", "a purple square"), "val", (box,)),
+        Record(str(tmp_path / "gone.png"), 5, ("a red square",), "val"),
+    ]
     return ListSource({"train": train, "val": val, "test": [Record(str(paths["red"]), 6, ("a red square",), "test")]})
 
 
@@ -65,8 +69,10 @@ def test_setup_reads_each_split_once_and_builds_the_vocabulary_from_training_cap
     datamodule.setup("validate")  # a second stage reuses what the first read
     assert source.prepared == 1
     assert datamodule.vocab.itos[4:] == ["a", "square", "red"]  # words seen twice in training; "purple" only in val
-    assert datamodule.references("val") == {4: [["a", "blue", "square"], ["a", "purple", "square"]],
-                                            5: [["a", "red", "square"]]}
+    assert datamodule.references("val") == {
+        4: [["a", "blue", "square"], ["a", "purple", "square"]],
+        5: [["a", "red", "square"]],
+    }
     assert datamodule.boxes("val") == {4: (Box("square", 0.25, 0.25, 0.75, 0.75),)}  # images without boxes left out
 
 
@@ -111,8 +117,9 @@ def test_loaders_hold_each_image_once_with_all_its_captions(source: ListSource) 
     per_caption = _datamodule(source, per_caption=True)
     per_caption.setup("fit")
     train = list(per_caption.train_dataloader())
-    assert sum(b["images"].shape[0] for b in train) == 4 and all(b["captions"].shape[0] == b["images"].shape[0]
-                                                                 for b in train)
+    assert sum(b["images"].shape[0] for b in train) == 4 and all(
+        b["captions"].shape[0] == b["images"].shape[0] for b in train
+    )
     assert list(per_caption.val_dataloader())[0]["captions"].shape[0] == 2  # validation stays per image
 
 
@@ -127,8 +134,9 @@ def test_moving_a_batch_to_the_device_keeps_the_skipped_images(source: ListSourc
 
 def _attach(datamodule: CaptionDataModule, module: CaptionerModule) -> None:
     """What Lightning's trainer gives the data module: the module, this process's rank, a barrier."""
-    datamodule.trainer = SimpleNamespace(lightning_module=module, local_rank=0,
-                                         strategy=SimpleNamespace(barrier=lambda name: None))
+    datamodule.trainer = SimpleNamespace(
+        lightning_module=module, local_rank=0, strategy=SimpleNamespace(barrier=lambda name: None)
+    )
 
 
 def test_the_feature_cache_is_built_once_and_the_loaders_yield_features(source: ListSource, tmp_path: Path) -> None:

@@ -12,8 +12,15 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
-from captioner.data.dataset import (IMAGENET_MEAN, IMAGENET_STD, CaptionDataset, SkipCounter, Skipped,
-                                    build_transform, collate)
+from captioner.data.dataset import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    CaptionDataset,
+    SkipCounter,
+    Skipped,
+    build_transform,
+    collate,
+)
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
 
@@ -26,7 +33,7 @@ def normalised(colour) -> torch.Tensor:
     return (torch.tensor(colour) / 255 - torch.tensor(IMAGENET_MEAN)) / torch.tensor(IMAGENET_STD)
 
 
-@pytest.fixture()
+@pytest.fixture
 def files(tmp_path) -> dict[str, Path]:
     """Four good images (plain colours, odd sizes) and four unreadable ones."""
     paths = {}
@@ -45,16 +52,23 @@ def files(tmp_path) -> dict[str, Path]:
     return paths
 
 
-@pytest.fixture()
+@pytest.fixture
 def vocab() -> Vocabulary:
     return Vocabulary(["a", "red", "green", "blue", "white", "square", "big"])
 
 
 def make_records(files) -> list[Record]:
     """good0 (2 captions), missing, good1 (1), empty, good2 (3), folder, truncated, good3 (1)."""
-    spec = [("good0", ("a red square", "red")), ("missing", ("a square",)), ("good1", ("a green square",)),
-            ("empty", ("a square",)), ("good2", ("blue", "a big blue square", "a blue thing")),
-            ("folder", ("a square",)), ("truncated", ("a square",)), ("good3", ("a white square",))]
+    spec = [
+        ("good0", ("a red square", "red")),
+        ("missing", ("a square",)),
+        ("good1", ("a green square",)),
+        ("empty", ("a square",)),
+        ("good2", ("blue", "a big blue square", "a blue thing")),
+        ("folder", ("a square",)),
+        ("truncated", ("a square",)),
+        ("good3", ("a white square",)),
+    ]
     return [Record(str(files[name]), 100 + i, captions, "train") for i, (name, captions) in enumerate(spec)]
 
 
@@ -68,7 +82,8 @@ def test_eval_transform_values_and_shape():
     red_image = normalised((255, 0, 0))[:, None, None].expand(3, SIZE, SIZE)
     assert torch.allclose(out, red_image, atol=1e-5)
     assert build_transform(SIZE, train=True, augment=False)(Image.new("RGB", (9, 9), (0, 0, 255))).equal(
-        transform(Image.new("RGB", (9, 9), (0, 0, 255))))
+        transform(Image.new("RGB", (9, 9), (0, 0, 255)))
+    )
 
 
 def test_augmentation_never_flips():
@@ -100,9 +115,15 @@ def test_item_holds_the_image_once_with_all_captions(files, vocab):
     assert all(c.dtype == torch.long for c in item["captions"])
 
 
-@pytest.mark.parametrize("name, reason", [
-    ("missing", "file not found"), ("empty", "file is empty"),
-    ("folder", "is a directory"), ("truncated", "truncated or corrupt")])
+@pytest.mark.parametrize(
+    "name, reason",
+    [
+        ("missing", "file not found"),
+        ("empty", "file is empty"),
+        ("folder", "is a directory"),
+        ("truncated", "truncated or corrupt"),
+    ],
+)
 def test_unreadable_images_are_skipped_not_raised(files, vocab, name, reason):
     records = make_records(files)
     dataset = CaptionDataset(records, vocab, build_transform(SIZE, train=False))
@@ -117,8 +138,15 @@ def test_per_caption_items(files, vocab):
     assert len(dataset) == sum(len(r.captions) for r in records) == 11
     items = [dataset[i] for i in range(len(dataset))]
     good = [item for item in items if not isinstance(item, Skipped)]
-    assert [(item["image_id"], item["index"]) for item in good] == [(100, 0), (100, 0), (102, 2), (104, 4),
-                                                                   (104, 4), (104, 4), (107, 7)]
+    assert [(item["image_id"], item["index"]) for item in good] == [
+        (100, 0),
+        (100, 0),
+        (102, 2),
+        (104, 4),
+        (104, 4),
+        (104, 4),
+        (107, 7),
+    ]
     assert all(len(item["captions"]) == 1 for item in good)
     decoded = [vocab.decode(item["captions"][0]) for item in good[3:6]]
     assert decoded == [["blue"], ["a", "big", "blue", "square"], ["a", "blue", "<unk>"]]
@@ -130,11 +158,15 @@ def test_collate_shapes_and_values(files, vocab):
     batch = collate([dataset[i] for i in (0, 1, 4, 5)])
     a, red, blue, big, square = (vocab.stoi[w] for w in ("a", "red", "blue", "big", "square"))
     u = vocab.unk_id
-    expected = torch.tensor([[1, a, red, square, 2, 0],
-                             [1, red, 2, 0, 0, 0],
-                             [1, blue, 2, 0, 0, 0],
-                             [1, a, big, blue, square, 2],
-                             [1, a, blue, u, 2, 0]])
+    expected = torch.tensor(
+        [
+            [1, a, red, square, 2, 0],
+            [1, red, 2, 0, 0, 0],
+            [1, blue, 2, 0, 0, 0],
+            [1, a, big, blue, square, 2],
+            [1, a, blue, u, 2, 0],
+        ]
+    )
     assert batch["captions"].equal(expected)
     assert batch["lengths"].equal(torch.tensor([5, 3, 3, 6, 5]))
     assert batch["image_index"].equal(torch.tensor([0, 0, 1, 1, 1]))
@@ -152,8 +184,10 @@ def test_collate_of_only_skipped_items_is_an_empty_batch():
 
 
 def test_collate_stacks_cached_features():
-    items = [{"features": torch.full((4, 2), float(k)), "captions": [torch.tensor([1, 5, 2])],
-              "image_id": k, "index": k} for k in range(3)]
+    items = [
+        {"features": torch.full((4, 2), float(k)), "captions": [torch.tensor([1, 5, 2])], "image_id": k, "index": k}
+        for k in range(3)
+    ]
     batch = collate(items)
     assert "images" not in batch and batch["features"].shape == (3, 4, 2)
     assert batch["features"][:, 0, 0].tolist() == [0.0, 1.0, 2.0]

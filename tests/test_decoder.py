@@ -22,13 +22,15 @@ def batch():
     """3 images, 5 captions (image_index 0, 0, 1, 2, 2) of 2 to 6 words, padded with 0."""
     generator = torch.Generator().manual_seed(1)
     features = torch.randn(3, L, D, generator=generator)
-    captions = torch.tensor([
-        [1, 4, 5, 6, 2, 0, 0],
-        [1, 7, 2, 0, 0, 0, 0],
-        [1, 8, 9, 10, 4, 5, 2],
-        [1, 3, 3, 2, 0, 0, 0],
-        [1, 6, 5, 4, 9, 2, 0],
-    ])
+    captions = torch.tensor(
+        [
+            [1, 4, 5, 6, 2, 0, 0],
+            [1, 7, 2, 0, 0, 0, 0],
+            [1, 8, 9, 10, 4, 5, 2],
+            [1, 3, 3, 2, 0, 0, 0],
+            [1, 6, 5, 4, 9, 2, 0],
+        ]
+    )
     return features, captions, torch.tensor([0, 0, 1, 2, 2])
 
 
@@ -213,9 +215,19 @@ def test_dropout_acts_in_training_only(batch):
     assert torch.equal(decoder(features, captions, index).logits, decoder(features, captions, index).logits)
 
 
-@pytest.mark.parametrize("option", [dict(mode="stochastic"), dict(gate="sigmoid"), dict(hard_inference="sample"),
-                                    dict(dropout=1.5), dict(attention="luong"), dict(hard_expectation_prob=-0.1),
-                                    dict(hard_estimator="straight"), dict(gumbel_tau=0.0)])
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(mode="stochastic"),
+        dict(gate="sigmoid"),
+        dict(hard_inference="sample"),
+        dict(dropout=1.5),
+        dict(attention="luong"),
+        dict(hard_expectation_prob=-0.1),
+        dict(hard_estimator="straight"),
+        dict(gumbel_tau=0.0),
+    ],
+)
 def test_invalid_options_raise_config_error(option):
     with pytest.raises(ConfigError, match=next(iter(option))):
         make_decoder(**option)
@@ -238,8 +250,12 @@ def test_k_states_per_image_equal_the_features_repeated_per_state(batch, attenti
     keys = decoder.attention.keys(features)
     logits, (h, c), alpha, _, _ = decoder.step(tokens, state, features, keys)
     assert logits.shape == (3, 4, V) and h.shape == c.shape == (3, 4, H) and alpha.shape == (3, 4, L)
-    rows = decoder.step(tokens.view(-1), tuple(s.view(12, H) for s in state), features.repeat_interleave(4, 0),
-                        keys.repeat_interleave(4, 0))
+    rows = decoder.step(
+        tokens.view(-1),
+        tuple(s.view(12, H) for s in state),
+        features.repeat_interleave(4, 0),
+        keys.repeat_interleave(4, 0),
+    )
     assert_close(logits, rows[0].view(3, 4, V))
     assert_close((h, c), tuple(s.view(3, 4, H) for s in rows[1]))
     assert_close(alpha, rows[2].view(3, 4, L))

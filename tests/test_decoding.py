@@ -12,7 +12,7 @@ from captioner.model import decoding
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import beam_search, greedy, sample
 from captioner.model.losses import CaptionLoss
-from conftest import D, END, L, START, V, features_for, make_decoder
+from conftest import END, START, D, L, V, features_for, make_decoder
 
 METHODS = {"greedy": greedy, "sample": sample, "beam": beam_search}
 
@@ -104,7 +104,7 @@ def test_batched_beam_equals_one_image_at_a_time(length_penalty):
     decoder, features = make_decoder(seed=3), features_for(5, seed=3)
     batched = beam_search(decoder, features, 10, START, END, beam_size=3, length_penalty=length_penalty)
     for b in range(5):
-        alone = beam_search(decoder, features[b:b + 1], 10, START, END, beam_size=3, length_penalty=length_penalty)
+        alone = beam_search(decoder, features[b : b + 1], 10, START, END, beam_size=3, length_penalty=length_penalty)
         width = batched.tokens.size(1)
         assert torch.equal(pad_to(alone.tokens[0], width), batched.tokens[b])
         assert torch.equal(alone.lengths[0], batched.lengths[b])
@@ -147,7 +147,7 @@ def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_caption(leng
         scores = []
         for caption in captions:
             tokens = torch.tensor([[START, *caption]])
-            log_probs = decoder(features[b:b + 1], tokens).logits.log_softmax(-1)[0]
+            log_probs = decoder(features[b : b + 1], tokens).logits.log_softmax(-1)[0]
             score = log_probs.gather(1, tokens[0, 1:].unsqueeze(1)).sum()
             scores.append(float(score) / ((5 + len(caption)) / 6) ** length_penalty)
         best = max(range(len(captions)), key=scores.__getitem__)
@@ -231,8 +231,7 @@ def test_sampling_at_low_temperature_is_greedy_and_reproducible_with_a_generator
     assert torch.equal(cold.scores, expected.scores)
 
     def draw(seed):
-        return sample(decoder, features, 8, START, END, temperature=2.0,
-                      generator=torch.Generator().manual_seed(seed))
+        return sample(decoder, features, 8, START, END, temperature=2.0, generator=torch.Generator().manual_seed(seed))
 
     first, again, other = draw(0), draw(0), draw(1)
     assert torch.equal(first.tokens, again.tokens) and torch.equal(first.scores, again.scores)
@@ -255,12 +254,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-TRAINING_CAPTIONS = torch.tensor([
-    [1, 4, 5, 6, 2, 0, 0],
-    [1, 7, 8, 2, 0, 0, 0],
-    [1, 9, 10, 11, 5, 2, 0],
-    [1, 4, 3, 7, 9, 11, 2],
-])
+TRAINING_CAPTIONS = torch.tensor(
+    [
+        [1, 4, 5, 6, 2, 0, 0],
+        [1, 7, 8, 2, 0, 0, 0],
+        [1, 9, 10, 11, 5, 2, 0],
+        [1, 4, 3, 7, 9, 11, 2],
+    ]
+)
 
 
 @pytest.mark.parametrize("mode", ["soft", "hard"])
@@ -297,10 +298,18 @@ class RepeatedPerBeam:
     def step(self, tokens, state, features, keys):
         batch, beams = tokens.shape
         logits, state, alpha, _, _ = self.decoder.step(
-            tokens.reshape(-1), tuple(s.reshape(batch * beams, -1) for s in state),
-            features.repeat_interleave(beams, 0), keys.repeat_interleave(beams, 0))
-        return logits.view(batch, beams, -1), tuple(s.view(batch, beams, -1) for s in state), \
-            alpha.view(batch, beams, -1), None, None
+            tokens.reshape(-1),
+            tuple(s.reshape(batch * beams, -1) for s in state),
+            features.repeat_interleave(beams, 0),
+            keys.repeat_interleave(beams, 0),
+        )
+        return (
+            logits.view(batch, beams, -1),
+            tuple(s.view(batch, beams, -1) for s in state),
+            alpha.view(batch, beams, -1),
+            None,
+            None,
+        )
 
 
 @pytest.mark.parametrize("attention", ["additive", "dot", "scaled_dot", "bilinear", "multihead", "mean"])
@@ -325,7 +334,7 @@ def test_beam_search_scores_the_beams_against_one_copy_of_each_image(attention, 
 
 
 def repeats_an_ngram(words: list[int], n: int) -> bool:
-    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
     return n > 0 and len(grams) != len(set(grams))
 
 
@@ -333,8 +342,9 @@ def repeats_an_ngram(words: list[int], n: int) -> bool:
 # ids:    0    1    2   3  4  5  6
 # the likeliest caption repeats "a b" until max_len; with "a b" blocked after "a b a", beam search finds
 # "a b <end>" (0.9 * 0.95 * 0.1) and greedy, having taken "a", ends: "a b a <end>"
-REPEATER = ChainDecoder({START: {3: 0.9, 5: 0.1}, 3: {4: 0.95, END: 0.05}, 4: {3: 0.9, END: 0.1},
-                         5: {6: 0.5, END: 0.5}, 6: {END: 1.0}}, 7)
+REPEATER = ChainDecoder(
+    {START: {3: 0.9, 5: 0.1}, 3: {4: 0.95, END: 0.05}, 4: {3: 0.9, END: 0.1}, 5: {6: 0.5, END: 0.5}, 6: {END: 1.0}}, 7
+)
 
 
 @pytest.mark.parametrize("method, blocked", [("greedy", [3, 4, 3, 2]), ("beam", [3, 4, 2]), ("sample", [3, 4, 3, 2])])
@@ -347,8 +357,9 @@ def test_blocking_repeated_bigrams(method, blocked):
     assert generation.lengths.tolist() == [len(blocked)] * 2
 
 
-@pytest.mark.parametrize("ngram, min_len, length_penalty", [(2, 0, 0.0), (1, 0, 0.0), (3, 1, 0.5), (0, 2, 0.0),
-                                                            (2, 3, 1.0)])
+@pytest.mark.parametrize(
+    "ngram, min_len, length_penalty", [(2, 0, 0.0), (1, 0, 0.0), (3, 1, 0.5), (0, 2, 0.0), (2, 3, 1.0)]
+)
 @torch.no_grad()
 def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_allowed_caption(ngram, min_len, length_penalty):
     """2 words + <end>, 4 steps: at most 24 candidates per step, so 24 beams never prune and beam search
@@ -359,17 +370,29 @@ def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_allowed_capt
     decoder.classifier.bias[3] += 1.0
     decoder.classifier.bias[END] -= 1.0
     features = features_for(3, seed=12)
-    generation = beam_search(decoder, features, 4, START, END, beam_size=24, length_penalty=length_penalty,
-                             min_len=min_len, no_repeat_ngram_size=ngram)
+    generation = beam_search(
+        decoder,
+        features,
+        4,
+        START,
+        END,
+        beam_size=24,
+        length_penalty=length_penalty,
+        min_len=min_len,
+        no_repeat_ngram_size=ngram,
+    )
     captions = [list(words) + [END] for n in range(4) for words in itertools.product([3, 4], repeat=n)]
     captions += [list(words) for words in itertools.product([3, 4], repeat=4)]
-    allowed = [c for c in captions if not repeats_an_ngram([w for w in c if w != END], ngram)
-               and (c[-1] != END or len(c) > min_len)]
+    allowed = [
+        c
+        for c in captions
+        if not repeats_an_ngram([w for w in c if w != END], ngram) and (c[-1] != END or len(c) > min_len)
+    ]
     for b in range(3):
         scores = {}
         for caption in captions:
             tokens = torch.tensor([[START, *caption]])
-            log_probs = decoder(features[b:b + 1], tokens).logits.log_softmax(-1)[0]
+            log_probs = decoder(features[b : b + 1], tokens).logits.log_softmax(-1)[0]
             score = log_probs.gather(1, tokens[0, 1:].unsqueeze(1)).sum()
             scores[tuple(caption)] = float(score) / ((5 + len(caption)) / 6) ** length_penalty
         best = max(allowed, key=lambda c: scores[tuple(c)])
@@ -394,13 +417,14 @@ def test_constrained_beam_search_batched_equals_one_image_at_a_time():
     options = dict(beam_size=3, min_len=2, no_repeat_ngram_size=2)
     batched = beam_search(decoder, features, 10, START, END, **options)
     for b in range(5):
-        alone = beam_search(decoder, features[b:b + 1], 10, START, END, **options)
+        alone = beam_search(decoder, features[b : b + 1], 10, START, END, **options)
         assert torch.equal(pad_to(alone.tokens[0], batched.tokens.size(1)), batched.tokens[b])
         assert_close(alone.scores[0], batched.scores[b])
 
 
-@pytest.mark.parametrize("option, value", [("min_len", 6), ("min_len", -1), ("no_repeat_ngram_size", -1),
-                                           ("no_repeat_ngram_size", 1.5)])
+@pytest.mark.parametrize(
+    "option, value", [("min_len", 6), ("min_len", -1), ("no_repeat_ngram_size", -1), ("no_repeat_ngram_size", 1.5)]
+)
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_bad_constraints_raise_config_error(method, option, value):
     with pytest.raises(ConfigError, match=option):

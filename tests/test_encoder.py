@@ -29,12 +29,15 @@ def _with_reference(name: str, monkeypatch: pytest.MonkeyPatch, **kwargs) -> tup
     return encoder, built[0].eval()
 
 
-@pytest.mark.parametrize("name, head, channels, size, grid", [
-    ("resnet18", lambda m, x: m.fc(torch.flatten(m.avgpool(x), 1)), 512, 64, (2, 2)),
-    ("mobilenet_v3_small", lambda m, x: m.classifier(torch.flatten(m.avgpool(x), 1)), 576, 64, (2, 2)),
-    ("vgg11", lambda m, x: m.classifier(torch.flatten(m.avgpool(x), 1)), 512, 64, (2, 2)),
-    ("squeezenet1_1", lambda m, x: torch.flatten(m.classifier(x), 1), 512, 64, (3, 3)),
-])
+@pytest.mark.parametrize(
+    "name, head, channels, size, grid",
+    [
+        ("resnet18", lambda m, x: m.fc(torch.flatten(m.avgpool(x), 1)), 512, 64, (2, 2)),
+        ("mobilenet_v3_small", lambda m, x: m.classifier(torch.flatten(m.avgpool(x), 1)), 576, 64, (2, 2)),
+        ("vgg11", lambda m, x: m.classifier(torch.flatten(m.avgpool(x), 1)), 512, 64, (2, 2)),
+        ("squeezenet1_1", lambda m, x: torch.flatten(m.classifier(x), 1), 512, 64, (3, 3)),
+    ],
+)
 def test_cut_is_the_trunk_before_global_pooling(monkeypatch, name, head, channels, size, grid):
     encoder, reference = _with_reference(name, monkeypatch)
     images = random_images(size=size)
@@ -75,13 +78,19 @@ def test_stage_reads_the_grid_from_an_earlier_stage(monkeypatch):
     encoder, reference = _with_reference("resnet18", monkeypatch, stage="layer3")
     images = random_images(size=96)
     with torch.no_grad():
-        expected = reference.layer3(reference.layer2(reference.layer1(
-            reference.maxpool(reference.relu(reference.bn1(reference.conv1(images)))))))  # (B, 256, 6, 6)
+        expected = reference.layer3(
+            reference.layer2(
+                reference.layer1(reference.maxpool(reference.relu(reference.bn1(reference.conv1(images)))))
+            )
+        )  # (B, 256, 6, 6)
         torch.testing.assert_close(encoder.feature_map(images), expected)
     assert list(encoder.stages._modules)[-1] == "layer3" and encoder.out_channels == 256
     assert encoder.grid_size(96) == (6, 6) and Encoder("resnet18", stage="layer2", grid=6).grid_size(96) == (6, 6)
-    with pytest.raises(ConfigError, match="encoder.stage='layer5' is not a stage of resnet18; choose one of: "
-                                          "conv1, bn1, relu, maxpool, layer1, layer2, layer3, layer4"):
+    with pytest.raises(
+        ConfigError,
+        match="encoder.stage='layer5' is not a stage of resnet18; choose one of: "
+        "conv1, bn1, relu, maxpool, layer1, layer2, layer3, layer4",
+    ):
         Encoder("resnet18", stage="layer5")
 
 
@@ -144,7 +153,7 @@ def _batchnorms(module: nn.Module) -> list[nn.BatchNorm2d]:
 
 def test_frozen_encoder_has_no_grad_and_fixed_batchnorm():
     encoder = Encoder("resnet18")
-    parent = nn.ModuleDict({"encoder": encoder}).train()  # a training module around the encoder
+    nn.ModuleDict({"encoder": encoder}).train()  # a training module around the encoder
     assert encoder.frozen and encoder.training
     assert not any(p.requires_grad for p in encoder.parameters())
     assert not any(bn.training for bn in _batchnorms(encoder))

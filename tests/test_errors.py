@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torchvision
 
-from captioner.errors import (BundleError, CaptionerError, ConfigError, DataError, check_choice, check_range,
-                              first_line)
+from captioner.errors import BundleError, CaptionerError, ConfigError, DataError, check_choice, check_range, first_line
 from captioner.model.encoder import Encoder
 
 

@@ -20,8 +20,10 @@ IMAGES = [torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(i)) for i 
 
 def _batches() -> list[dict]:
     """Two loader batches of the four images, the second with an image that could not be read."""
-    items = [{"image": image, "captions": [torch.tensor([1, 4, 2])], "image_id": i, "index": i}
-             for i, image in enumerate(IMAGES)]
+    items = [
+        {"image": image, "captions": [torch.tensor([1, 4, 2])], "image_id": i, "index": i}
+        for i, image in enumerate(IMAGES)
+    ]
     return [collate(items[:2]), collate([*items[2:], Skipped("gone.png", "file not found")])]
 
 
@@ -30,8 +32,9 @@ def _encode(images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
     return images.flatten(2).transpose(1, 2), (8, 8)  # (B, 64, 3)
 
 
-def test_feature_cache_build_is_atomic_and_never_deletes_a_folder(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_feature_cache_build_is_atomic_and_never_deletes_a_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def killed(path: Path, obj: object) -> None:
         raise KeyboardInterrupt
 
@@ -62,11 +65,13 @@ def test_the_cache_key_changes_with_everything_that_changes_the_features() -> No
     assert cache_key(dict(reversed(encoder.items())), 96, list(records), "float16") == key
     relabelled = [Record(r.image_path, r.image_id, ("another caption",), "train") for r in records]
     assert cache_key(encoder, 96, relabelled, "float16") == key  # captions do not change the features
-    others = [cache_key({**encoder, "stage": "layer2"}, 96, records, "float16"),
-              cache_key(encoder, 128, records, "float16"),
-              cache_key(encoder, 96, records[:2], "float16"),
-              cache_key(encoder, 96, [Record("elsewhere/0.png", 0, ("a",), "train"), *records[1:]], "float16"),
-              cache_key(encoder, 96, records, "bfloat16")]
+    others = [
+        cache_key({**encoder, "stage": "layer2"}, 96, records, "float16"),
+        cache_key(encoder, 128, records, "float16"),
+        cache_key(encoder, 96, records[:2], "float16"),
+        cache_key(encoder, 96, [Record("elsewhere/0.png", 0, ("a",), "train"), *records[1:]], "float16"),
+        cache_key(encoder, 96, records, "bfloat16"),
+    ]
     assert len({key, *others}) == 6
 
 
@@ -74,8 +79,12 @@ def test_the_dataset_gives_cached_features_with_encoded_captions(tmp_path: Path)
     cache = FeatureCache(tmp_path / "cache")
     cache.build(_encode, _batches(), "cpu")
     vocab = Vocabulary(["a", "red", "circle", "square"])
-    records = [Record("0.png", 0, ("a red circle", "a square"), "train"), Record("gone.png", 7, ("a",), "train"),
-               Record("3.png", 3, ("red square",), "train"), Record("new.png", 9, ("a",), "train")]
+    records = [
+        Record("0.png", 0, ("a red circle", "a square"), "train"),
+        Record("gone.png", 7, ("a",), "train"),
+        Record("3.png", 3, ("red square",), "train"),
+        Record("new.png", 9, ("a",), "train"),
+    ]
     dataset = FeatureCaptionDataset(records, vocab, cache, max_len=2)
     assert len(dataset) == 4
     item = dataset[0]

@@ -20,7 +20,7 @@ def test_an_interrupted_write_leaves_the_previous_file(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         write_json(path, {"bleu4": 0.5, "oops": object()})  # fails half way through the dump
     assert json.loads(path.read_text()) == {"bleu4": 0.25}
-    with pytest.raises(KeyboardInterrupt), atomic_write(path, "w") as handle:
+    with pytest.raises(KeyboardInterrupt), atomic_write(path, "w") as handle:  # noqa: PT012  interrupted mid-write
         handle.write('{"bleu4": 0.')
         raise KeyboardInterrupt
     assert json.loads(path.read_text()) == {"bleu4": 0.25}
@@ -31,8 +31,9 @@ def test_an_interrupted_write_leaves_the_previous_file(tmp_path: Path) -> None:
 
 def test_run_folders_are_never_shared(tmp_path: Path) -> None:
     folders: list[Path] = []
-    threads = [threading.Thread(target=lambda: folders.append(new_folder(tmp_path / "runs" / "same-second")))
-               for _ in range(8)]
+    threads = [
+        threading.Thread(target=lambda: folders.append(new_folder(tmp_path / "runs" / "same-second"))) for _ in range(8)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -52,14 +53,20 @@ def test_read_json_names_a_missing_or_malformed_file(tmp_path: Path) -> None:
         read_json(tmp_path / "latin1.json", "split file")
 
 
-@pytest.mark.parametrize("write,message", [
-    (None, "model file not found: {path}"),
-    (lambda path: path.mkdir(), "model file {path} is not a file"),
-    (lambda path: path.write_bytes(b""), "model file {path} is empty"),
-    (lambda path: save_torch({"hook": os.system}, path), "model file {path} was refused: it contains pickled Python "
-                                                          "objects (posix.system) that could run code when loaded"),
-    (lambda path: path.write_bytes(b"\x80\x04K\x01."), "model file {path} is truncated or corrupt"),
-])
+@pytest.mark.parametrize(
+    "write,message",
+    [
+        (None, "model file not found: {path}"),
+        (lambda path: path.mkdir(), "model file {path} is not a file"),
+        (lambda path: path.write_bytes(b""), "model file {path} is empty"),
+        (
+            lambda path: save_torch({"hook": os.system}, path),
+            "model file {path} was refused: it contains pickled Python "
+            "objects (posix.system) that could run code when loaded",
+        ),
+        (lambda path: path.write_bytes(b"\x80\x04K\x01."), "model file {path} is truncated or corrupt"),
+    ],
+)
 def test_load_torch_refuses_with_one_line_naming_the_file(write, message: str, tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     if write is not None:
@@ -73,11 +80,15 @@ def test_a_torch_load_error_is_cut_to_its_first_sentence(tmp_path: Path, monkeyp
     save_torch({"w": torch.ones(2)}, tmp_path / "model.pt")
 
     def failing(*args, **kwargs) -> None:
-        raise RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory. "
-                           "This is a long advice\non two lines")
+        raise RuntimeError(
+            "PytorchStreamReader failed reading zip archive: failed finding central directory. "
+            "This is a long advice\non two lines"
+        )
 
     monkeypatch.setattr(torch, "load", failing)
     with pytest.raises(BundleError) as info:
         load_torch(tmp_path / "model.pt", what="checkpoint")
-    assert str(info.value) == (f"checkpoint {tmp_path / 'model.pt'} is truncated or corrupt (RuntimeError: "
-                               "PytorchStreamReader failed reading zip archive: failed finding central directory)")
+    assert str(info.value) == (
+        f"checkpoint {tmp_path / 'model.pt'} is truncated or corrupt (RuntimeError: "
+        "PytorchStreamReader failed reading zip archive: failed finding central directory)"
+    )

@@ -19,8 +19,13 @@ def make_png(path: Path) -> Path:
 def test_links_are_relative_and_point_to_existing_files(tmp_path):
     out = tmp_path / "gallery"
     entries = [
-        GalleryEntry(make_png(tmp_path / "images" / "my image #2.png"), "a red square",
-                     overlay=str(make_png(out / "overlays" / "2.png")), references=("a square", "red"), image_id=2),
+        GalleryEntry(
+            make_png(tmp_path / "images" / "my image #2.png"),
+            "a red square",
+            overlay=str(make_png(out / "overlays" / "2.png")),
+            references=("a square", "red"),
+            image_id=2,
+        ),
         GalleryEntry(image=str(make_png(tmp_path / "images" / "1.png")), caption="a circle"),
     ]
     index = write_gallery(out, entries)

@@ -153,14 +153,17 @@ def truncated_jpeg(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("make, reason", [
-    (lambda p: p, "file not found"),
-    (lambda p: (p.mkdir(), p)[1], "is a directory"),
-    (lambda p: (p.write_bytes(b""), p)[1], "file is empty"),
-    (lambda p: (p.write_text("hello, not an image\n"), p)[1], "not an image file"),
-    (truncated_png, "truncated or corrupt"),
-    (truncated_jpeg, "truncated or corrupt"),
-])
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda p: p, "file not found"),
+        (lambda p: (p.mkdir(), p)[1], "is a directory"),
+        (lambda p: (p.write_bytes(b""), p)[1], "file is empty"),
+        (lambda p: (p.write_text("hello, not an image\n"), p)[1], "not an image file"),
+        (truncated_png, "truncated or corrupt"),
+        (truncated_jpeg, "truncated or corrupt"),
+    ],
+)
 def test_errors_are_one_line_naming_the_file(tmp_path, make, reason):
     path = make(tmp_path / "bad.png")
     with pytest.raises(ImageError) as info:
@@ -169,7 +172,7 @@ def test_errors_are_one_line_naming_the_file(tmp_path, make, reason):
     assert message.startswith(f"{path}: ") and reason in message
     assert "\n" not in message
     assert isinstance(info.value, DataError)
-    assert (info.value.path, info.value.reason) == (str(path), message[len(f"{path}: "):])
+    assert (info.value.path, info.value.reason) == (str(path), message[len(f"{path}: ") :])
 
 
 # 400 pixels: over twice the limit of 100 (Pillow's error), over the limit of 300 (its warning)

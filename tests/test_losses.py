@@ -10,11 +10,13 @@ from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
 from captioner.model.losses import CaptionLoss
 
 V, L = 9, 4
-CAPTIONS = torch.tensor([
-    [1, 4, 5, 6, 2],
-    [1, 7, 2, 0, 0],
-    [1, 8, 3, 2, 0],
-])  # 4 + 2 + 3 = 9 real target tokens
+CAPTIONS = torch.tensor(
+    [
+        [1, 4, 5, 6, 2],
+        [1, 7, 2, 0, 0],
+        [1, 8, 3, 2, 0],
+    ]
+)  # 4 + 2 + 3 = 9 real target tokens
 
 
 def random_output(seed: int = 0, hard: bool = False) -> DecoderOutput:
@@ -48,8 +50,10 @@ def test_pad_positions_never_count():
     loss = CaptionLoss(pad_id=0)
     terms = loss(output, CAPTIONS)
     pad = ~real_tokens()
-    changed = DecoderOutput(output.logits.masked_fill(pad.unsqueeze(-1), 50.0),
-                            torch.where(pad.unsqueeze(-1), torch.eye(L)[0], output.alphas))
+    changed = DecoderOutput(
+        output.logits.masked_fill(pad.unsqueeze(-1), 50.0),
+        torch.where(pad.unsqueeze(-1), torch.eye(L)[0], output.alphas),
+    )
     for name, value in loss(changed, CAPTIONS).items():
         assert_close(value, terms[name])
 
@@ -195,8 +199,10 @@ def test_soft_output_has_no_reinforce_terms():
     assert "reinforce" not in terms and "entropy" not in terms
 
 
-@pytest.mark.parametrize("option", [dict(ds_lambda=-1.0), dict(baseline_decay=1.5), dict(entropy_weight="x"),
-                                    dict(reinforce_reward="sequence")])
+@pytest.mark.parametrize(
+    "option",
+    [dict(ds_lambda=-1.0), dict(baseline_decay=1.5), dict(entropy_weight="x"), dict(reinforce_reward="sequence")],
+)
 def test_invalid_weights_raise(option):
     with pytest.raises(ConfigError, match=next(iter(option))):
         CaptionLoss(pad_id=0, **option)

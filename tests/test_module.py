@@ -66,8 +66,15 @@ def test_a_flagged_optimiser_step_changes_nothing(fused: bool) -> None:
 
 
 def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> None:
-    cfg = compose_cfg(["model.decoding.method=beam", "model.decoding.max_len=8", "model.decoding.min_len=3",
-                       "model.decoding.no_repeat_ngram_size=1"], tmp_path)
+    cfg = compose_cfg(
+        [
+            "model.decoding.method=beam",
+            "model.decoding.max_len=8",
+            "model.decoding.min_len=3",
+            "model.decoding.no_repeat_ngram_size=1",
+        ],
+        tmp_path,
+    )
     validate_config(OmegaConf.to_container(cfg, resolve=True))
     torch.manual_seed(0)
     module = instantiate(cfg.model, vocab=Vocabulary([f"w{i}" for i in range(20)]), _convert_="all").eval()

@@ -20,28 +20,38 @@ def write(path: Path, obj) -> Path:
 def coco_captions(name) -> dict:
     """A COCO captions file with images 42 and 9 (out of order) and 7 (no captions)."""
     return {
-        "info": {}, "licenses": [],
-        "images": [{"id": 42, "file_name": name(42), "width": 640, "height": 480},
-                   {"id": 9, "file_name": name(9), "width": 200, "height": 100},
-                   {"id": 7, "file_name": name(7), "width": 10, "height": 10}],
-        "annotations": [{"id": 1, "image_id": 42, "caption": "A dog on a couch. "},
-                        {"id": 2, "image_id": 9, "caption": "Two cats\n"},
-                        {"id": 3, "image_id": 42, "caption": "a brown dog"}],
+        "info": {},
+        "licenses": [],
+        "images": [
+            {"id": 42, "file_name": name(42), "width": 640, "height": 480},
+            {"id": 9, "file_name": name(9), "width": 200, "height": 100},
+            {"id": 7, "file_name": name(7), "width": 10, "height": 10},
+        ],
+        "annotations": [
+            {"id": 1, "image_id": 42, "caption": "A dog on a couch. "},
+            {"id": 2, "image_id": 9, "caption": "Two cats\n"},
+            {"id": 3, "image_id": 42, "caption": "a brown dog"},
+        ],
     }
 
 
 def coco_instances() -> dict:
     return {
-        "images": [{"id": 42, "file_name": "x.jpg", "width": 640, "height": 480},
-                   {"id": 9, "file_name": "y.jpg", "width": 200, "height": 100}],
-        "annotations": [{"id": 10, "image_id": 42, "category_id": 18, "bbox": [64, 48, 320, 240]},
-                        {"id": 11, "image_id": 42, "category_id": 3, "bbox": [600, 0, 80, 48.0]}],
+        "images": [
+            {"id": 42, "file_name": "x.jpg", "width": 640, "height": 480},
+            {"id": 9, "file_name": "y.jpg", "width": 200, "height": 100},
+        ],
+        "annotations": [
+            {"id": 10, "image_id": 42, "category_id": 18, "bbox": [64, 48, 320, 240]},
+            {"id": 11, "image_id": 42, "category_id": 3, "bbox": [600, 0, 80, 48.0]},
+        ],
         "categories": [{"id": 18, "name": "dog"}, {"id": 3, "name": "couch"}],
     }
 
 
-@pytest.mark.parametrize("name", [lambda i: f"COCO_train2014_{i:012d}.jpg", lambda i: f"{i:012d}.jpg"],
-                         ids=["2014", "2017"])
+@pytest.mark.parametrize(
+    "name", [lambda i: f"COCO_train2014_{i:012d}.jpg", lambda i: f"{i:012d}.jpg"], ids=["2014", "2017"]
+)
 def test_read_coco_with_instances(tmp_path, capsys, name):
     captions = write(tmp_path / "annotations" / "captions_train.json", coco_captions(name))
     instances = write(tmp_path / "annotations" / "instances_train.json", coco_instances())
@@ -49,8 +59,13 @@ def test_read_coco_with_instances(tmp_path, capsys, name):
     assert capsys.readouterr().out == ""  # pycocotools' prints are suppressed
     assert records == [
         Record(str(tmp_path / "train" / name(9)), 9, ("Two cats",), "train"),
-        Record(str(tmp_path / "train" / name(42)), 42, ("A dog on a couch.", "a brown dog"), "train",
-               (Box("dog", 0.1, 0.1, 0.6, 0.6), Box("couch", 600 / 640, 0.0, 1.0, 0.1))),
+        Record(
+            str(tmp_path / "train" / name(42)),
+            42,
+            ("A dog on a couch.", "a brown dog"),
+            "train",
+            (Box("dog", 0.1, 0.1, 0.6, 0.6), Box("couch", 600 / 640, 0.0, 1.0, 0.1)),
+        ),
     ]
 
 
@@ -64,23 +79,37 @@ def test_read_coco_without_instances_has_no_boxes(tmp_path):
 
 def karpathy_coco() -> dict:
     def entry(cocoid, imgid, split, folder):
-        return {"filepath": folder, "filename": f"COCO_{folder}_{cocoid:012d}.jpg", "imgid": imgid,
-                "cocoid": cocoid, "split": split, "sentids": [imgid * 2, imgid * 2 + 1],
-                "sentences": [
-                    {"tokens": ["a", "cat"], "raw": f"A cat {cocoid}.", "imgid": imgid, "sentid": 0},
-                    {"tokens": ["a", "dog"], "raw": "a dog ", "imgid": imgid, "sentid": 1}]}
-    return {"dataset": "coco", "images": [
-        entry(300, 0, "restval", "val2014"), entry(100, 1, "train", "train2014"),
-        entry(200, 2, "val", "val2014"), entry(50, 3, "test", "val2014")]}
+        return {
+            "filepath": folder,
+            "filename": f"COCO_{folder}_{cocoid:012d}.jpg",
+            "imgid": imgid,
+            "cocoid": cocoid,
+            "split": split,
+            "sentids": [imgid * 2, imgid * 2 + 1],
+            "sentences": [
+                {"tokens": ["a", "cat"], "raw": f"A cat {cocoid}.", "imgid": imgid, "sentid": 0},
+                {"tokens": ["a", "dog"], "raw": "a dog ", "imgid": imgid, "sentid": 1},
+            ],
+        }
+
+    return {
+        "dataset": "coco",
+        "images": [
+            entry(300, 0, "restval", "val2014"),
+            entry(100, 1, "train", "train2014"),
+            entry(200, 2, "val", "val2014"),
+            entry(50, 3, "test", "val2014"),
+        ],
+    }
 
 
 def test_read_karpathy_coco_format(tmp_path):
     split_file = write(tmp_path / "dataset_coco.json", karpathy_coco())
     records = read_karpathy(split_file, tmp_path / "coco")
-    assert [(r.image_id, r.split) for r in records] == [(50, "test"), (100, "train"), (200, "val"),
-                                                         (300, "train")]
-    assert records[1] == Record(str(tmp_path / "coco" / "train2014" / "COCO_train2014_000000000100.jpg"),
-                                100, ("A cat 100.", "a dog"), "train")
+    assert [(r.image_id, r.split) for r in records] == [(50, "test"), (100, "train"), (200, "val"), (300, "train")]
+    assert records[1] == Record(
+        str(tmp_path / "coco" / "train2014" / "COCO_train2014_000000000100.jpg"), 100, ("A cat 100.", "a dog"), "train"
+    )
     assert all(r.boxes == () for r in records)
 
 
@@ -96,13 +125,25 @@ def test_read_karpathy_restval_both_ways_and_split_selection(tmp_path):
 
 
 def test_read_karpathy_flickr_format(tmp_path):
-    flickr = {"dataset": "flickr8k", "images": [
-        {"filename": "1000268201_693b08cb0e.jpg", "imgid": 1, "split": "train", "sentids": [5],
-         "sentences": [{"tokens": ["a", "child"], "raw": "A child in a pink dress .", "imgid": 1,
-                        "sentid": 5}]},
-        {"filename": "1001773457_577c3a7d70.jpg", "imgid": 0, "split": "test", "sentids": [0],
-         "sentences": [{"tokens": ["two", "dogs"], "raw": "Two dogs play", "imgid": 0, "sentid": 0}]},
-    ]}
+    flickr = {
+        "dataset": "flickr8k",
+        "images": [
+            {
+                "filename": "1000268201_693b08cb0e.jpg",
+                "imgid": 1,
+                "split": "train",
+                "sentids": [5],
+                "sentences": [{"tokens": ["a", "child"], "raw": "A child in a pink dress .", "imgid": 1, "sentid": 5}],
+            },
+            {
+                "filename": "1001773457_577c3a7d70.jpg",
+                "imgid": 0,
+                "split": "test",
+                "sentids": [0],
+                "sentences": [{"tokens": ["two", "dogs"], "raw": "Two dogs play", "imgid": 0, "sentid": 0}],
+            },
+        ],
+    }
     split_file = write(tmp_path / "dataset_flickr8k.json", flickr)
     images = tmp_path / "flickr8k" / "images"
     records = read_karpathy(split_file, images)
@@ -137,15 +178,21 @@ def no_annotations(data):
     return data
 
 
-@pytest.mark.parametrize("corrupt, problem", [
-    (missing_caption, "annotation 2 has no 'caption'"),
-    (broken_caption, "annotation 1 has 'caption' of type int, expected str"),
-    (unknown_image, "annotation 0 has 'image_id' 1234, which no entry of the file defines"),
-    (missing_file_name, "image 1 has no 'file_name'"),
-    (no_annotations, "the file has no 'annotations': it lists images without captions (an image_info file, as "
-                     "COCO ships for its test images), so there is nothing to score against; write its results "
-                     "file for the evaluation server with --image-info FILE --images DIR --out DIR"),
-])
+@pytest.mark.parametrize(
+    "corrupt, problem",
+    [
+        (missing_caption, "annotation 2 has no 'caption'"),
+        (broken_caption, "annotation 1 has 'caption' of type int, expected str"),
+        (unknown_image, "annotation 0 has 'image_id' 1234, which no entry of the file defines"),
+        (missing_file_name, "image 1 has no 'file_name'"),
+        (
+            no_annotations,
+            "the file has no 'annotations': it lists images without captions (an image_info file, as "
+            "COCO ships for its test images), so there is nothing to score against; write its results "
+            "file for the evaluation server with --image-info FILE --images DIR --out DIR",
+        ),
+    ],
+)
 def test_malformed_coco_captions(tmp_path, corrupt, problem):
     path = write(tmp_path / "annotations" / "x.json", corrupt(coco_captions(lambda i: f"{i}.jpg")))
     with pytest.raises(DataError) as info:
@@ -153,12 +200,15 @@ def test_malformed_coco_captions(tmp_path, corrupt, problem):
     assert str(info.value) == f"{path}: {problem}"
 
 
-@pytest.mark.parametrize("change, problem", [
-    (lambda d: d["annotations"][1].update(bbox=[1, 2, 3]), "annotation 1 has 'bbox' [1, 2, 3]"),
-    (lambda d: d["annotations"][0].update(category_id=99), "annotation 0 has 'category_id' 99"),
-    (lambda d: d["images"][0].update(width=0), "image 0 has 'width' 0; expected a positive number"),
-    (lambda d: d["categories"][0].pop("name"), "category 0 has no 'name'"),
-])
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda d: d["annotations"][1].update(bbox=[1, 2, 3]), "annotation 1 has 'bbox' [1, 2, 3]"),
+        (lambda d: d["annotations"][0].update(category_id=99), "annotation 0 has 'category_id' 99"),
+        (lambda d: d["images"][0].update(width=0), "image 0 has 'width' 0; expected a positive number"),
+        (lambda d: d["categories"][0].pop("name"), "category 0 has no 'name'"),
+    ],
+)
 def test_malformed_coco_instances(tmp_path, change, problem):
     captions = write(tmp_path / "c.json", coco_captions(lambda i: f"{i}.jpg"))
     data = coco_instances()
@@ -169,10 +219,13 @@ def test_malformed_coco_instances(tmp_path, change, problem):
     assert str(info.value).startswith(f"{instances}: {problem}")
 
 
-@pytest.mark.parametrize("content, problem", [
-    ("{not json", "is not valid JSON"),
-    ([1, 2], "the top level is a JSON list, expected an object"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("{not json", "is not valid JSON"),
+        ([1, 2], "the top level is a JSON list, expected an object"),
+    ],
+)
 def test_not_json_or_wrong_top_level(tmp_path, content, problem):
     path = write(tmp_path / "bad.json", content if isinstance(content, str) else json.dumps(content))
     for read in (lambda: read_coco(path, tmp_path, "train"), lambda: read_karpathy(path, tmp_path)):
@@ -188,16 +241,18 @@ def karpathy_broken(change) -> dict:
     return data
 
 
-@pytest.mark.parametrize("change, problem", [
-    (lambda d: d.pop("images"), "the file has no 'images'"),
-    (lambda d: d["images"][1].update(split="holdout"), "image 1 has split 'holdout'; expected one of"),
-    (lambda d: d["images"][2]["sentences"][1].update(raw=["a"]), "image 2 sentence 1 has 'raw' of type list"),
-    (lambda d: d["images"][0]["sentences"][0].pop("raw"), "image 0 sentence 0 has no 'raw'"),
-    (lambda d: [d["images"][3].pop(k) for k in ("cocoid", "imgid")],
-     "image 3 has neither 'cocoid' nor 'imgid'"),
-    (lambda d: d["images"][3].update(cocoid=100), "image 3 repeats image id 100"),
-    (lambda d: d["images"][1].pop("filename"), "image 1 has no 'filename'"),
-])
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda d: d.pop("images"), "the file has no 'images'"),
+        (lambda d: d["images"][1].update(split="holdout"), "image 1 has split 'holdout'; expected one of"),
+        (lambda d: d["images"][2]["sentences"][1].update(raw=["a"]), "image 2 sentence 1 has 'raw' of type list"),
+        (lambda d: d["images"][0]["sentences"][0].pop("raw"), "image 0 sentence 0 has no 'raw'"),
+        (lambda d: [d["images"][3].pop(k) for k in ("cocoid", "imgid")], "image 3 has neither 'cocoid' nor 'imgid'"),
+        (lambda d: d["images"][3].update(cocoid=100), "image 3 repeats image id 100"),
+        (lambda d: d["images"][1].pop("filename"), "image 1 has no 'filename'"),
+    ],
+)
 def test_malformed_karpathy(tmp_path, change, problem):
     path = write(tmp_path / "dataset_coco.json", karpathy_broken(change))
     with pytest.raises(DataError) as info:
@@ -225,13 +280,21 @@ def test_unknown_split_is_a_config_error(tmp_path):
 
 
 def test_read_image_info_lists_every_image_without_captions(tmp_path):
-    info = {"info": {}, "licenses": [], "categories": [],
-            "images": [{"id": 42, "file_name": "COCO_test2014_000000000042.jpg", "width": 640, "height": 480},
-                       {"id": 9, "file_name": "COCO_test2014_000000000009.jpg", "width": 200, "height": 100}]}
+    info = {
+        "info": {},
+        "licenses": [],
+        "categories": [],
+        "images": [
+            {"id": 42, "file_name": "COCO_test2014_000000000042.jpg", "width": 640, "height": 480},
+            {"id": 9, "file_name": "COCO_test2014_000000000009.jpg", "width": 200, "height": 100},
+        ],
+    }
     path = write(tmp_path / "image_info_test2014.json", info)
     records = read_image_info(path, tmp_path / "test2014")
-    assert records == [Record(str(tmp_path / "test2014" / "COCO_test2014_000000000009.jpg"), 9, (), "test"),
-                       Record(str(tmp_path / "test2014" / "COCO_test2014_000000000042.jpg"), 42, (), "test")]
+    assert records == [
+        Record(str(tmp_path / "test2014" / "COCO_test2014_000000000009.jpg"), 9, (), "test"),
+        Record(str(tmp_path / "test2014" / "COCO_test2014_000000000042.jpg"), 42, (), "test"),
+    ]
     with pytest.raises(DataError, match="has no 'annotations': it lists images without captions"):
         read_coco(path, tmp_path, "test")  # an image_info file where a captions file was expected
     info["images"][1]["id"] = 42

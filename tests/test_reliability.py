@@ -18,8 +18,19 @@ import torch
 
 from captioner.fileio import save_torch
 from captioner.model.losses import CaptionLoss
-from conftest import (ROOT, TINY, compose_cfg, copy_dataset, error_line, logged, metrics_rows, run_train, snapshot,
-                      subprocess_env, tiny_overrides)
+from conftest import (
+    ROOT,
+    TINY,
+    compose_cfg,
+    copy_dataset,
+    error_line,
+    logged,
+    metrics_rows,
+    run_train,
+    snapshot,
+    subprocess_env,
+    tiny_overrides,
+)
 
 STEPS_PER_EPOCH = TINY.n_train // 16  # tiny_overrides: data.batch_size=16
 
@@ -60,14 +71,24 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 # ---------------------------------------------------------------------------------- 1. crash and resume
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_continues_from_the_last_checkpoint(tiny_shapes: Path, tmp_path: Path) -> None:
-    common = [*tiny_overrides(tiny_shapes, tmp_path), "trainer.max_epochs=2", "test=false",
-              "callbacks.early_stopping=null", "callbacks.last_checkpoint.every_n_train_steps=2",
-              "trainer.log_every_n_steps=1"]
+    common = [
+        *tiny_overrides(tiny_shapes, tmp_path),
+        "trainer.max_epochs=2",
+        "test=false",
+        "callbacks.early_stopping=null",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        "trainer.log_every_n_steps=1",
+    ]
     first, second = tmp_path / "first", tmp_path / "second"
     last = first / "checkpoints" / "last.ckpt"
     with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *common, f"hydra.run.dir={first}"],
-                                cwd=ROOT, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *common, f"hydra.run.dir={first}"],
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 300
         while not last.exists():  # decoding images (no feature cache) keeps each step well over 20 ms
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
@@ -100,10 +121,12 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
     (earlier / "metrics.json").write_text("{}")
     train = [sys.executable, str(ROOT / "train.py")]
     invalid = "data.batch_size=${missing}"  # each run stops at once, after Hydra made its folder
-    commands = [[*train, invalid, f"hydra.run.dir={earlier}"], [*train, invalid, f"hydra.run.dir={earlier}"],
-                [*train, "-m", invalid, f"hydra.sweep.dir={earlier}"]]
-    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for c in commands]
+    commands = [
+        [*train, invalid, f"hydra.run.dir={earlier}"],
+        [*train, invalid, f"hydra.run.dir={earlier}"],
+        [*train, "-m", invalid, f"hydra.sweep.dir={earlier}"],
+    ]
+    procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
     for proc in procs:
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 2 and stderr == "error: data.batch_size: Interpolation key 'missing' not found\n"
@@ -116,10 +139,13 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
 
 
 # ---------------------------------------------------------------------------------------------- 2. loading
-@pytest.mark.parametrize("damage,message", [
-    ("truncated", "is truncated or corrupt"),
-    ("code", "was refused: it contains pickled Python objects (posix.system)"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("truncated", "is truncated or corrupt"),
+        ("code", "was refused: it contains pickled Python objects (posix.system)"),
+    ],
+)
 def test_a_bad_checkpoint_is_one_line_through_train_py(damage: str, message: str, tmp_path: Path) -> None:
     path = tmp_path / f"{damage}.ckpt"
     if damage == "truncated":
@@ -146,22 +172,38 @@ def test_unreadable_images_are_skipped_and_reported(cache: bool, tiny_shapes: Pa
     proc = run_train([*base, "trainer.max_epochs=1", "test=false"])
     reports = [line for line in proc.stdout.splitlines() if "unreadable image" in line]
     assert len(reports) == 1 and "skipped 4 unreadable images: " in reports[0], proc.stdout[-3000:]
-    for name in (f"{train_images / '000002.png'} (file not found)", f"{train_images / '000005.png'} (file is empty)",
-                 f"{corrupt} (truncated or corrupt image data", f"{root / 'images' / 'val' / '000250.png'} (not an "
-                 "image file"):
+    for name in (
+        f"{train_images / '000002.png'} (file not found)",
+        f"{train_images / '000005.png'} (file is empty)",
+        f"{corrupt} (truncated or corrupt image data",
+        f"{root / 'images' / 'val' / '000250.png'} (not an image file",
+    ):
         assert name in reports[0]
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["val/bleu1"] > 0.0
 
 
-@pytest.mark.parametrize("damage,problem", [
-    (lambda text: text[: len(text) // 2], "is not valid JSON"),
-    (lambda text: text.replace('"caption":', '"text":', 1), "annotation 0 has no 'caption'"),
-    (lambda text: json.dumps({**json.loads(text), "annotations": [
-        {**a, "caption": 7} if i == 3 else a for i, a in enumerate(json.loads(text)["annotations"])]}),
-     "annotation 3 has 'caption' of type int, expected str"),
-], ids=["not-json", "missing-key", "caption-not-a-string"])
-def test_a_malformed_annotation_file_is_one_line_naming_it(damage, problem: str, tiny_shapes: Path,
-                                                          tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "damage,problem",
+    [
+        (lambda text: text[: len(text) // 2], "is not valid JSON"),
+        (lambda text: text.replace('"caption":', '"text":', 1), "annotation 0 has no 'caption'"),
+        (
+            lambda text: json.dumps(
+                {
+                    **json.loads(text),
+                    "annotations": [
+                        {**a, "caption": 7} if i == 3 else a for i, a in enumerate(json.loads(text)["annotations"])
+                    ],
+                }
+            ),
+            "annotation 3 has 'caption' of type int, expected str",
+        ),
+    ],
+    ids=["not-json", "missing-key", "caption-not-a-string"],
+)
+def test_a_malformed_annotation_file_is_one_line_naming_it(
+    damage, problem: str, tiny_shapes: Path, tmp_path: Path
+) -> None:
     root = copy_dataset(tiny_shapes, tmp_path / "shapes", images=False)
     annotations = root / "annotations" / "captions_train.json"
     annotations.write_text(damage(annotations.read_text()))
@@ -174,19 +216,25 @@ def test_a_malformed_annotation_file_is_one_line_naming_it(damage, problem: str,
 
 
 def test_a_missing_dataset_file_stops_train_py_before_any_work(tmp_path: Path) -> None:
-    proc = run_train(["data=flickr30k", f"paths.data_dir={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"],
-                     check=False, timeout=300)
+    proc = run_train(
+        ["data=flickr30k", f"paths.data_dir={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"],
+        check=False,
+        timeout=300,
+    )
     assert "data.source.split_file=" in error_line(proc) and "dataset_flickr30k.json': file not found" in proc.stderr
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".hydra", "FAILED", "config.yaml", "train.log"]
     assert not (tmp_path / "data").exists()
 
 
-@pytest.mark.parametrize("override,message", [
-    ("model.foo=1", "error: model.foo is not a known key; valid keys: attention, scorer"),
-    ("model=medium", "error: no config 'model/medium'; choose one of: base, hard, soft"),
-    ("trainer.max_epochs", "error: cannot parse the override 'trainer.max_epochs'"),
-    ("model.decoder.dropout=1.5", "error: model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.foo=1", "error: model.foo is not a known key; valid keys: attention, scorer"),
+        ("model=medium", "error: no config 'model/medium'; choose one of: base, hard, soft"),
+        ("trainer.max_epochs", "error: cannot parse the override 'trainer.max_epochs'"),
+        ("model.decoder.dropout=1.5", "error: model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
+    ],
+)
 def test_hydra_errors_are_one_line_without_a_traceback(override: str, message: str, tmp_path: Path) -> None:
     proc = run_train([override, f"hydra.run.dir={tmp_path / 'run'}"], check=False, timeout=120)
     assert error_line(proc).startswith(message)
@@ -194,35 +242,53 @@ def test_hydra_errors_are_one_line_without_a_traceback(override: str, message: s
 
 # ----------------------------------------------------------------------------------- 5. non-finite loss
 @pytest.mark.slow
-def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tiny_shapes: Path,
-                                                                           tmp_path: Path) -> None:
+def test_a_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tiny_shapes: Path, tmp_path: Path) -> None:
     script = tmp_path / "nan_at_step.py"
     script.write_text(NAN_AT_STEP)
     run = tmp_path / "run"
-    args = [*tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"), "trainer.max_epochs=1",
-            "callbacks.last_checkpoint.every_n_train_steps=3"]
-    proc = subprocess.run([sys.executable, str(script), "5", str(ROOT / "train.py"), *args], cwd=ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    args = [
+        *tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"),
+        "trainer.max_epochs=1",
+        "callbacks.last_checkpoint.every_n_train_steps=3",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(script), "5", str(ROOT / "train.py"), *args],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     last = run / "checkpoints" / "last.ckpt"
-    assert error_line(proc) == (f"error: non-finite loss (nan) at epoch 0, step 5; training stopped, the last good "
-                                f"checkpoint is {last} (model.nonfinite=skip skips such batches instead)")
+    assert error_line(proc) == (
+        f"error: non-finite loss (nan) at epoch 0, step 5; training stopped, the last good "
+        f"checkpoint is {last} (model.nonfinite=skip skips such batches instead)"
+    )
     checkpoint = torch.load(last, weights_only=True)
     assert checkpoint["global_step"] == 3
     assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values() if v.is_floating_point())
     assert not (run / "bundle.pt").exists()
 
 
-def test_nonfinite_skip_skips_the_optimiser_step(tiny_shapes: Path, tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_nonfinite_skip_skips_the_optimiser_step(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import train
     from captioner.training import checkpoint_io
 
     saved: list[str] = []
     monkeypatch.setattr(checkpoint_io, "save_torch", lambda obj, path: (saved.append(str(path)), save_torch(obj, path)))
     monkeypatch.setattr(CaptionLoss, "forward", nan_loss_at(4))
-    cfg = compose_cfg([*tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"), "model.nonfinite=skip",
-                       "trainer.max_epochs=1", "test=false", "+trainer.limit_train_batches=8"], tmp_path)
+    cfg = compose_cfg(
+        [
+            *tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"),
+            "model.nonfinite=skip",
+            "trainer.max_epochs=1",
+            "test=false",
+            "+trainer.limit_train_batches=8",
+        ],
+        tmp_path,
+    )
     train.train(cfg)
     assert "non-finite loss (nan) at epoch 0, step 4: batch skipped, no parameter update" in caplog.text
     last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
@@ -233,9 +299,9 @@ def test_nonfinite_skip_skips_the_optimiser_step(tiny_shapes: Path, tmp_path: Pa
     assert str(last) in saved  # Lightning wrote its checkpoints through AtomicCheckpointIO
 
 
-def test_the_loss_is_read_back_every_n_steps_not_every_step(tiny_shapes: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_the_loss_is_read_back_every_n_steps_not_every_step(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import train
     from captioner.training.module import CaptionerModule
 
@@ -266,9 +332,17 @@ def test_the_loss_is_read_back_every_n_steps_not_every_step(tiny_shapes: Path, t
     monkeypatch.setattr(CaptionerModule, "training_step", watched_step)
     monkeypatch.setattr(CaptionerModule, "_check_losses", counted_check)
     monkeypatch.setattr(CaptionLoss, "forward", nan_loss_at(1))
-    cfg = compose_cfg([*tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"), "model.nonfinite=skip",
-                       "model.nonfinite_check_interval=4", "trainer.max_epochs=1", "test=false",
-                       "+trainer.limit_train_batches=6"], tmp_path)
+    cfg = compose_cfg(
+        [
+            *tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"),
+            "model.nonfinite=skip",
+            "model.nonfinite_check_interval=4",
+            "trainer.max_epochs=1",
+            "test=false",
+            "+trainer.limit_train_batches=6",
+        ],
+        tmp_path,
+    )
     train.train(cfg)
     assert host_reads == []  # no training step read a value back
     assert checked == [4, 2]  # after step 4, then before the end-of-epoch checkpoint
@@ -279,11 +353,18 @@ def test_the_loss_is_read_back_every_n_steps_not_every_step(tiny_shapes: Path, t
 
 # ------------------------------------------------------------------------------------------ 6. determinism
 @pytest.mark.slow
-def test_two_runs_with_one_seed_give_identical_losses_and_captions(tiny_shapes: Path, tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    args = [*tiny_overrides(tiny_shapes, tmp_path), "trainer.max_epochs=1", "test=false",
-            "+trainer.limit_train_batches=6", "trainer.log_every_n_steps=1", "data.augment=true",
-            "data.num_workers=1"]
+def test_two_runs_with_one_seed_give_identical_losses_and_captions(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = [
+        *tiny_overrides(tiny_shapes, tmp_path),
+        "trainer.max_epochs=1",
+        "test=false",
+        "+trainer.limit_train_batches=6",
+        "trainer.log_every_n_steps=1",
+        "data.augment=true",
+        "data.num_workers=1",
+    ]
     runs = []
     for n in range(2):
         monkeypatch.setenv("PYTHONHASHSEED", str(n))  # nothing may depend on the order of a set or dict of str

@@ -25,25 +25,30 @@ def loaded() -> LoadedModel:
     return LoadedModel(model, vocab, config, 64)
 
 
-@pytest.fixture()
+@pytest.fixture
 def records(tmp_path: Path) -> list[Record]:
     """Image 2 (described as the model describes it, its circle filling the image), image 1 (a red square) and
     image 3, whose file is missing."""
     for name in ("one", "two"):
         Image.new("RGB", (50, 40), "red").save(tmp_path / f"{name}.png")
     whole = (Box("circle", 0.0, 0.0, 1.0, 1.0),)
-    return [Record(str(tmp_path / "two.png"), 2, ("circle circle circle", "a red circle"), "test", whole),
-            Record(str(tmp_path / "one.png"), 1, ("a red square",), "test"),
-            Record(str(tmp_path / "gone.png"), 3, ("a circle",), "test")]
+    return [
+        Record(str(tmp_path / "two.png"), 2, ("circle circle circle", "a red circle"), "test", whole),
+        Record(str(tmp_path / "one.png"), 1, ("a red square",), "test"),
+        Record(str(tmp_path / "gone.png"), 3, ("a circle",), "test"),
+    ]
 
 
-def test_each_image_is_scored_against_its_references_and_written(loaded: LoadedModel, records: list[Record],
-                                                                  tmp_path: Path) -> None:
+def test_each_image_is_scored_against_its_references_and_written(
+    loaded: LoadedModel, records: list[Record], tmp_path: Path
+) -> None:
     out = tmp_path / "eval"
     metrics, skipped = evaluate_split(loaded, records, out, batch_size=2, coco=False, **GREEDY)
     assert [s.path for s in skipped] == [records[2].image_path] and skipped[0].reason == "file not found"
-    assert json.loads((out / "results.json").read_text()) == [{"image_id": 1, "caption": "circle circle circle"},
-                                                               {"image_id": 2, "caption": "circle circle circle"}]
+    assert json.loads((out / "results.json").read_text()) == [
+        {"image_id": 1, "caption": "circle circle circle"},
+        {"image_id": 2, "caption": "circle circle circle"},
+    ]
     assert metrics["images"] == 2 and metrics["skipped_images"] == 1 and metrics["decoding"] == GREEDY
     # 3 of the 6 words match (all of image 2's, none of image 1's), both captions as long as a reference
     assert metrics["bleu"]["bleu1"] == pytest.approx(0.5) and "coco_caption" not in metrics
@@ -60,8 +65,9 @@ def test_each_image_is_scored_against_its_references_and_written(loaded: LoadedM
     assert "  nltk BLEU1      0.5000" in table and table[-1] == f"per image: {out / 'per_image.json'}"
 
 
-def test_a_split_without_a_decodable_image_is_refused(loaded: LoadedModel, records: list[Record],
-                                                      tmp_path: Path) -> None:
+def test_a_split_without_a_decodable_image_is_refused(
+    loaded: LoadedModel, records: list[Record], tmp_path: Path
+) -> None:
     with pytest.raises(DataError, match="the split has no images to evaluate"):
         evaluate_split(loaded, [], tmp_path / "none", coco=False, **GREEDY)
     with pytest.raises(DataError, match="none of the 1 images could be decoded"):

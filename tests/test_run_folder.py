@@ -12,8 +12,9 @@ from captioner.training.run_folder import RANK_VARIABLES, first_process, mark_fa
 from conftest import compose_plain
 
 
-def test_the_config_is_printed_as_a_tree_and_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_config_is_printed_as_a_tree_and_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     plain = compose_plain([], tmp_path)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # rich is not installed
     print_config_tree(plain, tmp_path / "run")

@@ -19,8 +19,9 @@ from captioner.model.losses import SelfCriticalLoss
 from conftest import END, START, features_for, logged, make_decoder, run_train, tiny_overrides
 
 
-def teacher_forced_log_probs(decoder: ShowAttendTellDecoder, features: torch.Tensor, tokens: torch.Tensor,
-                             samples: int) -> torch.Tensor:
+def teacher_forced_log_probs(
+    decoder: ShowAttendTellDecoder, features: torch.Tensor, tokens: torch.Tensor, samples: int
+) -> torch.Tensor:
     """log p of each token of ``tokens`` (N, T) under teacher forcing, over the words rollout may draw."""
     captions = torch.cat([torch.full((tokens.size(0), 1), START), tokens], dim=1)  # (N, T+1)
     index = torch.arange(features.size(0)).repeat_interleave(samples)
@@ -136,13 +137,19 @@ def test_self_critical_training_raises_the_greedy_captions_cider(attention: str)
     from captioner.training.module import CaptionerModule
 
     vocab = Vocabulary([f"w{i}" for i in range(10)])
-    references = [[[f"w{(i + j) % 10}" for j in range(3)], [f"w{(i + j) % 10}" for j in range(4)]]
-                  for i in range(8)]  # image i: "w_i w_i+1 w_i+2" and one word longer
+    references = [
+        [[f"w{(i + j) % 10}" for j in range(3)], [f"w{(i + j) % 10}" for j in range(4)]] for i in range(8)
+    ]  # image i: "w_i w_i+1 w_i+2" and one word longer
     torch.manual_seed(0)
-    module = CaptionerModule(vocab, attention=attention, encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
-                             feature_norm=True, decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16,
-                                                         "dropout": 0.0},
-                             decoding={"max_len": 6}, objective="scst")
+    module = CaptionerModule(
+        vocab,
+        attention=attention,
+        encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
+        feature_norm=True,
+        decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0},
+        decoding={"max_len": 6},
+        objective="scst",
+    )
     module.cider = CiderD(references, words=vocab.itos)
     features = torch.randn(8, 4, module.model.encoder.out_channels)
     batch = {"features": features, "indices": torch.arange(8)}
@@ -172,18 +179,30 @@ def test_self_critical_training_raises_the_greedy_captions_cider(attention: str)
 def ce_run(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cross-entropy run on the tiny dataset: the model SCST starts from."""
     out = tmp_path_factory.mktemp("ce")
-    run_train([*tiny_overrides(tiny_shapes, out, cache=out / "cache"), "trainer.max_epochs=4", "test=false",
-               "callbacks.early_stopping=null"])
+    run_train(
+        [
+            *tiny_overrides(tiny_shapes, out, cache=out / "cache"),
+            "trainer.max_epochs=4",
+            "test=false",
+            "callbacks.early_stopping=null",
+        ]
+    )
     return out / "run"
 
 
 @pytest.mark.slow
-def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(ce_run: Path, tiny_shapes: Path,
-                                                                    tmp_path: Path) -> None:
+def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(
+    ce_run: Path, tiny_shapes: Path, tmp_path: Path
+) -> None:
     # save_top_k=-1: Lightning 2.6 rewrites last.ckpt at a validation only when it saves a top-k checkpoint
-    base = [*tiny_overrides(tiny_shapes, tmp_path, cache=ce_run.parent / "cache"), "experiment=demo_scst",
-            "test=false", "callbacks.early_stopping=null", "callbacks.model_checkpoint.save_top_k=-1",
-            "trainer.log_every_n_steps=1"]
+    base = [
+        *tiny_overrides(tiny_shapes, tmp_path, cache=ce_run.parent / "cache"),
+        "experiment=demo_scst",
+        "test=false",
+        "callbacks.early_stopping=null",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        "trainer.log_every_n_steps=1",
+    ]
     first = run_train([*base, f"ckpt_path={ce_run}", "trainer.max_epochs=2", f"hydra.run.dir={tmp_path / 'scst'}"])
     assert f"starting from the weights of {ce_run / 'bundle.pt'}" in first.stdout
     assert "CIDEr-D" in first.stdout
@@ -194,8 +213,16 @@ def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(ce_run: Path
     assert last["hyper_parameters"]["objective"] == "scst" and last["epoch"] == 1
     assert "cider" in next((tmp_path / "scst" / "checkpoints").glob("epoch*.ckpt")).name
     # resumed from its last.ckpt by two processes: each samples and scores its half of the 240 images
-    resumed = run_train([*base, f"ckpt_path={tmp_path / 'scst'}", "trainer.max_epochs=3", "trainer=ddp_cpu",
-                         "trainer.devices=2", f"hydra.run.dir={tmp_path / 'ddp'}"])
+    resumed = run_train(
+        [
+            *base,
+            f"ckpt_path={tmp_path / 'scst'}",
+            "trainer.max_epochs=3",
+            "trainer=ddp_cpu",
+            "trainer.devices=2",
+            f"hydra.run.dir={tmp_path / 'ddp'}",
+        ]
+    )
     assert f"resuming {tmp_path / 'scst' / 'checkpoints' / 'last.ckpt'}" in resumed.stdout
     ddp = torch.load(tmp_path / "ddp" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ddp["epoch"] == 2 and ddp["global_step"] == last["global_step"] + math.ceil(120 / 16)

@@ -80,8 +80,9 @@ def test_positional_encoding_values():
     freqs = torch.tensor([1.0, 0.01])  # 10000 ** (-i / 2)
     for row in range(GRID[0]):
         for col in range(GRID[1]):
-            expected = torch.cat([torch.sin(row * freqs), torch.cos(row * freqs),
-                                  torch.sin(col * freqs), torch.cos(col * freqs)])
+            expected = torch.cat(
+                [torch.sin(row * freqs), torch.cos(row * freqs), torch.sin(col * freqs), torch.cos(col * freqs)]
+            )
             torch.testing.assert_close(encoding[row * GRID[1] + col], expected)
 
 

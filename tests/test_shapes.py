@@ -15,17 +15,14 @@ from PIL import Image
 
 from captioner.data import shapes
 from captioner.data.readers import read_karpathy
-from captioner.data.shapes import (CELLS, COLOURS, SHAPES, ShapesSpec, generate_shapes, make_scene,
-                                   shapes_records)
+from captioner.data.shapes import CELLS, COLOURS, SHAPES, ShapesSpec, generate_shapes, make_scene, shapes_records
 from captioner.errors import ConfigError, DataError
 from conftest import snapshot
 
 SMALL = ShapesSpec(n_train=10, n_val=4, n_test=3, image_size=48)
 OBJECT = re.compile(rf"\b({'|'.join(COLOURS)}) ({'|'.join(SHAPES)})\b")
-RELATION = re.compile(
-    r"\b(\w+ \w+) (?:is |sits )?(to the left of|to the right of|above|below) (?:a|the) (\w+ \w+)")
-POSITION = re.compile(
-    r"\b(top left|top right|bottom left|bottom right|top|bottom|left|right|center|middle)\b")
+RELATION = re.compile(r"\b(\w+ \w+) (?:is |sits )?(to the left of|to the right of|above|below) (?:a|the) (\w+ \w+)")
+POSITION = re.compile(r"\b(top left|top right|bottom left|bottom right|top|bottom|left|right|center|middle)\b")
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +33,18 @@ def small(tmp_path_factory) -> Path:
 def test_layout_and_meta(small):
     files = snapshot(small)
     expected = {"meta.json", "dataset_shapes.json"} | {
-        f"annotations/{kind}_{split}.json"
-        for kind in ("captions", "instances") for split in ("train", "val", "test")}
+        f"annotations/{kind}_{split}.json" for kind in ("captions", "instances") for split in ("train", "val", "test")
+    }
     assert expected <= set(files)
     assert len([f for f in files if f.startswith("images/train/") and f.endswith(".png")]) == 10
     assert len([f for f in files if f.startswith("images/test/")]) == 3
     assert not any(Path(f).name.startswith(".") for f in files)  # no marker or temporary file left
     meta = json.loads((small / "meta.json").read_text())
-    assert meta == {"format": "captioner-shapes", "version": 1,
-                    "params": {"n_train": 10, "n_val": 4, "n_test": 3, "image_size": 48, "seed": 0}}
+    assert meta == {
+        "format": "captioner-shapes",
+        "version": 1,
+        "params": {"n_train": 10, "n_val": 4, "n_test": 3, "image_size": 48, "seed": 0},
+    }
     with Image.open(small / "images" / "val" / "000011.png") as image:
         assert image.size == (48, 48) and image.mode == "RGB"
 
@@ -93,8 +93,12 @@ def check_caption(caption: str, scene: shapes.Scene) -> None:
     if relation:
         a, rel, b = by_name[relation.group(1)], relation.group(2), by_name[relation.group(3)]
         (row_a, col_a), (row_b, col_b) = divmod(a.cell, 3), divmod(b.cell, 3)
-        holds = {"to the left of": col_a < col_b, "to the right of": col_a > col_b,
-                 "above": row_a < row_b, "below": row_a > row_b}[rel]
+        holds = {
+            "to the left of": col_a < col_b,
+            "to the right of": col_a > col_b,
+            "above": row_a < row_b,
+            "below": row_a > row_b,
+        }[rel]
         assert holds, (caption, a, b)
         return
     named = [by_name[" ".join(m)] for m in OBJECT.findall(caption)]
@@ -117,7 +121,7 @@ def test_positions_and_relations_in_captions_are_true():
 
 
 def test_shapes_sit_in_distinct_cells_with_their_colour(small):
-    size, cell = 48, 48 / 3
+    cell = 48 / 3
     for split in ("train", "val"):
         objects = instances_by_image(small, split)
         for image_id, anns in objects.items():
@@ -144,7 +148,8 @@ def test_records_have_boxes_and_match_the_karpathy_file(small):
     assert all(0 <= b.x0 < b.x1 <= 1 and 0 <= b.y0 < b.y1 <= 1 for r in records for b in r.boxes)
     karpathy = read_karpathy(small / "dataset_shapes.json", small, splits=("val",))
     assert [(r.image_id, r.image_path, r.captions) for r in karpathy] == [
-        (r.image_id, r.image_path, r.captions) for r in records]
+        (r.image_id, r.image_path, r.captions) for r in records
+    ]
     assert all(Path(r.image_path).is_file() for r in records)
 
 

@@ -42,10 +42,16 @@ def test_shapes_source_generates_on_first_use_and_reads_each_split(tmp_path: Pat
 def _coco(root: Path, instances: bool = True) -> CocoSource:
     """A CocoSource over the tiny dataset's COCO files: train and val, no test (it falls back to val)."""
     annotations = root / "annotations"
-    return CocoSource({split: {"captions": str(annotations / f"captions_{split}.json"),
-                               "images": str(root / "images" / split),
-                               "instances": str(annotations / f"instances_{split}.json") if instances else None}
-                       for split in ("train", "val")})
+    return CocoSource(
+        {
+            split: {
+                "captions": str(annotations / f"captions_{split}.json"),
+                "images": str(root / "images" / split),
+                "instances": str(annotations / f"instances_{split}.json") if instances else None,
+            }
+            for split in ("train", "val")
+        }
+    )
 
 
 def test_coco_source_reads_its_splits_and_falls_back_to_val_for_test(tiny_shapes: Path) -> None:
@@ -63,13 +69,17 @@ def test_coco_source_reads_its_splits_and_falls_back_to_val_for_test(tiny_shapes
         CocoSource(source.splits, fallback={}).records("test")
 
 
-@pytest.mark.parametrize("damage,key,kind", [
-    ("annotations/captions_val.json", "splits.val.captions", "file"),
-    ("images/train", "splits.train.images", "folder"),
-    ("annotations/instances_val.json", "splits.val.instances", "file"),
-])
-def test_coco_source_names_the_key_of_a_missing_file(damage: str, key: str, kind: str, tiny_shapes: Path,
-                                                      tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "damage,key,kind",
+    [
+        ("annotations/captions_val.json", "splits.val.captions", "file"),
+        ("images/train", "splits.train.images", "folder"),
+        ("annotations/instances_val.json", "splits.val.instances", "file"),
+    ],
+)
+def test_coco_source_names_the_key_of_a_missing_file(
+    damage: str, key: str, kind: str, tiny_shapes: Path, tmp_path: Path
+) -> None:
     root = copy_dataset(tiny_shapes, tmp_path / "shapes", images=False)
     (root / "images" / "train").mkdir(parents=True)
     (root / "images" / "val").mkdir()
@@ -103,27 +113,35 @@ def test_coco_source_refuses_a_file_for_a_folder_and_a_folder_for_a_file(tiny_sh
 def test_karpathy_source_names_the_key_of_a_missing_or_wrong_path(tiny_shapes: Path, tmp_path: Path) -> None:
     split_file, images = tiny_shapes / "dataset_shapes.json", tiny_shapes / "images"
     KarpathySource(str(split_file), str(images)).check_files()
-    cases = [(KarpathySource(str(tmp_path / "no.json"), str(images)),
-              f"data.source.split_file='{tmp_path / 'no.json'}': file not found {HELP}"),
-             (KarpathySource(str(images), str(images)), f"data.source.split_file='{images}' is not a file"),
-             (KarpathySource(str(split_file), str(tmp_path / "none")),
-              f"data.source.image_root='{tmp_path / 'none'}': folder not found {HELP}"),
-             (KarpathySource(str(split_file), str(split_file)),
-              f"data.source.image_root='{split_file}' is not a folder")]
+    cases = [
+        (
+            KarpathySource(str(tmp_path / "no.json"), str(images)),
+            f"data.source.split_file='{tmp_path / 'no.json'}': file not found {HELP}",
+        ),
+        (KarpathySource(str(images), str(images)), f"data.source.split_file='{images}' is not a file"),
+        (
+            KarpathySource(str(split_file), str(tmp_path / "none")),
+            f"data.source.image_root='{tmp_path / 'none'}': folder not found {HELP}",
+        ),
+        (KarpathySource(str(split_file), str(split_file)), f"data.source.image_root='{split_file}' is not a folder"),
+    ]
     for source, message in cases:
         with pytest.raises(ConfigError) as info:
             source.check_files()
         assert str(info.value) == message
 
 
-@pytest.mark.parametrize("overrides", [
-    ["data=coco"],
-    ["data=flickr8k"],
-    ["data=coco_karpathy", "data.source.split_file={tmp}"],
-    ["data=coco_karpathy", "data.source.split_file={tmp}/file.txt"],
-    ["data=flickr30k", "data.source.split_file={tmp}/file.txt", "data.source.image_root={tmp}/file.txt"],
-    ["data.source.root={tmp}/file.txt"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["data=coco"],
+        ["data=flickr8k"],
+        ["data=coco_karpathy", "data.source.split_file={tmp}"],
+        ["data=coco_karpathy", "data.source.split_file={tmp}/file.txt"],
+        ["data=flickr30k", "data.source.split_file={tmp}/file.txt", "data.source.image_root={tmp}/file.txt"],
+        ["data.source.root={tmp}/file.txt"],
+    ],
+)
 def test_check_environment_reports_what_the_source_finds(overrides: list[str], tmp_path: Path) -> None:
     (tmp_path / "file.txt").write_text("x")
     plain = compose_plain([o.format(tmp=tmp_path) for o in overrides], tmp_path)

@@ -10,19 +10,22 @@ import torch
 
 from captioner.config import to_dict
 from captioner.data.vocab import Vocabulary
-from captioner.model.captioner import net_from_bundle
 from captioner.errors import BundleError, ConfigError
 from captioner.fileio import save_torch
+from captioner.model.captioner import net_from_bundle
 from captioner.training.start import model_settings, resolve_start
 from conftest import RUN_NET, write_run
 
 
-@pytest.mark.parametrize("write,message", [
-    (lambda p: p.write_bytes(b""), "is empty"),
-    (lambda p: p.write_bytes(b"\x80\x04K\x01."), "is truncated or corrupt"),
-    (lambda p: save_torch({"weights": torch.ones(2)}, p), "is not a Lightning checkpoint of this project"),
-    (lambda p: (p / "checkpoints").mkdir(parents=True), "checkpoint not found"),
-])
+@pytest.mark.parametrize(
+    "write,message",
+    [
+        (lambda p: p.write_bytes(b""), "is empty"),
+        (lambda p: p.write_bytes(b"\x80\x04K\x01."), "is truncated or corrupt"),
+        (lambda p: save_torch({"weights": torch.ones(2)}, p), "is not a Lightning checkpoint of this project"),
+        (lambda p: (p / "checkpoints").mkdir(parents=True), "checkpoint not found"),
+    ],
+)
 def test_resolve_checkpoint_refuses_every_kind_of_bad_file(write, message: str, tmp_path: Path) -> None:
     path = tmp_path / "run"
     write(path)
@@ -50,12 +53,14 @@ def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_anot
     assert resolve_start(None, None, "cross_entropy").model is None
 
 
-@pytest.mark.parametrize("ckpt,init,message", [
-    (None, None, "model.objective=scst fine-tunes a trained captioner: give ckpt_path="),
-    ("ce", "ce", "cannot be resumed by a model.objective=scst run and would start it from its weights"),
-])
-def test_scst_needs_one_model_to_start_from(ckpt: str | None, init: str | None, message: str,
-                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "ckpt,init,message",
+    [
+        (None, None, "model.objective=scst fine-tunes a trained captioner: give ckpt_path="),
+        ("ce", "ce", "cannot be resumed by a model.objective=scst run and would start it from its weights"),
+    ],
+)
+def test_scst_needs_one_model_to_start_from(ckpt: str | None, init: str | None, message: str, tmp_path: Path) -> None:
     write_run(tmp_path / "ce", None)
     with pytest.raises(ConfigError, match=message):
         resolve_start(ckpt and str(tmp_path / ckpt), init and str(tmp_path / init), "scst")
@@ -63,18 +68,24 @@ def test_scst_needs_one_model_to_start_from(ckpt: str | None, init: str | None, 
 
 def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
     start = resolve_start(str(write_run(tmp_path / "ce", None)), None, "scst")
-    config = {"model": {"attention": "soft", "scorer": "additive", "decoder": {"embed_dim": 128}},
-              "data": {"image_size": 96}}
+    config = {
+        "model": {"attention": "soft", "scorer": "additive", "decoder": {"embed_dim": 128}},
+        "data": {"image_size": 96},
+    }
     settings = model_settings(start.model, config, tmp_path / "out")
     net = to_dict(net_from_bundle(RUN_NET))  # every field: what RUN_NET leaves out is the modules' default
-    assert settings == {**{f"model.{key}": value for key, value in net.items()},
-                        "data.image_size": 64, "data.vocab_file": str(tmp_path / "out" / "vocab.json")}
+    assert settings == {
+        **{f"model.{key}": value for key, value in net.items()},
+        "data.image_size": 64,
+        "data.vocab_file": str(tmp_path / "out" / "vocab.json"),
+    }
     assert (net["attention"], net["scorer"], net["self_attention"]["blocks"]) == ("hard", "dot", 1)
     assert Vocabulary.load(tmp_path / "out" / "vocab.json") == start.model.vocab
 
 
-def test_model_settings_say_which_values_of_the_config_the_checkpoint_changes(tmp_path: Path,
-                                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_model_settings_say_which_values_of_the_config_the_checkpoint_changes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     start = resolve_start(None, str(write_run(tmp_path / "ce", None)), "cross_entropy")
     config = {"model": to_dict(net_from_bundle(RUN_NET)), "data": {"image_size": 96, "vocab_file": None}}
     with caplog.at_level(logging.INFO, logger="captioner.training.start"):

@@ -36,12 +36,15 @@ def test_every_experiment_composes_validates_and_instantiates(experiment: str, t
         assert instantiate(cfg.trainer).max_epochs == cfg.trainer.max_epochs
 
 
-@pytest.mark.parametrize("group,options", [
-    ("data", ["shapes", "coco", "coco_karpathy", "flickr8k", "flickr30k"]),
-    ("model", ["soft", "hard"]),
-    ("trainer", ["cpu", "gpu", "ddp", "ddp_cpu", "multi_node"]),
-    ("logger", ["csv", "tensorboard", "wandb", "mlflow", "none"]),
-])
+@pytest.mark.parametrize(
+    "group,options",
+    [
+        ("data", ["shapes", "coco", "coco_karpathy", "flickr8k", "flickr30k"]),
+        ("model", ["soft", "hard"]),
+        ("trainer", ["cpu", "gpu", "ddp", "ddp_cpu", "multi_node"]),
+        ("logger", ["csv", "tensorboard", "wandb", "mlflow", "none"]),
+    ],
+)
 def test_every_group_option_composes_and_validates(group: str, options: list[str], tmp_path: Path) -> None:
     for option in options:
         validate_config(compose_plain([f"{group}={option}"], tmp_path))
@@ -54,8 +57,7 @@ def test_a_user_error_is_one_line_on_stderr_and_exit_2(tmp_path: Path) -> None:
     assert (run / "FAILED").read_text() == "model.decoding.beam_size=0 must be >= 1\n"
     assert "[ERROR] - run failed: model.decoding.beam_size=0 must be >= 1" in (run / "train.log").read_text()
     assert yaml.safe_load((run / "config.yaml").read_text())["model"]["decoding"]["beam_size"] == 0
-    proc = run_train([f"ckpt_path={tmp_path / 'missing.ckpt'}", f"paths.log_dir={tmp_path}"], check=False,
-                     timeout=120)
+    proc = run_train([f"ckpt_path={tmp_path / 'missing.ckpt'}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
     assert "does not exist" in error_line(proc)
 
 
@@ -67,19 +69,21 @@ def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
     vocab = Vocabulary(["a", "circle"])
     config = {"encoder": {"name": "resnet18"}, "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8}}
     save_bundle(tmp_path / "bundle.pt", build_captioner(config, len(vocab)), vocab, config, {"image_size": 64})
-    proc = run_train([f"ckpt_path={tmp_path / 'bundle.pt'}", f"paths.log_dir={tmp_path}"], check=False,
-                     timeout=120)
+    proc = run_train([f"ckpt_path={tmp_path / 'bundle.pt'}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
     assert error_line(proc) == (
         f"error: ckpt_path='{tmp_path / 'bundle.pt'}' is an inference bundle (weights for captioning, no "
         "optimiser or training state); to resume a run give its folder or its checkpoints/last.ckpt, to start a "
-        "new run from its weights give init_from")
+        "new run from its weights give init_from"
+    )
 
 
 def test_a_crash_or_interrupt_is_one_line_stop_reason() -> None:
     import train
 
-    assert train.stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore")) == \
-        "RuntimeError: CUDA out of memory. Tried to allocate"
+    assert (
+        train.stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore"))
+        == "RuntimeError: CUDA out of memory. Tried to allocate"
+    )
     assert train.stop_reason(KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
     assert train.stop_reason(SystemExit(1)) == "stopped with exit status 1"
     assert train.stop_reason(SystemExit(0)) is None
@@ -100,8 +104,14 @@ def test_finish_wandb_closes_an_open_run_only(monkeypatch) -> None:
 def _short_run(tiny_shapes: Path, tmp_path: Path, logger: list[str]) -> list[str]:
     """A training run of two steps and one validation, with ``logger`` instead of the CSV logger."""
     base = [o for o in tiny_overrides(tiny_shapes, tmp_path) if o != "logger=csv"]
-    return [*base, *logger, "trainer.max_epochs=1", "+trainer.limit_train_batches=2", "trainer.log_every_n_steps=1",
-            "test=false"]
+    return [
+        *base,
+        *logger,
+        "trainer.max_epochs=1",
+        "+trainer.limit_train_batches=2",
+        "trainer.log_every_n_steps=1",
+        "test=false",
+    ]
 
 
 @pytest.mark.slow
@@ -125,8 +135,9 @@ def test_wandb_logger_offline(tiny_shapes: Path, tmp_path: Path, monkeypatch) ->
 @pytest.mark.slow
 def test_mlflow_logger_to_a_local_folder(tiny_shapes: Path, tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
-    import train
     from mlflow.tracking import MlflowClient
+
+    import train
 
     cfg = compose_cfg(_short_run(tiny_shapes, tmp_path, ["logger=mlflow"]), tmp_path)
     train.train(cfg)
@@ -139,12 +150,21 @@ def test_mlflow_logger_to_a_local_folder(tiny_shapes: Path, tmp_path: Path) -> N
     assert run.info.status == "FINISHED"
 
 
-@pytest.mark.parametrize("extra", [
-    ["model=soft"],
-    ["model=hard"],
-    ["model=soft", "model.self_attention.blocks=1", "model.self_attention.heads=2",
-     "model.self_attention.positional=true", "model.scorer=multihead", "model.decoder.attention_heads=2"],
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["model=soft"],
+        ["model=hard"],
+        [
+            "model=soft",
+            "model.self_attention.blocks=1",
+            "model.self_attention.heads=2",
+            "model.self_attention.positional=true",
+            "model.scorer=multihead",
+            "model.decoder.attention_heads=2",
+        ],
+    ],
+)
 def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path) -> None:
     import train
 
@@ -160,9 +180,16 @@ def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path) -> No
 @pytest.mark.slow
 def test_training_improves_bleu_far_above_an_untrained_model(tiny_shapes: Path, tmp_path: Path) -> None:
     base = tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache")
-    untrained = run_train([*base, "train=false", "test=false", "hydra.run.dir=" + str(tmp_path / "untrained")])
-    trained = run_train([*base, "trainer.max_epochs=12", "test=false", "callbacks.early_stopping=null",
-                         "trainer.enable_progress_bar=true"])
+    run_train([*base, "train=false", "test=false", "hydra.run.dir=" + str(tmp_path / "untrained")])
+    trained = run_train(
+        [
+            *base,
+            "trainer.max_epochs=12",
+            "test=false",
+            "callbacks.early_stopping=null",
+            "trainer.enable_progress_bar=true",
+        ]
+    )
     before = json.loads((tmp_path / "untrained" / "metrics.json").read_text())
     after = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert before["val/bleu4"] < 0.05
@@ -179,11 +206,26 @@ def test_training_improves_bleu_far_above_an_untrained_model(tiny_shapes: Path, 
 @pytest.mark.slow
 def test_resume_continues_epoch_step_optimiser_and_schedule(tiny_shapes: Path, tmp_path: Path) -> None:
     base = tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache")
-    run_train([*base, "trainer.max_epochs=2", "test=false", "callbacks.early_stopping=null",
-               f"hydra.run.dir={tmp_path / 'first'}"])
+    run_train(
+        [
+            *base,
+            "trainer.max_epochs=2",
+            "test=false",
+            "callbacks.early_stopping=null",
+            f"hydra.run.dir={tmp_path / 'first'}",
+        ]
+    )
     first = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)
-    run_train([*base, "trainer.max_epochs=3", "test=false", "callbacks.early_stopping=null",
-               f"ckpt_path={tmp_path / 'first'}", f"hydra.run.dir={tmp_path / 'second'}"])
+    run_train(
+        [
+            *base,
+            "trainer.max_epochs=3",
+            "test=false",
+            "callbacks.early_stopping=null",
+            f"ckpt_path={tmp_path / 'first'}",
+            f"hydra.run.dir={tmp_path / 'second'}",
+        ]
+    )
     second = torch.load(tmp_path / "second" / "checkpoints" / "last.ckpt", weights_only=True)
     steps_per_epoch = first["global_step"] // 2
     assert first["epoch"] == 1 and second["epoch"] == 2
@@ -200,8 +242,9 @@ def test_resume_continues_epoch_step_optimiser_and_schedule(tiny_shapes: Path, t
 @pytest.mark.slow
 def test_ddp_with_two_cpu_processes_gives_the_single_process_bleu(tiny_shapes: Path, tmp_path: Path) -> None:
     base = tiny_overrides(tiny_shapes, tmp_path)
-    run_train([*base, "trainer.max_epochs=2", "test=false", "data.feature_cache=null",
-               f"hydra.run.dir={tmp_path / 'fit'}"])
+    run_train(
+        [*base, "trainer.max_epochs=2", "test=false", "data.feature_cache=null", f"hydra.run.dir={tmp_path / 'fit'}"]
+    )
     ckpt = tmp_path / "fit" / "checkpoints" / "last.ckpt"
     # 24 validation images over 2 ranks with an eval batch of 5: uneven shards, padded by the sampler.
     common = [*base, "train=false", "test=false", f"ckpt_path={ckpt}", "data.eval_batch_size=5"]

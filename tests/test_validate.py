@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -29,61 +28,81 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
     except (CompactHydraException, OmegaConfBaseException) as exc:
         return train.one_line(exc)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError) as info:  # noqa: PT012  the checks train.py runs, in its order
         validate_config(plain)
         train.build("data.source", plain["data"]["source"])
         train.build_trainer(plain)
     return str(info.value)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
-    ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
-    ("model.decoding.min_len=20", "model.decoding.min_len=20 must be < max_len=20"),
-    ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be >= 0"),
-    ("model.nonfinite_check_interval=0", "model.nonfinite_check_interval=0 must be >= 1"),
-    ("model.attention=medium", "model.attention='medium' is not valid; choose one of: soft, hard"),
-    ("model.decoder.embed_dim=big", "model.decoder.embed_dim='big' must be int"),
-    ("data.batch_size=-3", "data.batch_size=-3 must be >= 1"),
-    ("model.decoder.dropout=1.5", "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
-    ("+model.decoder.hiden_dim=3", "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
-    ("model.foo=1", "model.foo is not a known key; valid keys: attention, scorer"),
-    ("trainer.devices=abc", "trainer: `devices` selected with `CPUAccelerator` should be an int > 0"),
-    ("trainer.devices=0", "trainer: `Trainer(devices=0)` value is not a valid input"),
-    ("trainer.max_epochs=0", "trainer.max_epochs=0 must be >= 1"),
-    ("trainer.precision=17", "trainer: Precision 17 is invalid. Allowed precision values:"),
-    ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 must be >= 0.0"),
-    ("+trainer.strategy=ddpp", "trainer: You selected an invalid strategy name: `strategy='ddpp'`"),
-    ("trainer.min_epochs=5000", "trainer.min_epochs=5000 must be <= trainer.max_epochs="),
-    ("+trainer.max_epoch=3", "trainer: Trainer.__init__() got an unexpected keyword argument 'max_epoch'"),
-    ("+trainer.logger=false", "trainer.logger is passed by train.py itself"),
-    ("callbacks.last_checkpoint.every_n_train_steps=-5",
-     "callbacks.last_checkpoint: Invalid value for every_n_train_steps=-5. Must be >= 0"),
-    ("callbacks.early_stopping.monitor=val/bleu5", "callbacks.early_stopping.monitor='val/bleu5' is not valid"),
-    ("callbacks.model_checkpoint.mode=maximum", "callbacks.model_checkpoint: `mode` can be min, max but got maximum"),
-    ("+callbacks.model_checkpoint.save_best=true",
-     "callbacks.model_checkpoint: ModelCheckpoint.__init__() got an unexpected keyword argument 'save_best'"),
-    ("logger.csv._target_=lightning.CSVLoger", "logger.csv: Error loading 'lightning.CSVLoger': ModuleNotFoundError"),
-    ("data.source.n_train=0", "data.source.n_train=0 must be >= 1"),
-    ("+data.source.size=3", "data.source: ShapesSource.__init__() got an unexpected keyword argument 'size'"),
-    ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
-    ("+epochs=3", "epochs is not a known key; valid keys: task_name, seed"),
-    ("train=maybe", "train='maybe' must be true or false"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
+        ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
+        ("model.decoding.min_len=20", "model.decoding.min_len=20 must be < max_len=20"),
+        ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be >= 0"),
+        ("model.nonfinite_check_interval=0", "model.nonfinite_check_interval=0 must be >= 1"),
+        ("model.attention=medium", "model.attention='medium' is not valid; choose one of: soft, hard"),
+        ("model.decoder.embed_dim=big", "model.decoder.embed_dim='big' must be int"),
+        ("data.batch_size=-3", "data.batch_size=-3 must be >= 1"),
+        ("model.decoder.dropout=1.5", "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
+        ("+model.decoder.hiden_dim=3", "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
+        ("model.foo=1", "model.foo is not a known key; valid keys: attention, scorer"),
+        ("trainer.devices=abc", "trainer: `devices` selected with `CPUAccelerator` should be an int > 0"),
+        ("trainer.devices=0", "trainer: `Trainer(devices=0)` value is not a valid input"),
+        ("trainer.max_epochs=0", "trainer.max_epochs=0 must be >= 1"),
+        ("trainer.precision=17", "trainer: Precision 17 is invalid. Allowed precision values:"),
+        ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 must be >= 0.0"),
+        ("+trainer.strategy=ddpp", "trainer: You selected an invalid strategy name: `strategy='ddpp'`"),
+        ("trainer.min_epochs=5000", "trainer.min_epochs=5000 must be <= trainer.max_epochs="),
+        ("+trainer.max_epoch=3", "trainer: Trainer.__init__() got an unexpected keyword argument 'max_epoch'"),
+        ("+trainer.logger=false", "trainer.logger is passed by train.py itself"),
+        (
+            "callbacks.last_checkpoint.every_n_train_steps=-5",
+            "callbacks.last_checkpoint: Invalid value for every_n_train_steps=-5. Must be >= 0",
+        ),
+        ("callbacks.early_stopping.monitor=val/bleu5", "callbacks.early_stopping.monitor='val/bleu5' is not valid"),
+        (
+            "callbacks.model_checkpoint.mode=maximum",
+            "callbacks.model_checkpoint: `mode` can be min, max but got maximum",
+        ),
+        (
+            "+callbacks.model_checkpoint.save_best=true",
+            "callbacks.model_checkpoint: ModelCheckpoint.__init__() got an unexpected keyword argument 'save_best'",
+        ),
+        (
+            "logger.csv._target_=lightning.CSVLoger",
+            "logger.csv: Error loading 'lightning.CSVLoger': ModuleNotFoundError",
+        ),
+        ("data.source.n_train=0", "data.source.n_train=0 must be >= 1"),
+        ("+data.source.size=3", "data.source: ShapesSource.__init__() got an unexpected keyword argument 'size'"),
+        ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
+        ("+epochs=3", "epochs is not a known key; valid keys: task_name, seed"),
+        ("train=maybe", "train='maybe' must be true or false"),
+    ],
+)
 def test_every_config_value_is_checked(override: str, message: str, tmp_path: Path) -> None:
     assert config_error([override], tmp_path).startswith(message)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["data=coco"], "data.source.splits.train.captions='{data}/coco/annotations/captions_train2014.json': file "
-                    "not found (see data/README.md"),
-    (["data=flickr8k"], "data.source.split_file='{data}/karpathy/dataset_flickr8k.json': file not found"),
-    (["data=coco_karpathy", "data.source.split_file={tmp}"], "data.source.split_file='{tmp}' is not a file"),
-    (["data.vocab_file={tmp}/vocab.json"], "data.vocab_file='{tmp}/vocab.json': file not found"),
-    (["data.source.root={tmp}/file.txt"], "data.source.root='{tmp}/file.txt' is a file, not a folder"),
-])
-def test_missing_files_are_reported_with_their_key_before_any_work(overrides: list[str], message: str,
-                                                                    tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["data=coco"],
+            "data.source.splits.train.captions='{data}/coco/annotations/captions_train2014.json': file "
+            "not found (see data/README.md",
+        ),
+        (["data=flickr8k"], "data.source.split_file='{data}/karpathy/dataset_flickr8k.json': file not found"),
+        (["data=coco_karpathy", "data.source.split_file={tmp}"], "data.source.split_file='{tmp}' is not a file"),
+        (["data.vocab_file={tmp}/vocab.json"], "data.vocab_file='{tmp}/vocab.json': file not found"),
+        (["data.source.root={tmp}/file.txt"], "data.source.root='{tmp}/file.txt' is a file, not a folder"),
+    ],
+)
+def test_missing_files_are_reported_with_their_key_before_any_work(
+    overrides: list[str], message: str, tmp_path: Path
+) -> None:
     (tmp_path / "file.txt").write_text("x")
     cfg = compose_cfg([o.format(tmp=tmp_path) for o in overrides], tmp_path)
     plain = OmegaConf.to_container(cfg, resolve=True)
@@ -97,8 +116,11 @@ def test_a_logger_whose_package_is_missing_is_one_line(tmp_path: Path, monkeypat
     plain = compose_plain(["logger=wandb"], tmp_path)
     real = importlib.util.find_spec
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "wandb" else real(name))
-    with pytest.raises(ConfigError, match=r'logger.wandb needs the wandb package, which is not installed: '
-                                          r'pip install -e "\.\[wandb\]"'):
+    with pytest.raises(
+        ConfigError,
+        match=r"logger.wandb needs the wandb package, which is not installed: "
+        r'pip install -e "\.\[wandb\]"',
+    ):
         check_environment(plain, ShapesSource(str(tmp_path / "shapes")))
 
 
@@ -108,9 +130,11 @@ def test_scst_settings_are_checked(tmp_path: Path) -> None:
     assert cfg["callbacks"]["model_checkpoint"]["monitor"] == "val/cider"
     assert cfg["callbacks"]["early_stopping"]["monitor"] == "val/cider"
     validate_config(cfg)
-    for key, value, message in [("samples", 1, "model.scst.samples=1: baseline=mean compares each sample"),
-                                ("baseline", "best", "model.scst.baseline='best' is not valid"),
-                                ("samples", 0, "model.scst.samples=0 must be >= 1")]:
+    for key, value, message in [
+        ("samples", 1, "model.scst.samples=1: baseline=mean compares each sample"),
+        ("baseline", "best", "model.scst.baseline='best' is not valid"),
+        ("samples", 0, "model.scst.samples=0 must be >= 1"),
+    ]:
         bad = {**cfg, "model": {**cfg["model"], "scst": {**cfg["model"]["scst"], key: value}}}
         with pytest.raises(ConfigError, match=message):
             validate_config(bad)
@@ -128,5 +152,7 @@ def test_an_accelerator_this_machine_lacks_is_refused(tmp_path: Path) -> None:
     validate_config(plain)  # a valid config, for another machine
     with pytest.raises(ConfigError) as info:
         check_environment(plain, ShapesSource(str(tmp_path / "shapes")))
-    assert str(info.value) == ("trainer.accelerator='gpu' but this machine has no usable CUDA GPU; use trainer=cpu "
-                               "(or trainer.accelerator=cpu)")
+    assert str(info.value) == (
+        "trainer.accelerator='gpu' but this machine has no usable CUDA GPU; use trainer=cpu "
+        "(or trainer.accelerator=cpu)"
+    )

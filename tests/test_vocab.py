@@ -41,8 +41,16 @@ def test_build_counts_min_count_and_orders_deterministically():
     # counts: a 5, dog 3, cat 2 (ties by word); runs/sits/the/sleeps/bird appear once
     assert vocab.itos[4:] == ["a", "dog", "cat"]
     assert Vocabulary.build(reversed(CAPTIONS), min_count=2).itos == vocab.itos
-    assert Vocabulary.build(CAPTIONS, min_count=1).itos[4:] == ["a", "dog", "cat", "bird", "runs", "sits",
-                                                               "sleeps", "the"]
+    assert Vocabulary.build(CAPTIONS, min_count=1).itos[4:] == [
+        "a",
+        "dog",
+        "cat",
+        "bird",
+        "runs",
+        "sits",
+        "sleeps",
+        "the",
+    ]
     assert Vocabulary.build(CAPTIONS, min_count=1, max_size=2).itos[4:] == ["a", "dog"]
     assert Vocabulary.build(CAPTIONS).itos[4:] == ["a"]  # default min_count 5
 
@@ -85,16 +93,23 @@ def test_fingerprint_changes_with_the_words():
     assert Vocabulary(["dog", "cat"]).fingerprint() != Vocabulary(["cat", "dog"]).fingerprint()
 
 
-@pytest.mark.parametrize("content, problem", [
-    ("[1, 2", "not valid JSON"),
-    (json.dumps({"format": "other", "version": 1, "words": []}), "not a captioner vocabulary"),
-    (json.dumps({"format": "captioner-vocab", "version": 9, "words": []}), "version 9 is not supported"),
-    (json.dumps({"format": "captioner-vocab", "version": 1, "words": ["a", 3]}), "list of non-empty strings"),
-    (json.dumps({"format": "captioner-vocab", "version": 1, "words": ["dog"]}), "must start with <pad>"),
-    (json.dumps({"format": "captioner-vocab", "version": 1,
-                 "words": ["<pad>", "<start>", "<end>", "<unk>", "a", "a"]}), "repeat"),
-    (json.dumps(["<pad>"]), "not a captioner vocabulary"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("[1, 2", "not valid JSON"),
+        (json.dumps({"format": "other", "version": 1, "words": []}), "not a captioner vocabulary"),
+        (json.dumps({"format": "captioner-vocab", "version": 9, "words": []}), "version 9 is not supported"),
+        (json.dumps({"format": "captioner-vocab", "version": 1, "words": ["a", 3]}), "list of non-empty strings"),
+        (json.dumps({"format": "captioner-vocab", "version": 1, "words": ["dog"]}), "must start with <pad>"),
+        (
+            json.dumps(
+                {"format": "captioner-vocab", "version": 1, "words": ["<pad>", "<start>", "<end>", "<unk>", "a", "a"]}
+            ),
+            "repeat",
+        ),
+        (json.dumps(["<pad>"]), "not a captioner vocabulary"),
+    ],
+)
 def test_malformed_vocab_file(tmp_path, content, problem):
     path = tmp_path / "vocab.json"
     path.write_text(content)

@@ -10,7 +10,7 @@ brevity-penalty details); report :mod:`captioner.evaluation.cococaption` for com
 from __future__ import annotations
 
 import warnings
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from nltk.translate.bleu_score import corpus_bleu
 
@@ -28,8 +28,9 @@ def scored_ids(references: Mapping[int, Sequence], hypotheses: Mapping[int, obje
     return sorted(hypotheses)
 
 
-def _checked(references: Mapping[int, list[list[str]]], hypotheses: Mapping[int, list[str]]
-             ) -> tuple[list[int], list[list[list[str]]], list[list[str]]]:
+def _checked(
+    references: Mapping[int, list[list[str]]], hypotheses: Mapping[int, list[str]]
+) -> tuple[list[int], list[list[list[str]]], list[list[str]]]:
     """The scored image ids with their references and hypotheses, in id order; see ``corpus_bleu_scores``."""
     image_ids = scored_ids(references, hypotheses)
     list_of_references = [references[i] for i in image_ids]
@@ -48,8 +49,7 @@ def _bleu(list_of_references: list[list[list[str]]], hyps: list[list[str]]) -> d
     return {f"bleu{n}": float(score) for n, score in enumerate(scores, start=1)}
 
 
-def corpus_bleu_scores(references: dict[int, list[list[str]]],
-                       hypotheses: dict[int, list[str]]) -> dict[str, float]:
+def corpus_bleu_scores(references: dict[int, list[list[str]]], hypotheses: dict[int, list[str]]) -> dict[str, float]:
     """Corpus BLEU-1..4 in [0, 1] of tokenised ``hypotheses`` against tokenised ``references``.
 
     ``references`` maps image id -> its reference captions (each a list of tokens) and may hold more
@@ -65,8 +65,9 @@ def corpus_bleu_scores(references: dict[int, list[list[str]]],
     return _bleu(list_of_references, hyps)
 
 
-def image_bleu_scores(references: dict[int, list[list[str]]],
-                      hypotheses: dict[int, list[str]]) -> dict[int, dict[str, float]]:
+def image_bleu_scores(
+    references: dict[int, list[list[str]]], hypotheses: dict[int, list[str]]
+) -> dict[int, dict[str, float]]:
     """BLEU-1..4 of each image alone (its hypothesis against its references), as ``corpus_bleu_scores``
     computes them for a corpus of one image: image id -> ``{"bleu1": ..., "bleu4": ...}``.
 

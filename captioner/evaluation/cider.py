@@ -51,15 +51,16 @@ def ngram_counts(words: Tensor, lengths: Tensor, n: int) -> tuple[Tensor, Tensor
     key = torch.zeros(total, dtype=torch.long, device=device)
     keys = []
     for k in range(n):  # key of the (k+1)-gram starting at each word
-        key = key + digits[k:k + total] * base**k
+        key = key + digits[k : k + total] * base**k
         keys.append(key)
     packed = torch.stack(keys, dim=1)  # (S, n)
     valid = remaining.unsqueeze(1) > torch.arange(n, device=device)  # (S, n)
     table, ngram = torch.unique(packed[valid], return_inverse=True)  # (K,), (E',)
     orders = torch.zeros_like(table).scatter_(0, ngram, torch.arange(n, device=device).expand(total, n)[valid])
     size = max(table.numel(), 1)
-    entry, count = torch.unique(owner.unsqueeze(1).expand(total, n)[valid] * size + ngram,
-                                return_counts=True)  # (E,) distinct (caption, n-gram), sorted
+    entry, count = torch.unique(
+        owner.unsqueeze(1).expand(total, n)[valid] * size + ngram, return_counts=True
+    )  # (E,) distinct (caption, n-gram), sorted
     return table, orders, entry // size, entry % size, count
 
 
@@ -73,8 +74,14 @@ class CiderD:
     first (a model's vocabulary, so ``score_ids`` takes its token ids); the other reference words follow.
     """
 
-    def __init__(self, references: Sequence[Sequence[Sequence[str]]], words: Sequence[str] = (), n: int = 4,
-                 sigma: float = 6.0, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        references: Sequence[Sequence[Sequence[str]]],
+        words: Sequence[str] = (),
+        n: int = 4,
+        sigma: float = 6.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
         check_range("n", n, 1, kind=int)
         check_range("sigma", sigma, 1e-12)
         if not references:
@@ -88,8 +95,9 @@ class CiderD:
             self.word_ids.setdefault(word, len(self.word_ids))
         self._check_capacity(len(self.word_ids))
         ref_counts = torch.tensor([len(refs) for refs in references], device=device)  # (I,)
-        ref_words = torch.tensor([self.word_ids[w] for refs in references for ref in refs for w in ref],
-                                 dtype=torch.long, device=device)  # (S,)
+        ref_words = torch.tensor(
+            [self.word_ids[w] for refs in references for ref in refs for w in ref], dtype=torch.long, device=device
+        )  # (S,)
         ref_lengths = torch.tensor([len(ref) for refs in references for ref in refs], device=device)  # (R,)
         self.keys, orders, caption, ngram, count = ngram_counts(ref_words, ref_lengths, n)  # (K,) sorted; (E,)
         if not self.keys.numel():
@@ -112,8 +120,10 @@ class CiderD:
 
     def _check_capacity(self, words: int) -> None:
         if words > _key_base(self.n) - 1:
-            raise ValueError(f"CIDEr-D with n={self.n} packs n-grams into int64 keys and so counts at most "
-                             f"{_key_base(self.n) - 1:,} distinct words; these captions have {words:,}")
+            raise ValueError(
+                f"CIDEr-D with n={self.n} packs n-grams into int64 keys and so counts at most "
+                f"{_key_base(self.n) - 1:,} distinct words; these captions have {words:,}"
+            )
 
     def _norms(self, caption: Tensor, order: Tensor, weight: Tensor, captions: int) -> Tensor:
         """The norm of each caption's tf-idf vector per order (captions, n)."""
@@ -153,8 +163,11 @@ class CiderD:
                 ids.append(unseen.setdefault(word, len(self.word_ids) + len(unseen)) if known is None else known)
         self._check_capacity(len(self.word_ids) + len(unseen))
         lengths = torch.tensor([len(hyp) for hyp in hypotheses], dtype=torch.long, device=self.device)
-        return self._score(torch.tensor(ids, dtype=torch.long, device=self.device), lengths,
-                           torch.as_tensor(images, dtype=torch.long, device=self.device))
+        return self._score(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            lengths,
+            torch.as_tensor(images, dtype=torch.long, device=self.device),
+        )
 
     def _score(self, words: Tensor, lengths: Tensor, images: Tensor) -> Tensor:
         """CIDEr-D of N hypotheses, concatenated in ``words`` (S,) with ``lengths`` (N,), against ``images`` (N,)."""
@@ -175,8 +188,9 @@ class CiderD:
         hit = (self.ref_entry[found] == query) & known.unsqueeze(1) & present[caption]  # (E, M)
         ref_weight = torch.where(hit, self.ref_weight[found], 0.0)  # (E, M)
         clipped = torch.minimum(weight.unsqueeze(1), ref_weight) * ref_weight  # (E, M): CIDEr-D's clipping
-        dot = norm.new_zeros(hypotheses, self.n, self.max_refs).index_put_((caption, order), clipped,
-                                                                            accumulate=True)  # (N, n, M)
+        dot = norm.new_zeros(hypotheses, self.n, self.max_refs).index_put_(
+            (caption, order), clipped, accumulate=True
+        )  # (N, n, M)
         denominator = norm.unsqueeze(2) * self.ref_norm[ref].transpose(1, 2)  # (N, n, M)
         cosine = dot / torch.where(denominator > 0, denominator, 1.0)  # a zero norm has a zero dot product
         delta = ((lengths - 1).clamp_min(0).unsqueeze(1) - self.ref_length[ref]).double()  # (N, M)
@@ -185,8 +199,7 @@ class CiderD:
         return 10.0 * per_ref.sum(dim=1) / self.ref_counts[images]
 
 
-def corpus_cider_d(references: Mapping[int, Sequence[Sequence[str]]],
-                   hypotheses: Mapping[int, Sequence[str]]) -> float:
+def corpus_cider_d(references: Mapping[int, Sequence[Sequence[str]]], hypotheses: Mapping[int, Sequence[str]]) -> float:
     """Mean CIDEr-D of tokenised ``hypotheses`` (image id -> words) against tokenised ``references``.
 
     As coco-caption scores a split: one hypothesis per image, document frequencies from the references

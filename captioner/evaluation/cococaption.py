@@ -13,7 +13,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.cider.cider import Cider
@@ -46,8 +47,9 @@ def java_available() -> bool:
     if java is None:
         return False
     try:
-        result = subprocess.run([java, "-version"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, timeout=60, check=False)
+        result = subprocess.run(
+            [java, "-version"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60, check=False
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return result.returncode == 0
@@ -81,12 +83,16 @@ def _tail(sink: IO[bytes], lines: int = 3) -> str:
     return " | ".join(text[-lines:]) or "no output"
 
 
-def _tokenize(references: dict[int, list[str]],
-              hypotheses: dict[int, list[str]]) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
+def _tokenize(
+    references: dict[int, list[str]], hypotheses: dict[int, list[str]]
+) -> tuple[dict[int, list[str]], dict[int, list[str]]]:
     """PTB-tokenise references and hypotheses in one quiet java run, checking that nothing was lost."""
     # One caption per line for the tokeniser: fold every kind of line break into a space.
-    captions = {(kind, i): [{"caption": " ".join(c.split())} for c in caps]
-                for kind, side in (("ref", references), ("hyp", hypotheses)) for i, caps in side.items()}
+    captions = {
+        (kind, i): [{"caption": " ".join(c.split())} for c in caps]
+        for kind, side in (("ref", references), ("hyp", hypotheses))
+        for i, caps in side.items()
+    }
     try:
         with _captured_fds() as sink:
             try:
@@ -108,8 +114,7 @@ def _start_meteor() -> Meteor:
         raise CaptionerError(f"METEOR could not start java: {exc}") from None
 
 
-def _meteor_scores(meteor: Meteor, gts: dict[int, list[str]],
-                   res: dict[int, list[str]]) -> tuple[float, list[float]]:
+def _meteor_scores(meteor: Meteor, gts: dict[int, list[str]], res: dict[int, list[str]]) -> tuple[float, list[float]]:
     """Corpus and per-image METEOR of tokenised captions from a started :class:`Meteor`."""
     try:
         score, scores = meteor.compute_score(gts, res)
@@ -130,8 +135,9 @@ def _stop_meteor(meteor: Meteor) -> None:
     meteor.meteor_p.wait()
 
 
-def coco_caption_scores(references: dict[int, list[str]], hypotheses: dict[int, str]
-                        ) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
+def coco_caption_scores(
+    references: dict[int, list[str]], hypotheses: dict[int, str]
+) -> tuple[dict[str, float], dict[int, dict[str, float]]]:
     """Score raw ``hypotheses`` (image id -> caption) against raw ``references`` (image id -> captions).
 
     Only the images in ``hypotheses`` are scored, each against all of its references (``references``
@@ -164,6 +170,5 @@ def coco_caption_scores(references: dict[int, list[str]], hypotheses: dict[int, 
         _stop_meteor(meteor)
     corpus = dict(zip(METRICS, [*bleu, meteor_score, rouge, cider]))
     columns = [*bleu_per_image, meteor_per_image, rouge_per_image, cider_per_image]  # each in gts order
-    per_image = {i: {name: float(column[row]) for name, column in zip(METRICS, columns)}
-                 for row, i in enumerate(gts)}
+    per_image = {i: {name: float(column[row]) for name, column in zip(METRICS, columns)} for row, i in enumerate(gts)}
     return {name: float(value) for name, value in corpus.items()}, per_image

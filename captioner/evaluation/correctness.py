@@ -13,7 +13,7 @@ Labels are matched to single words, so a multi-word label (COCO's "traffic light
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -84,8 +84,7 @@ def label_coverage(label: str, boxes: Sequence[Box], grid: tuple[int, int]) -> T
     return (per_cell * height * width).clamp(0.0, 1.0)  # (H*W,) as a fraction of the cell's area
 
 
-def _object_words(words: Sequence[str], boxes: Sequence[Box],
-                  grid: tuple[int, int]) -> list[tuple[int, Tensor]]:
+def _object_words(words: Sequence[str], boxes: Sequence[Box], grid: tuple[int, int]) -> list[tuple[int, Tensor]]:
     """(step, coverage (H*W,)) for every word that names a box label."""
     labels = sorted({box.label.lower() for box in boxes})
     found = []
@@ -96,8 +95,9 @@ def _object_words(words: Sequence[str], boxes: Sequence[Box],
     return found
 
 
-def attention_in_boxes(words: Sequence[str], alphas: Tensor | np.ndarray, grid: tuple[int, int],
-                       boxes: Sequence[Box]) -> list[float]:
+def attention_in_boxes(
+    words: Sequence[str], alphas: Tensor | np.ndarray, grid: tuple[int, int], boxes: Sequence[Box]
+) -> list[float]:
     """Attention mass inside the named object's boxes, one value per object word, in caption order.
 
     ``alphas`` is ``(T, L)`` with ``T >= len(words)`` (row t is the attention used to emit word t)
@@ -139,18 +139,26 @@ class AttentionCorrectness:
         return {image_id: (list(m), list(b)) for image_id, (m, b) in self.per_image.items()}
 
     @classmethod
-    def merge(cls, states: Iterable[dict]) -> "AttentionCorrectness":
+    def merge(cls, states: Iterable[dict]) -> AttentionCorrectness:
         """One accumulator holding everything of several :meth:`state` dicts, each image once."""
         merged = cls()
         for state in states:
             merged.per_image.update(state)
         return merged
 
-    def update(self, image_id: int, words: Sequence[str], alphas: Tensor | np.ndarray, grid: tuple[int, int],
-               boxes: Sequence[Box]) -> None:
+    def update(
+        self,
+        image_id: int,
+        words: Sequence[str],
+        alphas: Tensor | np.ndarray,
+        grid: tuple[int, int],
+        boxes: Sequence[Box],
+    ) -> None:
         """Score one image: its generated ``words``, attention ``alphas`` (T, L), grid and boxes."""
-        self.per_image[image_id] = (attention_in_boxes(words, alphas, grid, boxes),
-                                    uniform_in_boxes(words, grid, boxes))
+        self.per_image[image_id] = (
+            attention_in_boxes(words, alphas, grid, boxes),
+            uniform_in_boxes(words, grid, boxes),
+        )
 
     def compute(self) -> dict[str, float]:
         """``{"mean_mass", "uniform_mass", "words", "images"}``: the mean attention mass inside the

@@ -3,8 +3,8 @@ scores of each image as JSON."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Record
@@ -23,9 +23,16 @@ METRICS_FILE = "metrics.json"
 PER_IMAGE_FILE = "per_image.json"
 
 
-def evaluate_split(loaded: LoadedModel, records: Sequence[Record], out_dir: Path, batch_size: int = 32,
-                   workers: int = 0, coco: bool = True, progress: bool = False, **decode
-                   ) -> tuple[dict, list[Skipped]]:
+def evaluate_split(
+    loaded: LoadedModel,
+    records: Sequence[Record],
+    out_dir: Path,
+    batch_size: int = 32,
+    workers: int = 0,
+    coco: bool = True,
+    progress: bool = False,
+    **decode,
+) -> tuple[dict, list[Skipped]]:
     """Decode ``records``; write ``results.json`` (COCO server format), ``metrics.json`` and ``per_image.json``.
 
     Every image is decoded once and scored against all its references: nltk BLEU-1..4 always (the
@@ -57,11 +64,17 @@ def evaluate_split(loaded: LoadedModel, records: Sequence[Record], out_dir: Path
     write_results(out_dir / RESULTS_FILE, hypotheses)
     scored = [r for r in records if r.image_id in captions]
     references = {r.image_id: [tokenize(c) for c in r.captions] for r in scored}
-    metrics: dict = {"scale": SCALE, "images": len(scored), "skipped_images": len(skipped),
-                     "decoding": decode}
+    metrics: dict = {"scale": SCALE, "images": len(scored), "skipped_images": len(skipped), "decoding": decode}
     metrics["bleu"] = corpus_bleu_scores(references, captions)
-    per_image = {r.image_id: {"image_id": r.image_id, "file": r.image_path, "caption": hypotheses[r.image_id],
-                              "references": list(r.captions)} for r in scored}
+    per_image = {
+        r.image_id: {
+            "image_id": r.image_id,
+            "file": r.image_path,
+            "caption": hypotheses[r.image_id],
+            "references": list(r.captions),
+        }
+        for r in scored
+    }
     for image_id, scores in image_bleu_scores(references, captions).items():
         per_image[image_id].update(scores)
     if coco and java_available():
@@ -82,19 +95,23 @@ def evaluate_split(loaded: LoadedModel, records: Sequence[Record], out_dir: Path
 
 def format_table(metrics: dict, out_dir: Path) -> str:
     """The metrics as aligned lines, scale stated."""
-    lines = [f"{metrics['images']} images ({metrics['skipped_images']} unreadable, skipped); "
-             f"scores on the 0-1 scale (x100 for the paper's tables; CIDEr may exceed 1)"]
+    lines = [
+        f"{metrics['images']} images ({metrics['skipped_images']} unreadable, skipped); "
+        f"scores on the 0-1 scale (x100 for the paper's tables; CIDEr may exceed 1)"
+    ]
     lines += [f"  nltk {name.upper():<10} {value:.4f}" for name, value in metrics["bleu"].items()]
     suite = metrics.get("coco_caption")
     if isinstance(suite, dict):
         lines += [f"  coco {name:<10} {value:.4f}" for name, value in suite.items()]
-        lines.append("  coco SPICE      skipped (it needs a download; see \"spice\" in metrics.json)")
+        lines.append('  coco SPICE      skipped (it needs a download; see "spice" in metrics.json)')
     elif suite:
         lines.append(f"  coco-caption: {suite}")
     if "attention_correctness" in metrics:
         ac = metrics["attention_correctness"]
-        lines.append(f"  attention correctness {ac['mean_mass']:.3f} over {ac['words']} object words "
-                     f"(uniform attention would give {ac['uniform_mass']:.3f})")
+        lines.append(
+            f"  attention correctness {ac['mean_mass']:.3f} over {ac['words']} object words "
+            f"(uniform attention would give {ac['uniform_mass']:.3f})"
+        )
     lines.append(f"results:   {out_dir / RESULTS_FILE}")
     lines.append(f"metrics:   {out_dir / METRICS_FILE}")
     lines.append(f"per image: {out_dir / PER_IMAGE_FILE}")

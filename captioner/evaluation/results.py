@@ -10,8 +10,9 @@ import math
 import numbers
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from captioner.errors import ConfigError
 from captioner.fileio import write_json
@@ -30,11 +31,15 @@ def server_results_name(image_list: str | os.PathLike, name: str) -> str:
     """
     match = _COCO_FILE.fullmatch(Path(image_list).name)
     if match is None:
-        raise ConfigError(f"{image_list}: cannot tell the COCO split from this file name; keep the name COCO "
-                          "gives it (image_info_test2014.json, captions_val2014.json, ...)")
+        raise ConfigError(
+            f"{image_list}: cannot tell the COCO split from this file name; keep the name COCO "
+            "gives it (image_info_test2014.json, captions_val2014.json, ...)"
+        )
     if not _ALGORITHM.fullmatch(name):
-        raise ConfigError(f"--name {name!r}: use letters, digits and hyphens only (the evaluation server reads "
-                          "the results file name as captions_<split>_<name>_results.json)")
+        raise ConfigError(
+            f"--name {name!r}: use letters, digits and hyphens only (the evaluation server reads "
+            "the results file name as captions_<split>_<name>_results.json)"
+        )
     return f"captions_{match['split']}_{name}_results.json"
 
 

@@ -17,7 +17,6 @@ from captioner.config import Scorer
 from captioner.errors import ConfigError, check_choice, check_range
 
 
-
 class Attention(nn.Module):
     """Base of all scorers: ``key`` projects the features once, ``score`` compares them with h."""
 

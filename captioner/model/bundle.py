@@ -87,8 +87,9 @@ def _embedding_mismatch(model: nn.Module, state_dict: Mapping, vocab_size: int) 
     return None
 
 
-def save_bundle(path: str | os.PathLike, model: Captioner, vocab: Vocabulary, config: Mapping,
-                preprocess: Mapping | None = None) -> None:
+def save_bundle(
+    path: str | os.PathLike, model: Captioner, vocab: Vocabulary, config: Mapping, preprocess: Mapping | None = None
+) -> None:
     """Write an inference bundle (config, vocabulary, preprocessing, weights) atomically; plain data only.
 
     ``preprocess`` is ``{"image_size": N}``; ``load_model`` (the ``captioner`` command) needs it,
@@ -97,8 +98,10 @@ def save_bundle(path: str | os.PathLike, model: Captioner, vocab: Vocabulary, co
     metadata = bundle_metadata(config, vocab, preprocess)
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) and module.num_embeddings != len(vocab):
-            raise BundleError(f"cannot save bundle {path}: the vocabulary has {len(vocab)} words but the "
-                              f"{name} weights have {module.num_embeddings} rows")
+            raise BundleError(
+                f"cannot save bundle {path}: the vocabulary has {len(vocab)} words but the "
+                f"{name} weights have {module.num_embeddings} rows"
+            )
     state_dict = {key: value.detach().cpu() for key, value in _plain_names(model.state_dict()).items()}
     save_torch({"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, **metadata, "state_dict": state_dict}, path)
 
@@ -108,8 +111,11 @@ def _state_dict_problem(model: nn.Module, state_dict: Mapping) -> str | None:
     expected = model.state_dict()
     missing = [key for key in expected if key not in state_dict]
     unexpected = [key for key in state_dict if key not in expected]
-    reshaped = [f"{key} {tuple(state_dict[key].shape)} vs {tuple(value.shape)}" for key, value in expected.items()
-                if key in state_dict and state_dict[key].shape != value.shape]
+    reshaped = [
+        f"{key} {tuple(state_dict[key].shape)} vs {tuple(value.shape)}"
+        for key, value in expected.items()
+        if key in state_dict and state_dict[key].shape != value.shape
+    ]
     problems = []
     labelled = (("missing", missing), ("unexpected", unexpected), ("shape mismatch (saved vs model)", reshaped))
     for label, keys in labelled:
@@ -122,13 +128,14 @@ def _state_dict_problem(model: nn.Module, state_dict: Mapping) -> str | None:
 def _bundle_parts(raw: object, where: str) -> tuple[dict, object]:
     """Check a loaded bundle's format, version and keys; return its metadata and state dict."""
     if not isinstance(raw, dict) or raw.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{where}: not a captioner bundle (expected \"format\": \"{BUNDLE_FORMAT}\")")
+        raise BundleError(f'{where}: not a captioner bundle (expected "format": "{BUNDLE_FORMAT}")')
     version = raw.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise BundleError(f"{where}: invalid bundle version {version!r}")
     if version > BUNDLE_VERSION:
-        raise BundleError(f"{where}: bundle version {version} is newer than this captioner reads "
-                          f"({BUNDLE_VERSION}); upgrade it")
+        raise BundleError(
+            f"{where}: bundle version {version} is newer than this captioner reads ({BUNDLE_VERSION}); upgrade it"
+        )
     missing = [key for key in _BUNDLE_KEYS if key not in raw]
     if missing:
         raise BundleError(f"{where}: not a complete bundle (missing {', '.join(missing)})")
@@ -139,29 +146,35 @@ def _checkpoint_parts(raw: dict, where: str) -> tuple[dict, dict]:
     """The bundle metadata of a Lightning checkpoint and its Captioner weights (``model.`` prefix removed)."""
     metadata = raw.get(CHECKPOINT_KEY)
     if not isinstance(metadata, dict):
-        raise BundleError(f"{where}: has no \"{CHECKPOINT_KEY}\" entry (model config, vocabulary, image size); "
-                          "only checkpoints written by this version of train.py can be loaded, or use its bundle.pt")
+        raise BundleError(
+            f'{where}: has no "{CHECKPOINT_KEY}" entry (model config, vocabulary, image size); '
+            "only checkpoints written by this version of train.py can be loaded, or use its bundle.pt"
+        )
     missing = [key for key in _METADATA_KEYS if key not in metadata]
     if missing:
-        raise BundleError(f"{where}: its \"{CHECKPOINT_KEY}\" entry is incomplete (missing {', '.join(missing)})")
+        raise BundleError(f'{where}: its "{CHECKPOINT_KEY}" entry is incomplete (missing {", ".join(missing)})')
     state_dict = raw["state_dict"]
     if not isinstance(state_dict, dict):
         raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
     prefix = "model."
-    return metadata, _plain_names({key[len(prefix):]: value for key, value in state_dict.items()
-                                   if key.startswith(prefix)})
+    return metadata, _plain_names(
+        {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
+    )
 
 
-def _assemble(metadata: dict, state_dict: object, where: str,
-              map_location: str | torch.device) -> tuple[Captioner, Vocabulary, dict]:
+def _assemble(
+    metadata: dict, state_dict: object, where: str, map_location: str | torch.device
+) -> tuple[Captioner, Vocabulary, dict]:
     """Build the model of ``metadata`` and load ``state_dict`` into it, checking that they fit."""
     try:
         vocab = Vocabulary.from_dict(metadata["vocab"])
     except DataError as exc:
         raise BundleError(f"{where}: malformed vocabulary ({exc})") from None
     if vocab.fingerprint() != metadata["vocab_fingerprint"]:
-        raise BundleError(f"{where}: vocabulary fingerprint {metadata['vocab_fingerprint']!r} does not match "
-                          f"its words ({vocab.fingerprint()!r}): the vocabulary was altered")
+        raise BundleError(
+            f"{where}: vocabulary fingerprint {metadata['vocab_fingerprint']!r} does not match "
+            f"its words ({vocab.fingerprint()!r}): the vocabulary was altered"
+        )
     config = metadata["config"]
     if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
         raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
@@ -180,8 +193,9 @@ def _assemble(metadata: dict, state_dict: object, where: str,
     return model.eval(), vocab, config
 
 
-def load_bundle(path: str | os.PathLike, map_location: str | torch.device = "cpu"
-                ) -> tuple[Captioner, Vocabulary, dict]:
+def load_bundle(
+    path: str | os.PathLike, map_location: str | torch.device = "cpu"
+) -> tuple[Captioner, Vocabulary, dict]:
     """Load a bundle written by ``save_bundle``: the model (in eval mode), its vocabulary and config.
 
     Raises BundleError naming the file when it is not a bundle, is from a newer version, or its
@@ -228,8 +242,10 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     if os.path.isdir(path):
         folder, path = path, os.path.join(path, BUNDLE_NAME)
         if not os.path.isfile(path):
-            raise BundleError(f"{folder} is a folder without {BUNDLE_NAME} (a run writes it when training ends); "
-                              "give a run folder that finished, or one of its checkpoints/*.ckpt files")
+            raise BundleError(
+                f"{folder} is a folder without {BUNDLE_NAME} (a run writes it when training ends); "
+                "give a run folder that finished, or one of its checkpoints/*.ckpt files"
+            )
     raw = load_torch(path, what="model file", map_location=map_location)
     if isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT:
         where = f"bundle {path}"
@@ -238,12 +254,16 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
         where = f"checkpoint {path}"
         metadata, state_dict = _checkpoint_parts(raw, where)
     else:
-        raise BundleError(f"{path}: neither a captioner bundle nor a training checkpoint "
-                          "(give the bundle.pt or a .ckpt file that train.py wrote)")
+        raise BundleError(
+            f"{path}: neither a captioner bundle nor a training checkpoint "
+            "(give the bundle.pt or a .ckpt file that train.py wrote)"
+        )
     if "preprocess" not in metadata:
-        raise BundleError(f"{where}: has no preprocessing settings (the image size the model was trained "
-                          "with), so it cannot caption correctly; it was written by an older captioner: "
-                          "export it again with save_bundle(..., preprocess={'image_size': N})")
+        raise BundleError(
+            f"{where}: has no preprocessing settings (the image size the model was trained "
+            "with), so it cannot caption correctly; it was written by an older captioner: "
+            "export it again with save_bundle(..., preprocess={'image_size': N})"
+        )
     try:
         image_size = _check_preprocess(metadata["preprocess"])["image_size"]
     except ConfigError as exc:

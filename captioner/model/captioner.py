@@ -20,7 +20,6 @@ from captioner.model.decoding import Generation, beam_search, greedy, sample
 from captioner.model.encoder import Encoder
 from captioner.model.self_attention import SelfAttentionStack
 
-
 Grid = tuple[int, int]
 
 
@@ -40,8 +39,13 @@ class Captioner(nn.Module):
     ``forward(images, ...) == forward_features(*encode(images) ...)``.
     """
 
-    def __init__(self, encoder: Encoder, decoder: ShowAttendTellDecoder,
-                 self_attention: SelfAttentionStack | None = None, feature_norm: bool = False) -> None:
+    def __init__(
+        self,
+        encoder: Encoder,
+        decoder: ShowAttendTellDecoder,
+        self_attention: SelfAttentionStack | None = None,
+        feature_norm: bool = False,
+    ) -> None:
         super().__init__()
         self.encoder = encoder
         # Standardises each feature channel with statistics learned in training: a frozen CNN's
@@ -88,38 +92,72 @@ class Captioner(nn.Module):
         features, grid = self.encode(images)  # (B, L', C')
         return self.forward_features(features, captions, image_index, grid)
 
-    def forward_features(self, features: Tensor, captions: Tensor, image_index: Tensor | None = None,
-                         grid: Grid | None = None) -> DecoderOutput:
+    def forward_features(
+        self, features: Tensor, captions: Tensor, image_index: Tensor | None = None, grid: Grid | None = None
+    ) -> DecoderOutput:
         """Like ``forward`` from (cached) ``encode`` output (B, L', C') on its grid (default square)."""
         features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         return self.decoder(self.attend_grid(features, grid), captions, image_index)
 
     @torch.no_grad()
-    def generate(self, images: Tensor, method: str = "beam", beam_size: int = 3, max_len: int = 20,
-                 temperature: float = 1.0, length_penalty: float = 0.0, start_id: int = 1, end_id: int = 2,
-                 unk_id: int | None = None, generator: torch.Generator | None = None, min_len: int = 0,
-                 no_repeat_ngram_size: int = 0) -> tuple[Generation, Grid]:
+    def generate(
+        self,
+        images: Tensor,
+        method: str = "beam",
+        beam_size: int = 3,
+        max_len: int = 20,
+        temperature: float = 1.0,
+        length_penalty: float = 0.0,
+        start_id: int = 1,
+        end_id: int = 2,
+        unk_id: int | None = None,
+        generator: torch.Generator | None = None,
+        min_len: int = 0,
+        no_repeat_ngram_size: int = 0,
+    ) -> tuple[Generation, Grid]:
         """Caption images (B, 3, H_img, W_img) without gradients; call ``.eval()`` first.
 
         ``method`` is "greedy", "sample" (``temperature``, ``generator``) or "beam" (``beam_size``,
         ``length_penalty``). Every method takes ``min_len`` (no <end> before that many words) and
         ``no_repeat_ngram_size`` (no n-gram of that size twice in a caption); 0 turns either off.
-        ``unk_id`` (the vocabulary's <unk>) is never generated when given. Returns the Generation (tokens, scores, per-word alphas (B, T, L), lengths) and the (H, W)
-        grid that the L attention weights of each word lie on.
+        ``unk_id`` (the vocabulary's <unk>) is never generated when given. Returns the Generation (tokens,
+        scores, per-word alphas (B, T, L), lengths) and the (H, W) grid that the L attention weights of each
+        word lie on.
         """
         features, grid = self.encode(images)  # (B, L', C')
         return self.generate_from_features(
-            features, grid, method=method, beam_size=beam_size, max_len=max_len, temperature=temperature,
-            length_penalty=length_penalty, start_id=start_id, end_id=end_id, unk_id=unk_id, generator=generator,
-            min_len=min_len, no_repeat_ngram_size=no_repeat_ngram_size)
+            features,
+            grid,
+            method=method,
+            beam_size=beam_size,
+            max_len=max_len,
+            temperature=temperature,
+            length_penalty=length_penalty,
+            start_id=start_id,
+            end_id=end_id,
+            unk_id=unk_id,
+            generator=generator,
+            min_len=min_len,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+        )
 
     @torch.no_grad()
-    def generate_from_features(self, features: Tensor, grid: Grid | None = None, method: str = "beam",
-                               beam_size: int = 3, max_len: int = 20, temperature: float = 1.0,
-                               length_penalty: float = 0.0, start_id: int = 1, end_id: int = 2,
-                               unk_id: int | None = None,
-                               generator: torch.Generator | None = None, min_len: int = 0,
-                               no_repeat_ngram_size: int = 0) -> tuple[Generation, Grid]:
+    def generate_from_features(
+        self,
+        features: Tensor,
+        grid: Grid | None = None,
+        method: str = "beam",
+        beam_size: int = 3,
+        max_len: int = 20,
+        temperature: float = 1.0,
+        length_penalty: float = 0.0,
+        start_id: int = 1,
+        end_id: int = 2,
+        unk_id: int | None = None,
+        generator: torch.Generator | None = None,
+        min_len: int = 0,
+        no_repeat_ngram_size: int = 0,
+    ) -> tuple[Generation, Grid]:
         """Like ``generate`` from (cached) ``encode`` output (B, L', C') on its grid (default square); the
         grid returned is the attention's."""
         check_choice("method", method, list(DecodeMethod))
@@ -129,18 +167,23 @@ class Captioner(nn.Module):
         if method == "greedy":
             generation = greedy(self.decoder, features, max_len, start_id, end_id, **constraints)
         elif method == "sample":
-            generation = sample(self.decoder, features, max_len, start_id, end_id, temperature, generator,
-                                **constraints)
+            generation = sample(
+                self.decoder, features, max_len, start_id, end_id, temperature, generator, **constraints
+            )
         else:
-            generation = beam_search(self.decoder, features, max_len, start_id, end_id, beam_size, length_penalty,
-                                     **constraints)
+            generation = beam_search(
+                self.decoder, features, max_len, start_id, end_id, beam_size, length_penalty, **constraints
+            )
         return generation, grid
 
 
 def _defaults(cls: type, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """The keyword defaults of ``cls``'s constructor."""
-    return {name: p.default for name, p in inspect.signature(cls).parameters.items()
-            if p.default is not inspect.Parameter.empty and name not in exclude}
+    return {
+        name: p.default
+        for name, p in inspect.signature(cls).parameters.items()
+        if p.default is not inspect.Parameter.empty and name not in exclude
+    }
 
 
 def net_from_bundle(config: Mapping[str, Any]) -> NetConfig:
@@ -161,12 +204,16 @@ def net_from_bundle(config: Mapping[str, Any]) -> NetConfig:
             raise ConfigError(f"model config {key!r} must be a mapping, got {type(config[key]).__name__}")
     decoder = {**_defaults(ShowAttendTellDecoder, ("vocab_size", "feature_dim")), **(config.get("decoder") or {})}
     self_attention = config.get("self_attention")
-    net = {"attention": decoder.pop("mode"), "scorer": decoder.pop("attention"),
-           "encoder": {**_defaults(Encoder), **(config.get("encoder") or {})},
-           "feature_norm": config.get("feature_norm", False),
-           "self_attention": {"blocks": 0} if self_attention is None else
-           {**_defaults(SelfAttentionStack, ("dim",)), **self_attention},
-           "decoder": decoder}
+    net = {
+        "attention": decoder.pop("mode"),
+        "scorer": decoder.pop("attention"),
+        "encoder": {**_defaults(Encoder), **(config.get("encoder") or {})},
+        "feature_norm": config.get("feature_norm", False),
+        "self_attention": {"blocks": 0}
+        if self_attention is None
+        else {**_defaults(SelfAttentionStack, ("dim",)), **self_attention},
+        "decoder": decoder,
+    }
     return from_dict(NetConfig, net, "model")
 
 
@@ -179,8 +226,11 @@ def build_captioner(config: NetConfig | Mapping, vocab_size: int) -> Captioner:
     self_attention = None
     if net.self_attention.blocks > 0:
         self_attention = SelfAttentionStack(encoder.out_channels, **to_dict(net.self_attention))
-    decoder = ShowAttendTellDecoder(vocab_size=vocab_size, feature_dim=encoder.out_channels, mode=net.attention.value,
-                                    attention=net.scorer.value, **to_dict(net.decoder))
+    decoder = ShowAttendTellDecoder(
+        vocab_size=vocab_size,
+        feature_dim=encoder.out_channels,
+        mode=net.attention.value,
+        attention=net.scorer.value,
+        **to_dict(net.decoder),
+    )
     return Captioner(encoder, decoder, self_attention, feature_norm=net.feature_norm)
-
-

@@ -17,7 +17,6 @@ from captioner.config import Attention, Gate, HardEstimator, HardInference
 from captioner.errors import ConfigError, check_choice, check_range
 from captioner.model.attention import build_attention
 
-
 State = tuple[Tensor, Tensor]
 
 
@@ -41,11 +40,25 @@ class DecoderOutput:
 class ShowAttendTellDecoder(nn.Module):
     """LSTM decoder with soft or hard attention, a gating scalar and the deep output layer."""
 
-    def __init__(self, vocab_size: int, feature_dim: int, embed_dim: int = 512, hidden_dim: int = 512,
-                 attention_dim: int = 512, attention: str = "additive", attention_heads: int = 1,
-                 mode: str = "soft", gate: str = "scalar", deep_output: bool = True, dropout: float = 0.5,
-                 hard_expectation_prob: float = 0.5, hard_inference: str = "argmax",
-                 hard_estimator: str = "reinforce", gumbel_tau: float = 1.0, gumbel_tau_min: float = 0.5) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        feature_dim: int,
+        embed_dim: int = 512,
+        hidden_dim: int = 512,
+        attention_dim: int = 512,
+        attention: str = "additive",
+        attention_heads: int = 1,
+        mode: str = "soft",
+        gate: str = "scalar",
+        deep_output: bool = True,
+        dropout: float = 0.5,
+        hard_expectation_prob: float = 0.5,
+        hard_inference: str = "argmax",
+        hard_estimator: str = "reinforce",
+        gumbel_tau: float = 1.0,
+        gumbel_tau_min: float = 0.5,
+    ) -> None:
         super().__init__()
         check_choice("mode", mode, list(Attention))
         check_choice("gate", gate, list(Gate))
@@ -57,8 +70,10 @@ class ShowAttendTellDecoder(nn.Module):
         check_range("gumbel_tau_min", gumbel_tau_min, 1e-3, gumbel_tau)
         if mode == "hard" and attention == "multihead":
             # Its expected context reads projected values, a sampled location would read a raw a_i.
-            raise ConfigError("scorer=multihead works with soft attention only: hard attention samples one "
-                              "annotation vector a_i, which multihead's projected context is not")
+            raise ConfigError(
+                "scorer=multihead works with soft attention only: hard attention samples one "
+                "annotation vector a_i, which multihead's projected context is not"
+            )
         self.mode = mode
         self.hard_expectation_prob = hard_expectation_prob
         self.hard_inference = hard_inference
@@ -92,8 +107,9 @@ class ShowAttendTellDecoder(nn.Module):
         mean = features.mean(dim=1)  # (B, D)
         return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))
 
-    def step(self, tokens: Tensor, state: State, features: Tensor, keys: Tensor
-             ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
+    def step(
+        self, tokens: Tensor, state: State, features: Tensor, keys: Tensor
+    ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
         """One decoding step from the previous tokens (B,) and state (B, H) x 2 of the features (B, L, D)
         and keys (B, L, A).
 
@@ -136,8 +152,9 @@ class ShowAttendTellDecoder(nn.Module):
             output.sampled = ~expect
         return output
 
-    def _step(self, embedded: Tensor, state: State, features: Tensor, keys: Tensor, expect: Tensor | None
-              ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
+    def _step(
+        self, embedded: Tensor, state: State, features: Tensor, keys: Tensor, expect: Tensor | None
+    ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
         h, c = state  # (B, H) x 2 or (B, K, H) x 2: h_{t-1}, c_{t-1}
         z, alpha, log_prob, entropy = self._attend(features, keys, h, expect)  # (B, [K,] D), (B, [K,] L)
         if self.f_beta is not None:
@@ -152,8 +169,9 @@ class ShowAttendTellDecoder(nn.Module):
             logits = self.classifier(self.dropout(embedded + self.deep_h(h) + self.deep_z(z)))  # (B, [K,] V)
         return logits, (h, c), alpha, log_prob, entropy
 
-    def _attend(self, features: Tensor, keys: Tensor, h: Tensor, expect: Tensor | None
-                ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    def _attend(
+        self, features: Tensor, keys: Tensor, h: Tensor, expect: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """z_t before gating (B, D), alpha_t (B, L) and, when sampling, log p(s_t) and H(alpha_t) (B,);
         with K states per image (B, K, H), each gains the K axis.
 

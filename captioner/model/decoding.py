@@ -59,7 +59,7 @@ class Constraints:
         n = self.no_repeat_ngram_size
         if n and step >= n:
             ngrams = words.unfold(-1, n, 1)  # (..., step - n + 1, n): every n-gram so far
-            prefix = words[..., step - n + 1:].unsqueeze(-2)  # (..., 1, n - 1): the next n-gram's first words
+            prefix = words[..., step - n + 1 :].unsqueeze(-2)  # (..., 1, n - 1): the next n-gram's first words
             repeats = (ngrams[..., :-1] == prefix).all(-1)  # (..., step - n + 1)
             # the word each repeat would complete; the others point at <pad>, which is -inf already
             blocked = torch.where(repeats, ngrams[..., -1], PAD_ID)
@@ -70,17 +70,41 @@ class Constraints:
 
 
 @torch.no_grad()
-def greedy(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
-           min_len: int = 0, no_repeat_ngram_size: int = 0, unk_id: int | None = None) -> Generation:
+def greedy(
+    decoder: ShowAttendTellDecoder,
+    features: Tensor,
+    max_len: int,
+    start_id: int,
+    end_id: int,
+    min_len: int = 0,
+    no_repeat_ngram_size: int = 0,
+    unk_id: int | None = None,
+) -> Generation:
     """Emit the most likely allowed word at each step for the features (B, L, D)."""
-    return _decode(decoder, features, max_len, start_id, _constraints(end_id, max_len, min_len, no_repeat_ngram_size),
-                   lambda log_probs: log_probs.argmax(dim=-1), unk_id)
+    return _decode(
+        decoder,
+        features,
+        max_len,
+        start_id,
+        _constraints(end_id, max_len, min_len, no_repeat_ngram_size),
+        lambda log_probs: log_probs.argmax(dim=-1),
+        unk_id,
+    )
 
 
 @torch.no_grad()
-def sample(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
-           temperature: float = 1.0, generator: torch.Generator | None = None, min_len: int = 0,
-           no_repeat_ngram_size: int = 0, unk_id: int | None = None) -> Generation:
+def sample(
+    decoder: ShowAttendTellDecoder,
+    features: Tensor,
+    max_len: int,
+    start_id: int,
+    end_id: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+    min_len: int = 0,
+    no_repeat_ngram_size: int = 0,
+    unk_id: int | None = None,
+) -> Generation:
     """Sample each word from softmax(logits / temperature) over the allowed words; scores use the
     untempered log-probs."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature <= 0:
@@ -102,8 +126,15 @@ def _constraints(end_id: int, max_len: int, min_len: int, no_repeat_ngram_size: 
     return Constraints(end_id, min_len, no_repeat_ngram_size)
 
 
-def _decode(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, constraints: Constraints,
-            choose: Callable[[Tensor], Tensor], unk_id: int | None) -> Generation:
+def _decode(
+    decoder: ShowAttendTellDecoder,
+    features: Tensor,
+    max_len: int,
+    start_id: int,
+    constraints: Constraints,
+    choose: Callable[[Tensor], Tensor],
+    unk_id: int | None,
+) -> Generation:
     """One caption per image, ``choose`` picking each next token (B,) from the allowed log-probs (B, V)."""
     end_id = constraints.end_id
     batch = features.size(0)
@@ -132,9 +163,18 @@ def _decode(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, star
 
 
 @torch.no_grad()
-def beam_search(decoder: ShowAttendTellDecoder, features: Tensor, max_len: int, start_id: int, end_id: int,
-                beam_size: int = 3, length_penalty: float = 0.0, min_len: int = 0,
-                no_repeat_ngram_size: int = 0, unk_id: int | None = None) -> Generation:
+def beam_search(
+    decoder: ShowAttendTellDecoder,
+    features: Tensor,
+    max_len: int,
+    start_id: int,
+    end_id: int,
+    beam_size: int = 3,
+    length_penalty: float = 0.0,
+    min_len: int = 0,
+    no_repeat_ngram_size: int = 0,
+    unk_id: int | None = None,
+) -> Generation:
     """Beam search over B images x K beams at once, returning the best caption of each image.
 
     Each step ranks the 2K best extensions (summed log-probs, never raw logits): those of the top K
@@ -215,8 +255,15 @@ def _penalty(length: int, alpha: float) -> float:
     return ((5 + length) / 6) ** alpha
 
 
-def _trace(words: list[Tensor], parents: list[Tensor], alphas: list[Tensor], end_step: Tensor, row: Tensor,
-           end_id: int, scores: Tensor) -> Generation:
+def _trace(
+    words: list[Tensor],
+    parents: list[Tensor],
+    alphas: list[Tensor],
+    end_step: Tensor,
+    row: Tensor,
+    end_id: int,
+    scores: Tensor,
+) -> Generation:
     """Follow the backpointers from beam ``row`` at ``end_step`` (B,): <end> there when it lies before
     the last step (a finished hypothesis), the words of the beams it came from before it."""
     history = torch.stack(alphas, dim=1)  # (B, steps, K, L)
@@ -240,8 +287,7 @@ def _trace(words: list[Tensor], parents: list[Tensor], alphas: list[Tensor], end
 def _trimmed(generation: Generation) -> Generation:
     """Drop the trailing steps where every caption has ended (one host sync, after decoding)."""
     steps = int(generation.lengths.max()) if generation.lengths.numel() else 0
-    return Generation(generation.tokens[:, :steps], generation.scores, generation.alphas[:, :steps],
-                      generation.lengths)
+    return Generation(generation.tokens[:, :steps], generation.scores, generation.alphas[:, :steps], generation.lengths)
 
 
 @dataclass
@@ -256,15 +302,24 @@ class Rollout:
     log_probs: Tensor  # (N, T) log p(w_t) (+ log alpha_t(s_t) for hard attention), 0 after the end
 
 
-def rollout(decoder: ShowAttendTellDecoder, features: Tensor, samples: int, max_len: int, start_id: int,
-            end_id: int, generator: torch.Generator | None = None, unk_id: int | None = None) -> Rollout:
+def rollout(
+    decoder: ShowAttendTellDecoder,
+    features: Tensor,
+    samples: int,
+    max_len: int,
+    start_id: int,
+    end_id: int,
+    generator: torch.Generator | None = None,
+    unk_id: int | None = None,
+) -> Rollout:
     """Sample ``samples`` captions for each image of ``features`` (B, L, D) from the decoder's policy.
 
     All B x k captions advance together, one decoder step for all of them per word (keys and initial
     state computed once per image). Words are drawn from softmax over the vocabulary without <pad> and
-    <start> (and <unk> when ``unk_id`` is given); the log-probability of each drawn word stays in the graph. In training mode hard attention
-    draws a location s_t ~ alpha_t at every step as well (Xu et al. section 4.1): its log-probability is
-    added to the word's, so the gradient of a reward covers both choices (REINFORCE on the joint action).
+    <start> (and <unk> when ``unk_id`` is given); the log-probability of each drawn word stays in the graph.
+    In training mode hard attention draws a location s_t ~ alpha_t at every step as well (Xu et al. section
+    4.1): its log-probability is added to the word's, so the gradient of a reward covers both choices
+    (REINFORCE on the joint action).
     """
     check_range("samples", samples, 1, kind=int)
     check_range("max_len", max_len, 1, kind=int)

@@ -124,8 +124,15 @@ class Encoder(nn.Module):
         channels_last: run the CNN in channels-last memory format (faster convolutions on recent GPUs).
     """
 
-    def __init__(self, name: str = "resnet101", weights: str | None = None, stage: str | None = None,
-                 grid: int | None = None, trainable_stages: int = 0, channels_last: bool = False) -> None:
+    def __init__(
+        self,
+        name: str = "resnet101",
+        weights: str | None = None,
+        stage: str | None = None,
+        grid: int | None = None,
+        trainable_stages: int = 0,
+        channels_last: bool = False,
+    ) -> None:
         super().__init__()
         if grid is not None:
             check_range("encoder.grid", grid, low=1, kind=int)
@@ -255,7 +262,7 @@ class Encoder(nn.Module):
         if self.frozen:
             return frozen
         x = frozen
-        for stage in self.stages[self._first_trainable:]:
+        for stage in self.stages[self._first_trainable :]:
             x = stage(x)
         return self._pool(x)
 
@@ -274,5 +281,4 @@ class Encoder(nn.Module):
         return self.feature_map(images).flatten(2).transpose(1, 2)
 
     def extra_repr(self) -> str:
-        return (f"name={self.name!r}, stage={self.stage!r}, grid={self.grid}, "
-                f"trainable_stages={self.trainable_stages}")
+        return f"name={self.name!r}, stage={self.stage!r}, grid={self.grid}, trainable_stages={self.trainable_stages}"

@@ -12,7 +12,6 @@ from captioner.config import ReinforceReward, ScstBaseline
 from captioner.errors import check_choice, check_range
 from captioner.model.decoder import DecoderOutput
 
-
 BASELINE_SLOTS = 64  # per-step baselines kept; steps (or remaining lengths) beyond share the last one
 
 
@@ -36,9 +35,16 @@ class CaptionLoss(nn.Module):
     baseline: Tensor
     baseline_seen: Tensor
 
-    def __init__(self, pad_id: int, unk_id: int | None = None, ds_lambda: float = 1.0,
-                 reinforce_weight: float = 0.1, reinforce_reward: str = "word", entropy_weight: float = 0.002,
-                 baseline_decay: float = 0.9) -> None:
+    def __init__(
+        self,
+        pad_id: int,
+        unk_id: int | None = None,
+        ds_lambda: float = 1.0,
+        reinforce_weight: float = 0.1,
+        reinforce_reward: str = "word",
+        entropy_weight: float = 0.002,
+        baseline_decay: float = 0.9,
+    ) -> None:
         super().__init__()
         check_range("ds_lambda", ds_lambda, 0.0)
         check_range("reinforce_weight", reinforce_weight, 0.0)
@@ -135,8 +141,9 @@ class SelfCriticalLoss(nn.Module):
         check_choice("baseline", baseline, list(ScstBaseline))
         self.baseline = baseline
 
-    def forward(self, log_probs: Tensor, lengths: Tensor, rewards: Tensor,
-                greedy_rewards: Tensor | None = None) -> dict[str, Tensor]:
+    def forward(
+        self, log_probs: Tensor, lengths: Tensor, rewards: Tensor, greedy_rewards: Tensor | None = None
+    ) -> dict[str, Tensor]:
         """Loss terms for B images x k samples.
 
         ``log_probs`` (B*k, T) holds the log-probability of each sampled token (0 after the end; the

@@ -16,8 +16,9 @@ from torch import Tensor, nn
 from captioner.errors import ConfigError, check_range
 
 
-def sinusoidal_grid_encoding(dim: int, grid: tuple[int, int], device: torch.device | None = None,
-                             dtype: torch.dtype = torch.float32) -> Tensor:
+def sinusoidal_grid_encoding(
+    dim: int, grid: tuple[int, int], device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Fixed 2-D sinusoidal position encoding of an (H, W) grid -> (H * W, dim), row-major.
 
     The first half of the channels encodes the row, the second half the column; each half is

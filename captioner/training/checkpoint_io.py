@@ -29,8 +29,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return
         save_torch(checkpoint, path)
 
-    def load_checkpoint(self, path: _PATH, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load ``path`` with ``weights_only=True`` whatever ``weights_only`` asks; BundleError if unsafe or broken."""
         if not _is_local_file_protocol(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=True)

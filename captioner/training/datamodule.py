@@ -81,32 +81,42 @@ class CaptionDataModule(L.LightningDataModule):
     def image_dataset(self, split: str, train: bool = False, per_caption: bool = False) -> CaptionDataset:
         """The image-decoding dataset of ``split``."""
         transform = build_transform(self.image_size, train=train, augment=self.augment and train)
-        return CaptionDataset(self.splits[split], self.vocab, transform, max_len=self.max_len,
-                              per_caption=per_caption)
+        return CaptionDataset(self.splits[split], self.vocab, transform, max_len=self.max_len, per_caption=per_caption)
 
     def _dataset(self, split: str, train: bool) -> Dataset:
         per_caption = self.per_caption and train
         if self.feature_cache is None:
             return self.image_dataset(split, train=train, per_caption=per_caption)
         cache = self._ensure_cache(split)
-        return FeatureCaptionDataset(self.splits[split], self.vocab, cache, max_len=self.max_len,
-                                     per_caption=per_caption)
+        return FeatureCaptionDataset(
+            self.splits[split], self.vocab, cache, max_len=self.max_len, per_caption=per_caption
+        )
 
     def _ensure_cache(self, split: str) -> FeatureCache:
         module = self.trainer.lightning_module
         encoder = module.model.encoder
         if encoder.frozen_stages == 0:
-            raise DataError("data.feature_cache holds the output of the encoder's frozen stages and "
-                            f"model.encoder.trainable_stages={encoder.trainable_stages} trains all of them: "
-                            "freeze some (a smaller trainable_stages) or set data.feature_cache=null")
-        key = cache_key({**module.net_config["encoder"], "frozen_weights": encoder.frozen_fingerprint()},
-                        self.image_size, self.splits[split], self.feature_dtype)
+            raise DataError(
+                "data.feature_cache holds the output of the encoder's frozen stages and "
+                f"model.encoder.trainable_stages={encoder.trainable_stages} trains all of them: "
+                "freeze some (a smaller trainable_stages) or set data.feature_cache=null"
+            )
+        key = cache_key(
+            {**module.net_config["encoder"], "frozen_weights": encoder.frozen_fingerprint()},
+            self.image_size,
+            self.splits[split],
+            self.feature_dtype,
+        )
         cache = FeatureCache(Path(self.feature_cache) / f"{split}-{key}")
         if self.trainer.local_rank == 0 and not cache.exists():
             log.info("computing the %s feature cache in %s", split, cache.folder)
             # Its own generator: building the cache (or not) leaves the global RNG, so training, as it was.
-            loader = self._loader(self.image_dataset(split), self.eval_batch_size, shuffle=False,
-                                  generator=torch.Generator().manual_seed(0))
+            loader = self._loader(
+                self.image_dataset(split),
+                self.eval_batch_size,
+                shuffle=False,
+                generator=torch.Generator().manual_seed(0),
+            )
             was_training = encoder.training
             encoder.eval()
             cache.build(module.model.encode, loader, module.device, self.feature_dtype)
@@ -114,11 +124,19 @@ class CaptionDataModule(L.LightningDataModule):
         self.trainer.strategy.barrier("feature_cache")
         return cache
 
-    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool,
-                generator: torch.Generator | None = None) -> DataLoader:
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=collate,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
-                          pin_memory=torch.cuda.is_available(), generator=generator)
+    def _loader(
+        self, dataset: Dataset, batch_size: int, shuffle: bool, generator: torch.Generator | None = None
+    ) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            collate_fn=collate,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+            generator=generator,
+        )
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches (Lightning adds the distributed sampler under DDP)."""
@@ -151,6 +169,7 @@ class CaptionDataModule(L.LightningDataModule):
         if "vocab" in state_dict and self.vocab is not None:
             saved = Vocabulary.from_dict(state_dict["vocab"])
             if saved.itos != self.vocab.itos:
-                raise DataError("the checkpoint's vocabulary differs from the one built from this dataset; "
-                                "resume with the same data configuration")
-
+                raise DataError(
+                    "the checkpoint's vocabulary differs from the one built from this dataset; "
+                    "resume with the same data configuration"
+                )

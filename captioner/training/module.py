@@ -16,10 +16,18 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from captioner.config import (
+    ModelConfig,
+    NonFinite,
+    Objective,
+    Schedule,
+    ScstBaseline,
+    bundle_layout,
+    from_dict,
+    to_dict,
+)
 from captioner.data.dataset import SkipCounter
 from captioner.data.vocab import Vocabulary
-from captioner.config import (ModelConfig, NonFinite, Objective, Schedule, ScstBaseline, bundle_layout, from_dict,
-                              to_dict)
 from captioner.errors import CaptionerError
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.cider import CiderD, corpus_cider_d
@@ -106,8 +114,12 @@ class CaptionerModule(L.LightningModule):
         encoded = (self._features(batch),) if "features" in batch else self.model.encode(batch["images"])
         features = self.model.attend_grid(*self.model.finish_encoding(*encoded))  # (B, L, C)
         samples, images = self.settings.scst.samples, batch["indices"]  # images: rows of the reward's corpus
-        ids = dict(max_len=self.settings.decoding.max_len, start_id=self.vocab.start_id, end_id=self.vocab.end_id,
-                   unk_id=self.vocab.unk_id)
+        ids = dict(
+            max_len=self.settings.decoding.max_len,
+            start_id=self.vocab.start_id,
+            end_id=self.vocab.end_id,
+            unk_id=self.vocab.unk_id,
+        )
         drawn = rollout(self.model.decoder, features, samples, **ids)
         rewards = self._rewards(drawn.tokens, drawn.lengths, images.repeat_interleave(samples))
         greedy_rewards = None
@@ -192,13 +204,21 @@ class CaptionerModule(L.LightningModule):
         if self.settings.nonfinite == NonFinite.skip:
             log.warning("non-finite loss (%s) at %s: batch skipped, no parameter update", value, where)
             return
-        saved = [path for c in self.trainer.checkpoint_callbacks for path in (c.last_model_path, c.best_model_path)
-                 if path and os.path.isfile(path)]
-        kept = (f"the last good checkpoint is {max(saved, key=os.path.getmtime)}" if saved
-                else "no checkpoint had been saved yet")
+        saved = [
+            path
+            for c in self.trainer.checkpoint_callbacks
+            for path in (c.last_model_path, c.best_model_path)
+            if path and os.path.isfile(path)
+        ]
+        kept = (
+            f"the last good checkpoint is {max(saved, key=os.path.getmtime)}"
+            if saved
+            else "no checkpoint had been saved yet"
+        )
         raise NonFiniteLossError(
             f"non-finite loss ({value}) at {where}; training stopped, {kept} "
-            "(model.nonfinite=skip skips such batches instead)")
+            "(model.nonfinite=skip skips such batches instead)"
+        )
 
     def on_train_epoch_end(self) -> None:
         """Check the last losses; report unreadable training images once, with the first few names."""
@@ -247,8 +267,12 @@ class CaptionerModule(L.LightningModule):
     # --------------------------------------------------------------- evaluation
     def generate(self, batch: dict) -> tuple[Generation, tuple[int, int]]:
         """Decode a batch with the configured method (never teacher-forced)."""
-        kwargs = dict(**to_dict(self.settings.decoding), start_id=self.vocab.start_id, end_id=self.vocab.end_id,
-                      unk_id=self.vocab.unk_id)
+        kwargs = dict(
+            **to_dict(self.settings.decoding),
+            start_id=self.vocab.start_id,
+            end_id=self.vocab.end_id,
+            unk_id=self.vocab.unk_id,
+        )
         if "features" in batch:
             return self.model.generate_from_features(self._features(batch), **kwargs)
         return self.model.generate(batch["images"], **kwargs)
@@ -317,16 +341,18 @@ class CaptionerModule(L.LightningModule):
     def export_bundle(self, path: str) -> None:
         """Write the inference bundle (weights, vocabulary, model config, the data module's image size);
         no Lightning needed to load it."""
-        save_bundle(path, self.model, self.vocab, self.net_config,
-                    preprocess={"image_size": self.trainer.datamodule.image_size})
+        save_bundle(
+            path, self.model, self.vocab, self.net_config, preprocess={"image_size": self.trainer.datamodule.image_size}
+        )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Checkpoints carry the bundle metadata as plain data (model config, vocabulary, image size), so
         ``captioner.model.bundle.load_model`` reads them with ``weights_only=True``. The losses since
         the last check are checked first: with model.nonfinite=stop a non-finite one stops before the write."""
         self._check_losses()
-        checkpoint[CHECKPOINT_KEY] = bundle_metadata(self.net_config, self.vocab,
-                                                     {"image_size": self.trainer.datamodule.image_size})
+        checkpoint[CHECKPOINT_KEY] = bundle_metadata(
+            self.net_config, self.vocab, {"image_size": self.trainer.datamodule.image_size}
+        )
 
 
 def _gather(predictions: dict[int, list[str]]) -> dict[int, list[str]]:

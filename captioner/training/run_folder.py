@@ -19,8 +19,9 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
@@ -69,8 +70,10 @@ def _claim(config: DictConfig, mode: str) -> None:
 
 def _ordered(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config's sections in ``TREE_ORDER``, then the rest in their own order."""
-    return {**{key: config[key] for key in TREE_ORDER if key in config},
-            **{key: value for key, value in config.items() if key not in TREE_ORDER}}
+    return {
+        **{key: config[key] for key in TREE_ORDER if key in config},
+        **{key: value for key, value in config.items() if key not in TREE_ORDER},
+    }
 
 
 def print_config_tree(config: Mapping[str, Any], folder: str | os.PathLike) -> None:

@@ -70,30 +70,44 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str) 
         ckpt = _checkpoint_file(ckpt_path)
         raw = load_torch(ckpt, "checkpoint")
         bundle = isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT
-        if not bundle and (not isinstance(raw, dict) or "state_dict" not in raw
-                           or "pytorch-lightning_version" not in raw):
+        if not bundle and (
+            not isinstance(raw, dict) or "state_dict" not in raw or "pytorch-lightning_version" not in raw
+        ):
             raise ConfigError(f"ckpt_path={ckpt_path!r}: {ckpt} is not a Lightning checkpoint of this project")
         if bundle and objective != "scst":
-            raise ConfigError(f"ckpt_path={ckpt_path!r} is an inference bundle (weights for captioning, no "
-                              "optimiser or training state); to resume a run give its folder or its "
-                              "checkpoints/last.ckpt, to start a new run from its weights give init_from")
+            raise ConfigError(
+                f"ckpt_path={ckpt_path!r} is an inference bundle (weights for captioning, no "
+                "optimiser or training state); to resume a run give its folder or its "
+                "checkpoints/last.ckpt, to start a new run from its weights give init_from"
+            )
         if not bundle and (raw.get("hyper_parameters") or {}).get("objective", DEFAULT_OBJECTIVE) == objective:
             resume = str(ckpt)
         elif init is not None:
-            raise ConfigError(f"ckpt_path={ckpt_path!r} cannot be resumed by a model.objective={objective} run "
-                              f"and would start it from its weights, as init_from={init_from!r} does: give one")
+            raise ConfigError(
+                f"ckpt_path={ckpt_path!r} cannot be resumed by a model.objective={objective} run "
+                f"and would start it from its weights, as init_from={init_from!r} does: give one"
+            )
         else:
             init = _weights_file(ckpt_path)
-            log.info("ckpt_path=%s was not written by a model.objective=%s run: a new run starts from its "
-                     "weights (as init_from does)", ckpt_path, objective)
+            log.info(
+                "ckpt_path=%s was not written by a model.objective=%s run: a new run starts from its "
+                "weights (as init_from does)",
+                ckpt_path,
+                objective,
+            )
     source = init or resume
     if source is None and objective == "scst":
-        raise ConfigError("model.objective=scst fine-tunes a trained captioner: give ckpt_path=<a cross-entropy "
-                          "run folder, its checkpoint or bundle.pt>")
+        raise ConfigError(
+            "model.objective=scst fine-tunes a trained captioner: give ckpt_path=<a cross-entropy "
+            "run folder, its checkpoint or bundle.pt>"
+        )
     if source is None:
         return Start()
-    log.info("%s %s, with its architecture, vocabulary and image size",
-             "starting from the weights of" if init else "resuming", source)
+    log.info(
+        "%s %s, with its architecture, vocabulary and image size",
+        "starting from the weights of" if init else "resuming",
+        source,
+    )
     return Start(resume=resume, init=init, model=load_model(source))
 
 
@@ -107,12 +121,15 @@ def model_settings(model: LoadedModel, config: dict[str, Any], output_dir: Path)
     vocab_file = Path(output_dir) / "vocab.json"
     model.vocab.save(vocab_file)
     settings = {f"model.{key}": value for key, value in net.items()}
-    settings.update({
-        "data.image_size": model.image_size,
-        "data.vocab_file": str(vocab_file),
-    })
-    changed = [key for key, value in settings.items()
-               if config.get(key.split(".")[0], {}).get(key.split(".")[1]) != value]
+    settings.update(
+        {
+            "data.image_size": model.image_size,
+            "data.vocab_file": str(vocab_file),
+        }
+    )
+    changed = [
+        key for key, value in settings.items() if config.get(key.split(".")[0], {}).get(key.split(".")[1]) != value
+    ]
     if changed:
         log.info("from the checkpoint, not the config: %s", ", ".join(changed))
     return settings

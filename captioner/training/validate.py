@@ -19,8 +19,16 @@ from captioner.data.sources import Source
 from captioner.errors import ConfigError, check_choice, check_range
 
 # What CaptionerModule logs, so what a checkpoint or early-stopping callback can monitor.
-MONITORS = ("val/bleu1", "val/bleu2", "val/bleu3", "val/bleu4", "val/cider", "val/loss", "val/attention_correctness",
-            "train/loss")
+MONITORS = (
+    "val/bleu1",
+    "val/bleu2",
+    "val/bleu3",
+    "val/bleu4",
+    "val/cider",
+    "val/loss",
+    "val/attention_correctness",
+    "train/loss",
+)
 # The optional package each logger needs, and the extra of pyproject.toml that installs it.
 LOGGER_PACKAGES: dict[str, str] = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
 
@@ -29,15 +37,18 @@ def _check_trainer(trainer: dict[str, Any]) -> None:
     """Trainer values Lightning takes without complaint but that make a run do nothing or the wrong thing."""
     for key in ("callbacks", "logger", "plugins"):
         if key in trainer:
-            raise ConfigError(f"trainer.{key} is passed by train.py itself (from the {key} section) and cannot "
-                              "be set in the trainer config")
+            raise ConfigError(
+                f"trainer.{key} is passed by train.py itself (from the {key} section) and cannot "
+                "be set in the trainer config"
+            )
     if trainer.get("max_epochs") is not None:
         check_range("trainer.max_epochs", trainer["max_epochs"], 1, kind=int)
     if trainer.get("gradient_clip_val") is not None:
         check_range("trainer.gradient_clip_val", trainer["gradient_clip_val"], 0.0)
     if trainer.get("min_epochs") is not None and trainer["min_epochs"] > trainer.get("max_epochs", 1):
-        raise ConfigError(f"trainer.min_epochs={trainer['min_epochs']} must be <= trainer.max_epochs="
-                          f"{trainer.get('max_epochs')}")
+        raise ConfigError(
+            f"trainer.min_epochs={trainer['min_epochs']} must be <= trainer.max_epochs={trainer.get('max_epochs')}"
+        )
 
 
 def _check_monitors(callbacks: dict[str, Any] | None) -> None:
@@ -69,13 +80,15 @@ def check_environment(cfg: dict[str, Any], source: Source) -> None:
     source.check_files()
     vocab_file = cfg["data"].get("vocab_file")
     if vocab_file and not Path(vocab_file).is_file():
-        raise ConfigError(f"data.vocab_file={vocab_file!r}: file not found (a vocabulary JSON file written by "
-                          "Vocabulary.save)")
+        raise ConfigError(
+            f"data.vocab_file={vocab_file!r}: file not found (a vocabulary JSON file written by Vocabulary.save)"
+        )
     for name, node in (cfg.get("logger") or {}).items():
         package = LOGGER_PACKAGES.get(node["_target_"].rsplit(".", 1)[-1]) if node else None
         if package and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"logger.{name} needs the {package} package, which is not installed: "
-                              f"pip install -e \".[{package}]\"")
+            raise ConfigError(
+                f'logger.{name} needs the {package} package, which is not installed: pip install -e ".[{package}]"'
+            )
     for key in ("ckpt_path", "init_from"):
         if cfg.get(key) is not None and not Path(cfg[key]).exists():
             raise ConfigError(f"{key}={cfg[key]!r} does not exist")
@@ -84,8 +97,10 @@ def check_environment(cfg: dict[str, Any], source: Source) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"trainer.accelerator={accelerator!r} but this machine has no usable CUDA GPU; "
-                              "use trainer=cpu (or trainer.accelerator=cpu)")
+            raise ConfigError(
+                f"trainer.accelerator={accelerator!r} but this machine has no usable CUDA GPU; "
+                "use trainer=cpu (or trainer.accelerator=cpu)"
+            )
         devices = cfg["trainer"].get("devices")
         if isinstance(devices, int) and devices > torch.cuda.device_count():
             raise ConfigError(f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")

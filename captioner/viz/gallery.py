@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import html
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 from urllib.parse import quote
 
 from captioner.fileio import atomic_write
@@ -41,8 +41,9 @@ def _link(target: str | Path, out_dir: Path) -> str:
     return html.escape(quote(Path(relative).as_posix()), quote=True)
 
 
-def write_gallery(out_dir: str | os.PathLike, entries: Sequence[GalleryEntry],
-                  title: str = "captioner gallery") -> Path:
+def write_gallery(
+    out_dir: str | os.PathLike, entries: Sequence[GalleryEntry], title: str = "captioner gallery"
+) -> Path:
     """Write ``out_dir/index.html`` atomically, one section per entry in the given order; return its path.
 
     Images and overlays are linked relative to ``out_dir`` (the folder can be moved together with

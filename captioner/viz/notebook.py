@@ -25,5 +25,6 @@ def show_attention(result: Captioned, image: str | os.PathLike | Image.Image | t
     if source is None:
         raise ValueError("the result has neither an image nor a path: pass image=")
     picture = load_rgb(source) if isinstance(source, (str, os.PathLike)) else to_rgb(source)
-    return overlay_figure(picture, result.words, result.alphas, result.grid, locations=result.locations,
-                          title=result.caption)
+    return overlay_figure(
+        picture, result.words, result.alphas, result.grid, locations=result.locations, title=result.caption
+    )

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -63,9 +63,14 @@ def _as_alphas(alphas: Tensor | np.ndarray, steps: int, grid: tuple[int, int]) -
     return array
 
 
-def overlay_figure(image: Image.Image, words: Sequence[str], alphas: Tensor | np.ndarray,
-                   grid: tuple[int, int], locations: Sequence[int] | None = None,
-                   title: str | None = None) -> Figure:
+def overlay_figure(
+    image: Image.Image,
+    words: Sequence[str],
+    alphas: Tensor | np.ndarray,
+    grid: tuple[int, int],
+    locations: Sequence[int] | None = None,
+    title: str | None = None,
+) -> Figure:
     """Build the overlay figure: ``1 + len(words)`` axes, the image first, then one per word.
 
     ``alphas`` is ``(T, H*W)`` (row t: the attention used for word t, ``T >= len(words)``);
@@ -78,7 +83,7 @@ def overlay_figure(image: Image.Image, words: Sequence[str], alphas: Tensor | np
     if locations is not None:
         if len(locations) < len(words):
             raise ValueError(f"locations has {len(locations)} entries for {len(words)} words")
-        bad = [loc for loc in locations[:len(words)] if not 0 <= int(loc) < rows * cols]
+        bad = [loc for loc in locations[: len(words)] if not 0 <= int(loc) < rows * cols]
         if bad:
             raise ValueError(f"locations {bad} are outside the {rows}x{cols} grid")
 
@@ -95,8 +100,11 @@ def overlay_figure(image: Image.Image, words: Sequence[str], alphas: Tensor | np
     ncols = min(MAX_COLUMNS, panels)
     nrows = math.ceil(panels / ncols)
     panel_height = PANEL_INCHES * height / width + 0.35  # room for the word above
-    fig = Figure(figsize=(PANEL_INCHES * ncols + (0.9 if words else 0.0),
-                          panel_height * nrows + (0.4 if title else 0.0)), dpi=DPI, layout="constrained")
+    fig = Figure(
+        figsize=(PANEL_INCHES * ncols + (0.9 if words else 0.0), panel_height * nrows + (0.4 if title else 0.0)),
+        dpi=DPI,
+        layout="constrained",
+    )
     FigureCanvasAgg(fig)
     if title:
         fig.suptitle(title, parse_math=False)
@@ -115,8 +123,11 @@ def overlay_figure(image: Image.Image, words: Sequence[str], alphas: Tensor | np
         if locations is not None:
             row, col = divmod(int(locations[step]), cols)
             cell_w, cell_h = width / cols, height / rows
-            ax.add_patch(Rectangle((col * cell_w - 0.5, row * cell_h - 0.5), cell_w, cell_h,
-                                   fill=False, edgecolor="red", linewidth=1.5))
+            ax.add_patch(
+                Rectangle(
+                    (col * cell_w - 0.5, row * cell_h - 0.5), cell_w, cell_h, fill=False, edgecolor="red", linewidth=1.5
+                )
+            )
     if words:
         _colour_bar(fig, axes, scale, uniform)
     return fig
@@ -128,13 +139,20 @@ def _colour_bar(fig: Figure, axes: list, scale: Normalize, uniform: float) -> No
     bar = fig.colorbar(ScalarMappable(scale, shades), ax=axes, shrink=0.8, aspect=30)
     bar.set_label("attention weight per cell")
     bar.ax.axhline(uniform, color="tab:orange", linewidth=1.5)
-    bar.ax.text(1.05, uniform, "1/L", transform=bar.ax.get_yaxis_transform(), va="center",
-                color="tab:orange", fontsize=8)
+    bar.ax.text(
+        1.05, uniform, "1/L", transform=bar.ax.get_yaxis_transform(), va="center", color="tab:orange", fontsize=8
+    )
 
 
-def draw_overlay(image: Image.Image, words: Sequence[str], alphas: Tensor | np.ndarray,
-                 grid: tuple[int, int], out_path: str | os.PathLike,
-                 locations: Sequence[int] | None = None, title: str | None = None) -> Path:
+def draw_overlay(
+    image: Image.Image,
+    words: Sequence[str],
+    alphas: Tensor | np.ndarray,
+    grid: tuple[int, int],
+    out_path: str | os.PathLike,
+    locations: Sequence[int] | None = None,
+    title: str | None = None,
+) -> Path:
     """Draw :func:`overlay_figure` into a PNG at ``out_path`` (written atomically); return the path."""
     fig = overlay_figure(image, words, alphas, grid, locations=locations, title=title)
     with atomic_write(out_path, "wb") as handle:
