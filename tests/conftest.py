@@ -21,7 +21,6 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-import train  # noqa: F401  registers the config schemas (captioner.config) with Hydra
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary
 from captioner.fileio import save_torch
@@ -91,6 +90,8 @@ def snapshot(folder: Path) -> dict[str, str]:
 # ------------------------------------------------------------------------------------ composed configs
 def compose_cfg(overrides: list[str], tmp_path: Path) -> DictConfig:
     """Compose conf/config.yaml as train.py would, with the run's folder at ``tmp_path/out``."""
+    import train  # noqa: F401  registers the config schemas (captioner.config) with Hydra, as running it does
+
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     with open_dict(cfg):

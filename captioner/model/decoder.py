@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Categorical
 
-from captioner.config import Attention, Gate, HardEstimator, HardInference
-from captioner.errors import ConfigError, check_choice, check_range
+from captioner.config import Attention, DecoderConfig, NetConfig, Scorer
+from captioner.errors import check_choice
 from captioner.model.attention import build_attention
 
 State = tuple[Tensor, Tensor]
@@ -60,20 +60,25 @@ class ShowAttendTellDecoder(nn.Module):
         gumbel_tau_min: float = 0.5,
     ) -> None:
         super().__init__()
+        # Every value is checked where the settings are defined (captioner.config), with the rule that hard
+        # attention cannot read multihead's projected context.
+        settings = DecoderConfig(
+            embed_dim=embed_dim,
+            hidden_dim=hidden_dim,
+            attention_dim=attention_dim,
+            attention_heads=attention_heads,
+            gate=gate,
+            deep_output=deep_output,
+            dropout=dropout,
+            hard_expectation_prob=hard_expectation_prob,
+            hard_inference=hard_inference,
+            hard_estimator=hard_estimator,
+            gumbel_tau=gumbel_tau,
+            gumbel_tau_min=gumbel_tau_min,
+        )
         check_choice("mode", mode, list(Attention))
-        check_choice("gate", gate, list(Gate))
-        check_choice("hard_inference", hard_inference, list(HardInference))
-        check_choice("hard_estimator", hard_estimator, list(HardEstimator))
-        check_range("dropout", dropout, 0.0, 0.99)
-        check_range("hard_expectation_prob", hard_expectation_prob, 0.0, 1.0)
-        check_range("gumbel_tau", gumbel_tau, 1e-3)
-        check_range("gumbel_tau_min", gumbel_tau_min, 1e-3, gumbel_tau)
-        if mode == "hard" and attention == "multihead":
-            # Its expected context reads projected values, a sampled location would read a raw a_i.
-            raise ConfigError(
-                "scorer=multihead works with soft attention only: hard attention samples one "
-                "annotation vector a_i, which multihead's projected context is not"
-            )
+        check_choice("attention", attention, list(Scorer))
+        NetConfig(attention=mode, scorer=attention, decoder=settings)
         self.mode = mode
         self.hard_expectation_prob = hard_expectation_prob
         self.hard_inference = hard_inference

@@ -21,7 +21,8 @@ import torchvision
 from torch import Tensor, nn
 from torchvision.models import WeightsEnum, get_model, get_model_weights, list_models
 
-from captioner.errors import ConfigError, check_range, first_line
+from captioner.config import EncoderConfig
+from captioner.errors import ConfigError, first_line
 
 # Top-level children at which the trunk ends: global pooling, flattening, or the classifier head.
 _HEAD_TYPES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear)
@@ -134,9 +135,14 @@ class Encoder(nn.Module):
         channels_last: bool = False,
     ) -> None:
         super().__init__()
-        if grid is not None:
-            check_range("encoder.grid", grid, low=1, kind=int)
-        check_range("encoder.trainable_stages", trainable_stages, low=-1, kind=int)
+        EncoderConfig(  # checks every value where the settings are defined
+            name=name,
+            weights=weights,
+            stage=stage,
+            grid=grid,
+            trainable_stages=trainable_stages,
+            channels_last=channels_last,
+        )
         model = _build_classifier(name, weights)
         self.name = name
         self.grid = grid

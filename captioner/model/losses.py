@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captioner.config import ReinforceReward, ScstBaseline
-from captioner.errors import check_choice, check_range
+from captioner.config import LossConfig, ScstBaseline
+from captioner.errors import check_choice
 from captioner.model.decoder import DecoderOutput
 
 BASELINE_SLOTS = 64  # per-step baselines kept; steps (or remaining lengths) beyond share the last one
@@ -46,11 +46,13 @@ class CaptionLoss(nn.Module):
         baseline_decay: float = 0.9,
     ) -> None:
         super().__init__()
-        check_range("ds_lambda", ds_lambda, 0.0)
-        check_range("reinforce_weight", reinforce_weight, 0.0)
-        check_choice("reinforce_reward", reinforce_reward, list(ReinforceReward))
-        check_range("entropy_weight", entropy_weight, 0.0)
-        check_range("baseline_decay", baseline_decay, 0.0, 1.0)
+        LossConfig(  # checks every value where the settings are defined
+            ds_lambda=ds_lambda,
+            reinforce_reward=reinforce_reward,
+            reinforce_weight=reinforce_weight,
+            entropy_weight=entropy_weight,
+            baseline_decay=baseline_decay,
+        )
         self.pad_id = pad_id
         self.unk_id = unk_id
         self.ds_lambda = ds_lambda
