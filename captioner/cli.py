@@ -16,6 +16,7 @@ and exit status 2. No traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from captioner import __version__
-from captioner.config import DecodeMethod
+from captioner.config import DecodeMethod, DecodingConfig, to_dict
 from captioner.data.dataset import Skipped
 from captioner.data.images import load_rgb
 from captioner.data.readers import Record
@@ -112,23 +113,16 @@ def _device(name: str) -> torch.device:
 
 def _decode_options(args: argparse.Namespace) -> dict:
     """Check the decoding and batching options; return the ``Captioner.generate`` keywords."""
-    check_range("--beam-size", args.beam_size, 1, kind=int)
-    check_range("--max-len", args.max_len, 1, kind=int)
     check_range("--batch-size", args.batch_size, 1, kind=int)
     check_range("--workers", args.workers, 0, kind=int)
-    check_range("--temperature", args.temperature, 1e-6)
-    check_range("--length-penalty", args.length_penalty, 0.0)
-    check_range("--min-len", args.min_len, 0, args.max_len - 1, kind=int)
-    check_range("--no-repeat-ngram-size", args.no_repeat_ngram_size, 0, kind=int)
-    return dict(
-        method=args.method,
-        beam_size=args.beam_size,
-        max_len=args.max_len,
-        temperature=args.temperature,
-        length_penalty=args.length_penalty,
-        min_len=args.min_len,
-        no_repeat_ngram_size=args.no_repeat_ngram_size,
-    )
+    fields = [field.name for field in dataclasses.fields(DecodingConfig)]
+    try:  # checked where the decoding settings are defined; the messages name the flags
+        return to_dict(DecodingConfig(**{field: getattr(args, field) for field in fields}))
+    except ConfigError as exc:
+        message = str(exc)
+        for field in fields:
+            message = message.replace(field, "--" + field.replace("_", "-"))
+        raise ConfigError(message) from None
 
 
 def _load(args: argparse.Namespace, device: torch.device) -> LoadedModel:
@@ -373,15 +367,21 @@ def build_parser() -> argparse.ArgumentParser:
             help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint",
         )
         sub.add_argument("--method", choices=list(DecodeMethod), default="beam", help="decoding method")
-        sub.add_argument("--beam-size", type=int, default=3, help="captions kept per image by beam search")
-        sub.add_argument("--max-len", type=int, default=20, help="maximum words per caption")
-        sub.add_argument("--temperature", type=float, default=1.0, help="for --method sample")
-        sub.add_argument("--length-penalty", type=float, default=0.0, help="GNMT alpha for beam search")
-        sub.add_argument("--min-len", type=int, default=0, help="no <end> before this many words (0: off)")
+        sub.add_argument(
+            "--beam-size", type=int, default=DecodingConfig.beam_size, help="captions kept per image by beam search"
+        )
+        sub.add_argument("--max-len", type=int, default=DecodingConfig.max_len, help="maximum words per caption")
+        sub.add_argument("--temperature", type=float, default=DecodingConfig.temperature, help="for --method sample")
+        sub.add_argument(
+            "--length-penalty", type=float, default=DecodingConfig.length_penalty, help="GNMT alpha for beam search"
+        )
+        sub.add_argument(
+            "--min-len", type=int, default=DecodingConfig.min_len, help="no <end> before this many words (0: off)"
+        )
         sub.add_argument(
             "--no-repeat-ngram-size",
             type=int,
-            default=0,
+            default=DecodingConfig.no_repeat_ngram_size,
             help="no n-gram of this many words twice in a caption (0: off)",
         )
         sub.add_argument("--batch-size", type=int, default=32, help="images encoded and decoded together")

@@ -507,7 +507,7 @@ def test_a_bad_model_file_is_one_line_and_exit_2(kind, bundles, inputs, tmp_path
         (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
         (["--workers", "-1"], "--workers=-1 must be >= 0"),
         (["--temperature", "0"], "--temperature=0.0 must be >= 1e-06"),
-        (["--min-len", "20"], "--min-len=20 must be in [0, 19]"),
+        (["--min-len", "20"], "--min-len=20 must be < --max-len=20"),
         (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size=-1 must be >= 0"),
         pytest.param(
             ["--device", "cuda"],
