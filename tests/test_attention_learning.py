@@ -6,7 +6,8 @@ Hard attention is trained with ``hard_expectation_prob=0``: every step reads one
 cross-entropy has no path to alpha and the attention learns from its estimator alone (REINFORCE's
 (r_t - b_t) grad log alpha_{s_t}, or the relaxed one-hot's straight-through gradient). The doubly stochastic
 penalty is off (``ds_lambda=0``): it asks every location to be read about once over a caption, which over a
-two-step caption and 16 locations pulls alpha towards uniform, against what is tested here. Every other
+two-step caption and 16 locations pulls alpha towards uniform, against what is tested here (with the default
+1.0, seeds 0-4 end at alpha mass 0.25-0.27 soft, 0.12-0.16 REINFORCE, 0.03-0.17 Gumbel). Every other
 CaptionLoss setting is the project's default.
 """
 
@@ -14,17 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
+from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.losses import CaptionLoss
 
 L, D, K = 16, 16, 4  # locations, feature channels, object words
-PAD, START, END, UNK = 0, 1, 2, 3
-NOTHING = 4 + K  # the word of an image with no object: ids 4 .. 4 + K - 1 name the objects
+PAD, START, END, UNK = Vocabulary.pad_id, Vocabulary.start_id, Vocabulary.end_id, Vocabulary.unk_id
+NOTHING = 4 + K  # the word of an image with no object; ids 4 .. 4 + K - 1, after the specials, name the objects
 V = NOTHING + 1
 EMPTY = 0.2  # share of images with no object
 STEPS, BATCH, LR = 300, 256, 3e-3
@@ -37,9 +40,9 @@ class Scenes:
     embedding. The marker has twice a background cell's norm, the embeddings about the same norm.
 
     A fifth of the images have no object and read "nothing": otherwise, once K - 1 objects are found, the
-    last one can be told by elimination and soft attention and Gumbel often stop short of it. What the mean
-    feature (h_0, a uniform read) tells of the word is measured by
-    ``test_without_attention_the_word_is_mostly_unreadable``.
+    last one is told by elimination and training may stop short of it (seeds 0-9 with no empty images: alpha
+    mass 0.73-0.79 on 5 for soft, 0.75 on 2 for Gumbel, 0.83-0.89 on 2 for REINFORCE, every accuracy 1.00).
+    What the mean feature (h_0, a uniform read) tells of the word: ``test_without_attention_accuracy_stays_low``.
     """
 
     generator: torch.Generator
@@ -75,7 +78,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def make_decoder(seed: int, **options) -> ShowAttendTellDecoder:
+def make_decoder(seed: int, **options: Any) -> ShowAttendTellDecoder:
     torch.manual_seed(seed)
     return ShowAttendTellDecoder(V, D, embed_dim=16, hidden_dim=32, attention_dim=32, dropout=0.0, **options)
 
@@ -96,8 +99,9 @@ def train(decoder: ShowAttendTellDecoder, scenes: Scenes, steps: int = STEPS) ->
 
 @torch.no_grad()
 def evaluate(decoder: ShowAttendTellDecoder, features: Tensor, captions: Tensor, cells: Tensor) -> tuple[float, float]:
-    """Mean alpha on the object's cell at the word's step (images with an object), and the share of images
-    whose first word, from the decoder in evaluation mode (hard: reading the argmax location), is right."""
+    """Mean alpha on the object's cell at the word's step (over the images with an object), and the share of
+    all images whose first word, from the decoder in evaluation mode (hard: reading the argmax location), is
+    right."""
     decoder.eval()
     output = decoder(features, captions)
     found = cells >= 0
@@ -106,7 +110,7 @@ def evaluate(decoder: ShowAttendTellDecoder, features: Tensor, captions: Tensor,
     return mass.item(), accuracy.item()
 
 
-def attention_before_and_after(seed: int, **options) -> tuple[tuple[float, float], tuple[float, float]]:
+def attention_before_and_after(seed: int, **options: Any) -> tuple[tuple[float, float], tuple[float, float]]:
     """(alpha mass, accuracy) on 1000 held-out images before and after training a decoder built with
     ``options``."""
     scenes = Scenes.seeded(seed)
@@ -117,30 +121,29 @@ def attention_before_and_after(seed: int, **options) -> tuple[tuple[float, float
     return before, evaluate(decoder, *held_out)
 
 
-ESTIMATORS = {
-    "soft": dict(mode="soft"),
-    "reinforce": dict(mode="hard", hard_estimator="reinforce", hard_expectation_prob=0.0),
-    "gumbel": dict(mode="hard", hard_estimator="gumbel", hard_expectation_prob=0.0),
+ESTIMATORS: dict[str, dict[str, Any]] = {
+    "soft": {"mode": "soft"},
+    "reinforce": {"mode": "hard", "hard_estimator": "reinforce", "hard_expectation_prob": 0.0},
+    "gumbel": {"mode": "hard", "hard_estimator": "gumbel", "hard_expectation_prob": 0.0},
 }
 
 
 @pytest.mark.parametrize("options", ESTIMATORS.values(), ids=ESTIMATORS.keys())
-def test_training_moves_the_attention_onto_the_informative_cell(options: dict) -> None:
-    """At init alpha is about uniform (1/16 = 0.06); after 300 steps it puts most of its mass on the object.
+def test_training_moves_the_attention_onto_the_informative_cell(options: dict[str, Any]) -> None:
+    """At init alpha is about uniform (1/16 = 0.06); after 300 steps nearly all of it is on the object.
 
-    Observed over seeds 0-19 (alpha mass / accuracy): soft 0.88-0.97 / >= 0.99, REINFORCE >= 0.99 / >= 0.98,
-    Gumbel >= 0.97 / >= 0.99 but for one seed stuck at 0.74 / 0.90 (three objects found, one avoided). The
-    decoder that reads no cell gets 0.59 (test below: the "nothing" images and chance).
+    Observed over seeds 0-39: alpha mass 0.035-0.093 before training; after it, mass / accuracy 0.92-1.00 /
+    1.00 for soft, 1.00 / 1.00 for REINFORCE and Gumbel; 0.50-0.60 accuracy without attention (test below).
     """
     (mass_before, _), (mass, accuracy) = attention_before_and_after(0, **options)
     assert abs(mass_before - 1 / L) < 0.5 / L
-    assert mass > 0.6
-    assert accuracy > 0.85
+    assert mass > 0.8
+    assert accuracy > 0.9
 
 
-def test_without_attention_the_word_is_mostly_unreadable() -> None:
+def test_without_attention_accuracy_stays_low() -> None:
     """The same training with alpha fixed at 1/L (scorer "mean": every step reads the mean feature) leaves
-    the word to what the mean tells of it: the accuracy above needs the attention on the object's cell."""
+    the word to what the mean tells of it: the accuracy above needs the object's cell."""
     _, (mass, accuracy) = attention_before_and_after(0, attention="mean")
     assert mass == pytest.approx(1 / L)
-    assert accuracy < 0.75  # seed 0: 0.59, against > 0.85 with attention on any estimator
+    assert accuracy < 0.7
