@@ -56,7 +56,7 @@ class CaptionerModule(L.LightningModule):
         self.save_hyperparameters(to_dict(self.settings))  # every setting, as plain data (weights_only loads it)
         self.vocab = vocab
         self.net_config = bundle_layout(self.settings.net())
-        self.model: Captioner = build_captioner(self.net_config, len(vocab))
+        self.model: Captioner = build_captioner(self.settings.net(), len(vocab))
         self.criterion = CaptionLoss(pad_id=vocab.pad_id, unk_id=vocab.unk_id, **to_dict(self.settings.loss))
         self.self_critical = SelfCriticalLoss(self.settings.scst.baseline)
         self.cider: CiderD | None = None  # the SCST reward: CIDEr-D against the training references
