@@ -106,7 +106,7 @@ def train(cfg: DictConfig) -> float | None:
     validate_config(plain)
     source = build("data.source", plain["data"]["source"])
     check_environment(plain, source)
-    start = resolve_start(cfg.ckpt_path, cfg.init_from, cfg.model.objective)
+    start = resolve_start(cfg.ckpt_path, cfg.init_from, cfg.model.objective, cfg.model.scst.after_epochs)
     ckpt_path = start.resume
     L.seed_everything(cfg.seed, workers=True)
     if start.model is not None:  # the model of the checkpoint, not of the config

@@ -291,9 +291,17 @@ class ScstConfig(Settings):
 
     samples: int = 5  # captions sampled per image, all images and samples at once
     baseline: ScstBaseline = ScstBaseline.mean
+    # Cross-entropy epochs before self-critical training starts, in the same run (SCST improves a model
+    # trained with cross-entropy); 0: self-critical from the first step, of the model of ckpt_path/init_from.
+    after_epochs: int = 0
+    # after_epochs > 0: when SCST takes over, the learning-rate schedule starts again (warm-up excepted) from
+    # the optimizer's rates times this.
+    lr_scale: float = 0.1
 
     def check(self) -> None:
         check_range("samples", self.samples, 1, kind=int)
+        check_range("after_epochs", self.after_epochs, 0, kind=int)
+        check_range("lr_scale", self.lr_scale, 1e-6)
         if self.baseline == ScstBaseline.mean and self.samples < 2:
             raise ConfigError(
                 f"samples={self.samples}: baseline=mean compares each sample with the image's "

@@ -1,6 +1,8 @@
 """CaptionerModule: the model it builds from its settings, the loss it trains, and its optimiser steps."""
 
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -86,3 +88,42 @@ def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> N
     module.settings.decoding.min_len = module.settings.decoding.no_repeat_ngram_size = 0
     free, _ = module.generate({"features": features})
     assert any(len(set(row[:n].tolist())) < n for row, n in zip(free.tokens, free.lengths))  # without: repeats
+
+
+def _learning_rates(module: CaptionerModule, epochs: int, steps_per_epoch: int) -> list[float]:
+    """The decoder group's learning rate at every training step of the module's schedule."""
+    module.trainer = SimpleNamespace(estimated_stepping_batches=epochs * steps_per_epoch, max_epochs=epochs)
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(epochs * steps_per_epoch):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def test_scst_after_cross_entropy_epochs_starts_its_schedule_again_at_the_lower_rate(vocab):
+    """objective=scst with scst.after_epochs=2 of 4: warm-up and cosine to ~0 over the cross-entropy epochs,
+    then the cosine again from lr * lr_scale over the SCST epochs."""
+    settings = dict(encoder=SMALL, optimizer={"lr": 0.01}, scheduler={"warmup_steps": 5})
+    module = CaptionerModule(vocab, objective="scst", scst={"after_epochs": 2, "lr_scale": 0.1}, **settings)
+    rates = _learning_rates(module, epochs=4, steps_per_epoch=10)
+    assert rates[0] == pytest.approx(1e-5) and rates[5] == pytest.approx(0.01)  # warm-up from 1e-3 x lr
+    assert rates[19] < 1e-3 and all(a >= b for a, b in zip(rates[5:20], rates[6:20]))  # cosine, CE phase
+    assert rates[20] == pytest.approx(0.001)  # SCST: no warm-up, lr x lr_scale
+    assert rates[39] < 1e-4 and all(a >= b for a, b in zip(rates[20:], rates[21:]))
+    # a cross-entropy run's single schedule, for comparison: one cosine over the whole run
+    single = _learning_rates(CaptionerModule(vocab, **settings), epochs=4, steps_per_epoch=10)
+    assert single[:5] == pytest.approx(rates[:5]) and single[20] == pytest.approx(
+        0.01 * 0.5 * (1 + math.cos(math.pi * 15 / 35))
+    )
+
+
+def test_scst_takes_over_after_the_cross_entropy_epochs(vocab):
+    module = CaptionerModule(vocab, encoder=SMALL, objective="scst", scst={"after_epochs": 2})
+    module.trainer = SimpleNamespace(current_epoch=1)
+    assert not module.scst_epoch
+    module.trainer.current_epoch = 2
+    assert module.scst_epoch
+    assert not CaptionerModule(vocab, encoder=SMALL).scst_epoch

@@ -227,3 +227,26 @@ def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(
     ddp = torch.load(tmp_path / "ddp" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ddp["epoch"] == 2 and ddp["global_step"] == last["global_step"] + math.ceil(120 / 16)
     assert json.loads((tmp_path / "ddp" / "metrics.json").read_text())["val/cider"] > 0
+
+
+@pytest.mark.slow
+def test_scst_after_cross_entropy_epochs_in_one_run(tiny_shapes: Path, tmp_path: Path) -> None:
+    """objective=scst with scst.after_epochs=1, from scratch: epoch 0 trains with cross-entropy, epoch 1
+    with SCST (its reward logged), and the checkpoint says objective scst so a resume stays in SCST."""
+    run = run_train(
+        [
+            *tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"),
+            "model.objective=scst",
+            "model.scst.after_epochs=1",
+            "trainer.max_epochs=2",
+            "test=false",
+            "trainer.log_every_n_steps=1",
+        ]
+    )
+    assert "epoch 1: self-critical training (CIDEr-D reward) takes over from cross-entropy" in run.stdout
+    steps_per_epoch = math.ceil(240 / 16)
+    cross_entropy, rewards = logged(tmp_path / "run", "train/ce"), logged(tmp_path / "run", "train/reward")
+    assert sorted(cross_entropy) == list(range(steps_per_epoch))
+    assert sorted(rewards) == list(range(steps_per_epoch, 2 * steps_per_epoch))
+    last = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["hyper_parameters"]["objective"] == "scst" and last["epoch"] == 1

@@ -30,27 +30,27 @@ def test_resolve_checkpoint_refuses_every_kind_of_bad_file(write, message: str, 
     path = tmp_path / "run"
     write(path)
     with pytest.raises((BundleError, ConfigError), match=message):
-        resolve_start(str(path), None, "cross_entropy")
+        resolve_start(str(path), None, "cross_entropy", 0)
 
 
 def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_another(tmp_path: Path) -> None:
     ce, scst = write_run(tmp_path / "ce", None), write_run(tmp_path / "scst", "scst")
-    start = resolve_start(str(ce), None, "cross_entropy")  # as before: resume
+    start = resolve_start(str(ce), None, "cross_entropy", 0)  # as before: resume
     assert start.resume == str(ce / "checkpoints" / "last.ckpt") and start.init is None
-    start = resolve_start(str(ce), None, "scst")  # a cross-entropy run: SCST starts from its selected model
+    start = resolve_start(str(ce), None, "scst", 0)  # a cross-entropy run: SCST starts from its selected model
     assert start.resume is None and start.init == str(ce / "bundle.pt")
     assert start.model.config["decoder"]["mode"] == "hard" and start.model.vocab.itos[4:] == ["a", "red", "circle"]
-    start = resolve_start(str(ce / "checkpoints" / "last.ckpt"), None, "scst")  # a checkpoint file: that one
+    start = resolve_start(str(ce / "checkpoints" / "last.ckpt"), None, "scst", 0)  # a checkpoint file: that one
     assert start.init == str(ce / "checkpoints" / "last.ckpt")
-    assert resolve_start(str(ce / "bundle.pt"), None, "scst").init == str(ce / "bundle.pt")  # a bundle too
-    start = resolve_start(str(scst), None, "scst")  # an SCST run: resumed
+    assert resolve_start(str(ce / "bundle.pt"), None, "scst", 0).init == str(ce / "bundle.pt")  # a bundle too
+    start = resolve_start(str(scst), None, "scst", 0)  # an SCST run: resumed
     assert start.resume == str(scst / "checkpoints" / "last.ckpt") and start.init is None
     assert start.model.image_size == 64  # the model comes from the checkpoint when resuming as well
-    start = resolve_start(None, str(ce), "cross_entropy")  # init_from: a new run from the weights, any objective
+    start = resolve_start(None, str(ce), "cross_entropy", 0)  # init_from: a new run from the weights, any objective
     assert start.init == str(ce / "bundle.pt") and start.resume is None
     crashed = write_run(tmp_path / "crashed", None, bundle=False)
-    assert resolve_start(str(crashed), None, "scst").init == str(crashed / "checkpoints" / "last.ckpt")
-    assert resolve_start(None, None, "cross_entropy").model is None
+    assert resolve_start(str(crashed), None, "scst", 0).init == str(crashed / "checkpoints" / "last.ckpt")
+    assert resolve_start(None, None, "cross_entropy", 0).model is None
 
 
 @pytest.mark.parametrize(
@@ -63,11 +63,11 @@ def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_anot
 def test_scst_needs_one_model_to_start_from(ckpt: str | None, init: str | None, message: str, tmp_path: Path) -> None:
     write_run(tmp_path / "ce", None)
     with pytest.raises(ConfigError, match=message):
-        resolve_start(ckpt and str(tmp_path / ckpt), init and str(tmp_path / init), "scst")
+        resolve_start(ckpt and str(tmp_path / ckpt), init and str(tmp_path / init), "scst", 0)
 
 
 def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
-    start = resolve_start(str(write_run(tmp_path / "ce", None)), None, "scst")
+    start = resolve_start(str(write_run(tmp_path / "ce", None)), None, "scst", 0)
     config = {
         "model": {"attention": "soft", "scorer": "additive", "decoder": {"embed_dim": 128}},
         "data": {"image_size": 96},
@@ -86,7 +86,7 @@ def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
 def test_model_settings_say_which_values_of_the_config_the_checkpoint_changes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    start = resolve_start(None, str(write_run(tmp_path / "ce", None)), "cross_entropy")
+    start = resolve_start(None, str(write_run(tmp_path / "ce", None)), "cross_entropy", 0)
     config = {"model": to_dict(net_from_bundle(RUN_NET)), "data": {"image_size": 96, "vocab_file": None}}
     with caplog.at_level(logging.INFO, logger="captioner.training.start"):
         model_settings(start.model, config, tmp_path / "out")

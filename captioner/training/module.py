@@ -9,6 +9,7 @@ counts each image once and scores them against all references with nltk's corpus
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -90,7 +91,7 @@ class CaptionerModule(L.LightningModule):
         if batch["captions"].numel() == 0:
             return None
         self.model.decoder.anneal(self.global_step / max(1, int(self.trainer.estimated_stepping_batches)))
-        if self.settings.objective == Objective.scst:
+        if self.scst_epoch:
             terms = self.self_critical_terms(batch)
         else:
             terms = self.criterion(self._forward(batch), batch["captions"])
@@ -100,6 +101,19 @@ class CaptionerModule(L.LightningModule):
         self.log_dict({f"train/{k}": v.detach() for k, v in terms.items() if k != "loss"}, batch_size=size)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=size)
         return loss
+
+    @property
+    def scst_epoch(self) -> bool:
+        """Whether this epoch trains with SCST (objective=scst, after ``scst.after_epochs`` cross-entropy epochs)."""
+        scst = self.settings.scst
+        return self.settings.objective == Objective.scst and self.current_epoch >= scst.after_epochs
+
+    def on_train_epoch_start(self) -> None:
+        """Say when self-critical training takes over from cross-entropy in the run."""
+        if self.scst_epoch and self.current_epoch == self.settings.scst.after_epochs > 0:
+            log.info(
+                "epoch %d: self-critical training (CIDEr-D reward) takes over from cross-entropy", self.current_epoch
+            )
 
     def on_fit_start(self) -> None:
         """SCST: CIDEr-D's document frequencies and reference vectors of the training split, built once
@@ -250,19 +264,35 @@ class CaptionerModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The configured schedule, stepped every optimiser step; with SCST after cross-entropy epochs in the
+        same run, a second phase from ``scst.lr_scale`` times the rates, its schedule started again."""
+        cfg, scst = self.settings.scheduler, self.settings.scst
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        steps_per_epoch = max(1, total // max(1, self.trainer.max_epochs or 1))
+        switch = total
+        if self.settings.objective == Objective.scst and scst.after_epochs > 0:
+            switch = min(total, scst.after_epochs * steps_per_epoch)
+        elif cfg.name == Schedule.none:
+            return None
+
+        def factor(step: int) -> float:
+            if step < switch:
+                return self._schedule_factor(step, switch, cfg.warmup_steps, steps_per_epoch)
+            return scst.lr_scale * self._schedule_factor(step - switch, total - switch, 0, steps_per_epoch)
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    def _schedule_factor(self, step: int, steps: int, warmup: int, steps_per_epoch: int) -> float:
+        """The configured schedule's learning-rate factor at ``step`` of a phase of ``steps`` steps."""
         cfg = self.settings.scheduler
         if cfg.name == Schedule.none:
-            return None
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        if cfg.name == Schedule.step:
-            steps_per_epoch = max(1, total // max(1, self.trainer.max_epochs or 1))
-            return torch.optim.lr_scheduler.StepLR(optimizer, cfg.step_size * steps_per_epoch, cfg.gamma)
-        warmup = min(cfg.warmup_steps, total - 1)
-        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total - warmup))
-        if warmup <= 0:
-            return cosine
-        ramp = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1e-3, total_iters=warmup)
-        return torch.optim.lr_scheduler.SequentialLR(optimizer, [ramp, cosine], milestones=[warmup])
+            return 1.0
+        warmup = min(warmup, max(0, steps - 1))
+        if step < warmup:
+            return 1e-3 + (1 - 1e-3) * step / warmup  # linear, from 1e-3
+        if cfg.name == Schedule.cosine:
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
+        return cfg.gamma ** ((step - warmup) // (cfg.step_size * steps_per_epoch))  # step
 
     # --------------------------------------------------------------- evaluation
     def generate(self, batch: dict) -> tuple[Generation, tuple[int, int]]:

@@ -56,12 +56,12 @@ def _weights_file(path: str) -> str:
     return str(_checkpoint_file(path))
 
 
-def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str) -> Start:
+def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, scst_after_epochs: int) -> Start:
     """Decide how a run with ``model.objective=objective`` starts from ``ckpt_path`` and ``init_from``.
 
     Raises ConfigError (or BundleError) for a file that is neither a checkpoint nor a bundle of this
     project, when ``init_from`` is given beside a ``ckpt_path`` that cannot be resumed, and for SCST
-    with neither (it fine-tunes a trained model).
+    with neither and no cross-entropy epochs first (``scst_after_epochs``: it fine-tunes a trained model).
     """
     resume = init = None
     if init_from is not None:
@@ -96,10 +96,11 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str) 
                 objective,
             )
     source = init or resume
-    if source is None and objective == "scst":
+    if source is None and objective == "scst" and scst_after_epochs == 0:
         raise ConfigError(
             "model.objective=scst fine-tunes a trained captioner: give ckpt_path=<a cross-entropy "
-            "run folder, its checkpoint or bundle.pt>"
+            "run folder, its checkpoint or bundle.pt>, or train with cross-entropy first in the same "
+            "run (model.scst.after_epochs=N)"
         )
     if source is None:
         return Start()
