@@ -80,14 +80,17 @@ def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> N
     validate_config(OmegaConf.to_container(cfg, resolve=True))
     torch.manual_seed(0)
     module = instantiate(cfg.model, vocab=Vocabulary([f"w{i}" for i in range(20)]), _convert_="all").eval()
-    features, _ = module.model.encode(torch.randn(4, 3, 96, 96))  # what the demo's feature cache holds
+    features, _ = module.model.encode(torch.randn(16, 3, 96, 96))  # what the demo's feature cache holds
     generation, _ = module.generate({"features": features})
-    for row in range(4):
+    for row in range(16):
         words = generation.tokens[row, : generation.lengths[row]].tolist()
         assert len(words) > 3 and len(set(words)) == len(words)  # 3 words before <end> at least, none twice
-    module.settings.decoding.min_len = module.settings.decoding.no_repeat_ngram_size = 0
+    module.settings.decoding.no_repeat_ngram_size = 0
     free, _ = module.generate({"features": features})
     assert any(len(set(row[:n].tolist())) < n for row, n in zip(free.tokens, free.lengths))  # without: repeats
+    module.settings.decoding.min_len = 0
+    short, _ = module.generate({"features": features})
+    assert any(n <= 3 for n in short.lengths.tolist())  # without: shorter captions (this untrained model's)
 
 
 def _learning_rates(module: CaptionerModule, epochs: int, steps_per_epoch: int) -> list[float]:
@@ -114,7 +117,9 @@ def test_scst_after_cross_entropy_epochs_starts_its_schedule_again_at_the_lower_
     assert rates[20] == pytest.approx(0.001)  # SCST: no warm-up, lr x lr_scale
     assert rates[39] < 1e-4 and all(a >= b for a, b in zip(rates[20:], rates[21:]))
     # a cross-entropy run's single schedule, for comparison: one cosine over the whole run
-    single = _learning_rates(CaptionerModule(vocab, **settings), epochs=4, steps_per_epoch=10)
+    single = _learning_rates(
+        CaptionerModule(vocab, objective="cross_entropy", **settings), epochs=4, steps_per_epoch=10
+    )
     assert single[:5] == pytest.approx(rates[:5]) and single[20] == pytest.approx(
         0.01 * 0.5 * (1 + math.cos(math.pi * 15 / 35))
     )
@@ -126,4 +131,4 @@ def test_scst_takes_over_after_the_cross_entropy_epochs(vocab):
     assert not module.scst_epoch
     module.trainer.current_epoch = 2
     assert module.scst_epoch
-    assert not CaptionerModule(vocab, encoder=SMALL).scst_epoch
+    assert not CaptionerModule(vocab, encoder=SMALL, objective="cross_entropy").scst_epoch

@@ -126,7 +126,8 @@ def test_a_logger_whose_package_is_missing_is_one_line(tmp_path: Path, monkeypat
 
 def test_scst_settings_are_checked(tmp_path: Path) -> None:
     cfg = compose_plain(["experiment=demo_scst"], tmp_path)
-    assert cfg["model"]["objective"] == "scst" and cfg["model"]["scst"] == {"samples": 5, "baseline": "mean"}
+    scst = {"samples": 5, "baseline": "mean", "after_epochs": 0, "lr_scale": 0.1}
+    assert cfg["model"]["objective"] == "scst" and cfg["model"]["scst"] == scst
     assert cfg["callbacks"]["model_checkpoint"]["monitor"] == "val/cider"
     assert cfg["callbacks"]["early_stopping"]["monitor"] == "val/cider"
     validate_config(cfg)
@@ -134,6 +135,8 @@ def test_scst_settings_are_checked(tmp_path: Path) -> None:
         ("samples", 1, "model.scst.samples=1: baseline=mean compares each sample"),
         ("baseline", "best", "model.scst.baseline='best' is not valid"),
         ("samples", 0, "model.scst.samples=0 must be >= 1"),
+        ("after_epochs", -1, "model.scst.after_epochs=-1 must be >= 0"),
+        ("lr_scale", 0.0, "model.scst.lr_scale=0.0 must be >= 1e-06"),
     ]:
         bad = {**cfg, "model": {**cfg["model"], "scst": {**cfg["model"]["scst"], key: value}}}
         with pytest.raises(ConfigError, match=message):
