@@ -43,6 +43,9 @@ def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_anot
     start = resolve_start(str(ce / "checkpoints" / "last.ckpt"), None, "scst", 0)  # a checkpoint file: that one
     assert start.init == str(ce / "checkpoints" / "last.ckpt")
     assert resolve_start(str(ce / "bundle.pt"), None, "scst", 0).init == str(ce / "bundle.pt")  # a bundle too
+    with pytest.raises(ConfigError, match="is an inference bundle"):  # not for a run that starts with cross-entropy
+        resolve_start(str(ce / "bundle.pt"), None, "scst", 5)
+    assert resolve_start(None, None, "scst", 5).model is None  # cross-entropy first: from scratch
     start = resolve_start(str(scst), None, "scst", 0)  # an SCST run: resumed
     assert start.resume == str(scst / "checkpoints" / "last.ckpt") and start.init is None
     assert start.model.image_size == 64  # the model comes from the checkpoint when resuming as well

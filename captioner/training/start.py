@@ -74,7 +74,7 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
             not isinstance(raw, dict) or "state_dict" not in raw or "pytorch-lightning_version" not in raw
         ):
             raise ConfigError(f"ckpt_path={ckpt_path!r}: {ckpt} is not a Lightning checkpoint of this project")
-        if bundle and objective != "scst":
+        if bundle and (objective != "scst" or scst_after_epochs > 0):  # a run that starts with cross-entropy
             raise ConfigError(
                 f"ckpt_path={ckpt_path!r} is an inference bundle (weights for captioning, no "
                 "optimiser or training state); to resume a run give its folder or its "
