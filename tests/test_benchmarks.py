@@ -24,6 +24,7 @@ SCRIPTS = (
     "data_loading",
     "profile_ops",
     "attention_ablation",
+    "attention_by_word",
     "scst_step",
     "scst_demo",
 )
@@ -155,6 +156,34 @@ def test_attention_ablation_scores_named_shapes_by_scene_size(
         with_red_circle = sum(("red", "circle") in shapes[i] for i in ids)
         assert precision == pytest.approx(with_red_circle / len(ids), abs=5e-4)
         assert recall == pytest.approx(with_red_circle / (size * len(ids)), abs=5e-4)
+
+
+def test_attention_by_word_measures_each_named_objects_words_in_its_own_box(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from captioner.data.readers import Box
+    from captioner.data.vocab import Vocabulary
+    from captioner.model.bundle import save_bundle
+    from captioner.model.captioner import build_captioner
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    by_word = importlib.import_module("attention_by_word")
+    red, blue = Box("circle", 0.0, 0.0, 0.5, 0.5), Box("circle", 0.5, 0.5, 1.0, 1.0)
+    objects = {("red", "circle"): red, ("blue", "circle"): blue}
+    words = "a blue circle and a red circle and a green square".split()
+    assert by_word.phrases(words, objects) == ([(1, 2, blue), (5, 6, red)], 1)  # green square: not there
+    config = {
+        "encoder": {"name": "resnet18", "weights": None, "grid": 2},
+        "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8},
+    }
+    vocab = Vocabulary(["a", "red", "circle"])
+    save_bundle(tmp_path / "random.pt", build_captioner(config, len(vocab)), vocab, config, {"image_size": 64})
+    by_word.main([str(tmp_path / "random.pt"), "--data", str(tiny_shapes)])
+    sys.modules.pop("attention_by_word")
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert sum(int(row[1]) for row in rows[1:]) == 24  # every test image, by scene size
+    for row in rows[1:]:
+        assert 0.0 <= float(row[4]) <= 1.0 and 0.0 <= float(row[5]) <= 1.0
 
 
 def test_scst_step_times_the_reward_inside_the_step(run_tiny: Callable[..., str]) -> None:
