@@ -419,18 +419,6 @@ def _plain_items(items: list[tuple[str, Any]]) -> dict[str, Any]:
     return {key: (value.value if isinstance(value, enum.Enum) else value) for key, value in items}
 
 
-def bundle_layout(net: NetConfig) -> dict[str, Any]:
-    """The network as a bundle stores it (and ``build_captioner`` takes it): the attention mode and the
-    scorer inside the decoder's section, as ``mode`` and ``attention``."""
-    plain = to_dict(net)
-    return {
-        "encoder": plain["encoder"],
-        "feature_norm": plain["feature_norm"],
-        "self_attention": plain["self_attention"],
-        "decoder": {**plain["decoder"], "mode": plain["attention"], "attention": plain["scorer"]},
-    }
-
-
 @dataclass
 class TrainConfig(Settings):
     """The whole training config (``conf/config.yaml``): the run's own keys and every group's section."""

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary
 from captioner.fileio import save_torch
-from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
+from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, net_from_bundle, save_bundle
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import ShowAttendTellDecoder
 
@@ -178,7 +178,7 @@ def small_vocab() -> Vocabulary:
 def small_model(small_vocab: Vocabulary) -> Captioner:
     """A ``CAPTIONER_NET`` captioner in eval mode whose self-attention gate is open (tests must not change it)."""
     torch.manual_seed(0)
-    captioner = build_captioner(CAPTIONER_NET, len(small_vocab)).eval()
+    captioner = build_captioner(net_from_bundle(CAPTIONER_NET), len(small_vocab)).eval()
     with torch.no_grad():
         captioner.self_attention.blocks[0].gamma.fill_(0.5)
     return captioner
@@ -192,7 +192,7 @@ def never_ending_captioner(
     torch.manual_seed(0)
     vocab = Vocabulary(words)
     config = {**SMALL_NET, "decoder": {**SMALL_NET["decoder"], "mode": mode}}
-    model = build_captioner(config, len(vocab)).eval()
+    model = build_captioner(net_from_bundle(config), len(vocab)).eval()
     with torch.no_grad():
         model.decoder.classifier.bias[vocab.end_id] = -1e4
         for word in favoured:
@@ -219,7 +219,7 @@ def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
     """A run folder as train.py leaves it: checkpoints/last.ckpt (written with ``objective``; None: before
     model.objective existed) and bundle.pt, for a tiny ``RUN_NET`` model trained on 64 px images."""
     vocab = Vocabulary(["a", "red", "circle"])
-    model = build_captioner(RUN_NET, len(vocab))
+    model = build_captioner(net_from_bundle(RUN_NET), len(vocab))
     hyper = {} if objective is None else {"objective": objective}
     (folder / "checkpoints").mkdir(parents=True)
     save_torch(

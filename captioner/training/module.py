@@ -22,7 +22,6 @@ from captioner.config import (
     Objective,
     Schedule,
     ScstBaseline,
-    bundle_layout,
     from_dict,
     to_dict,
 )
@@ -32,7 +31,7 @@ from captioner.errors import CaptionerError
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.cider import CiderD, corpus_cider_d
 from captioner.evaluation.correctness import AttentionCorrectness
-from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
+from captioner.model.bundle import CHECKPOINT_KEY, bundle_layout, bundle_metadata, save_bundle
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoding import Generation, greedy, rollout
 from captioner.model.losses import CaptionLoss, SelfCriticalLoss
