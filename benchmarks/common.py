@@ -134,9 +134,7 @@ def build_model(size: Size, args: argparse.Namespace, mode: str = "soft") -> Cap
     """The captioner of ``size`` as the training config builds it (frozen encoder, feature norm) on the device."""
     net = NetConfig(
         attention=Attention(mode),
-        encoder=EncoderConfig(
-            name=size.encoder, stage=None, grid=size.grid, trainable_stages=0, channels_last=args.channels_last
-        ),
+        encoder=encoder_config(size, args.channels_last),
         decoder=DecoderConfig(
             embed_dim=size.embed_dim, hidden_dim=size.hidden_dim, attention_dim=size.attention_dim, dropout=size.dropout
         ),
@@ -144,11 +142,16 @@ def build_model(size: Size, args: argparse.Namespace, mode: str = "soft") -> Cap
     return build_captioner(net, size.vocab_size).to(args.device)
 
 
+def encoder_config(size: Size, channels_last: bool) -> EncoderConfig:
+    """The encoder of ``size``: frozen, its last stage pooled to ``size.grid``."""
+    return EncoderConfig(name=size.encoder, stage=None, grid=size.grid, trainable_stages=0, channels_last=channels_last)
+
+
 @functools.lru_cache
 def encoder_grid(size: Size) -> tuple[int, int, int]:
     """(H, W, C) of the encoder's grid for ``size``'s images, from an encoder on the meta device (no compute)."""
     with torch.device("meta"):
-        encoder = Encoder(size.encoder, grid=size.grid)
+        encoder = Encoder(encoder_config(size, channels_last=False))  # the memory format leaves shapes alone
     return *encoder.grid_size(size.image_size), encoder.out_channels
 
 

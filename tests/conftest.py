@@ -21,12 +21,14 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from captioner.config import EncoderConfig
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary
 from captioner.fileio import save_torch
 from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, net_from_bundle, save_bundle
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import ShowAttendTellDecoder
+from captioner.model.encoder import Encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -235,6 +237,12 @@ def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
     if bundle:
         save_bundle(folder / "bundle.pt", model, vocab, RUN_NET, {"image_size": 64})
     return folder
+
+
+def make_encoder(name: str, **options: Any) -> Encoder:
+    """The Encoder of torchvision model ``name`` (random weights), frozen and read at its last stage unless
+    ``options`` (other EncoderConfig fields) say otherwise."""
+    return Encoder(EncoderConfig(name, **{"stage": None, "trainable_stages": 0, **options}))
 
 
 def make_decoder(mode: str = "soft", seed: int = 0, **options: Any) -> ShowAttendTellDecoder:

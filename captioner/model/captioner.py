@@ -177,7 +177,7 @@ class Captioner(nn.Module):
 def build_captioner(net: NetConfig, vocab_size: int) -> Captioner:
     """Build the Captioner of ``net`` for ``vocab_size`` words (``captioner.model.bundle.net_from_bundle``
     reads the ``NetConfig`` of a bundle's config)."""
-    encoder = Encoder(**to_dict(net.encoder))
+    encoder = Encoder(net.encoder)
     self_attention = None
     if net.self_attention.blocks > 0:
         self_attention = SelfAttentionStack(encoder.out_channels, **to_dict(net.self_attention))
