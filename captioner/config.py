@@ -157,7 +157,7 @@ class SelfAttentionConfig(Settings):
 
     blocks: int = 0  # 0: none
     heads: int = 1
-    positional: bool = False  # add learned 2-D positional embeddings first
+    positional: bool = False  # add a fixed 2-D sinusoidal encoding of the grid to the queries' and keys' input
 
     def check(self) -> None:
         check_range("blocks", self.blocks, 0, kind=int)

@@ -180,7 +180,7 @@ def build_captioner(net: NetConfig, vocab_size: int) -> Captioner:
     encoder = Encoder(net.encoder)
     self_attention = None
     if net.self_attention.blocks > 0:
-        self_attention = SelfAttentionStack(encoder.out_channels, **to_dict(net.self_attention))
+        self_attention = SelfAttentionStack(encoder.out_channels, net.self_attention)
     decoder = ShowAttendTellDecoder(
         vocab_size=vocab_size,
         feature_dim=encoder.out_channels,
