@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from captioner.config import Attention, DecoderConfig, EncoderConfig, NetConfig
+from captioner.config import Attention, DecoderConfig, EncoderConfig, LossConfig, NetConfig
 from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import DecoderOutput
@@ -223,7 +223,7 @@ def make_train_step(
     """One optimisation step as training runs it: ``forward`` and CaptionLoss (under autocast), backward,
     and Adam over the trainable parameters of ``trained`` (in train mode; frozen CNN stages stay in eval)."""
     trained.train()
-    criterion = CaptionLoss(pad_id=Vocabulary.pad_id).to(args.device).train()
+    criterion = CaptionLoss(LossConfig(), Vocabulary.pad_id).to(args.device).train()
     optimizer = torch.optim.Adam([p for p in trained.parameters() if p.requires_grad], lr=1e-4)
 
     def step() -> None:

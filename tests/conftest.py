@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from captioner.config import EncoderConfig
+from captioner.config import EncoderConfig, LossConfig, NetConfig, from_dict
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary
 from captioner.fileio import save_torch
@@ -29,6 +29,7 @@ from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, net_from_bun
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.encoder import Encoder
+from captioner.model.losses import CaptionLoss
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -245,11 +246,25 @@ def make_encoder(name: str, **options: Any) -> Encoder:
     return Encoder(EncoderConfig(name, **{"stage": None, "trainable_stages": 0, **options}))
 
 
-def make_decoder(mode: str = "soft", seed: int = 0, **options: Any) -> ShowAttendTellDecoder:
+def net_config(**options: Any) -> NetConfig:
+    """A NetConfig from flat options: NetConfig's own fields (attention, scorer, encoder, ...) by name, every
+    other option a DecoderConfig field: ``net_config(attention="hard", hidden_dim=16)``."""
+    own = {item.name for item in fields(NetConfig)}
+    decoder = {key: options.pop(key) for key in list(options) if key not in own}
+    return from_dict(NetConfig, {**options, "decoder": decoder})
+
+
+def make_decoder(attention: str = "soft", seed: int = 0, **options: Any) -> ShowAttendTellDecoder:
     """A seeded (V words, D channels) decoder 16 wide without dropout, in eval mode; ``options`` are its other
-    arguments."""
+    settings (``net_config``'s)."""
     torch.manual_seed(seed)
-    return ShowAttendTellDecoder(V, D, 16, 16, 16, mode=mode, dropout=0.0, **options).eval()
+    settings = net_config(attention=attention, embed_dim=16, hidden_dim=16, attention_dim=16, dropout=0.0, **options)
+    return ShowAttendTellDecoder(V, D, settings).eval()
+
+
+def make_loss(pad_id: int = Vocabulary.pad_id, unk_id: int | None = None, **options: Any) -> CaptionLoss:
+    """A CaptionLoss with the paper's ds_lambda = 1 unless ``options`` (LossConfig fields) say otherwise."""
+    return CaptionLoss(LossConfig(**{"ds_lambda": 1.0, **options}), pad_id, unk_id)
 
 
 def features_for(batch: int = 5, seed: int = 1) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from captioner.config import DecodeMethod, NetConfig, to_dict
+from captioner.config import DecodeMethod, NetConfig
 from captioner.errors import check_choice
 from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
 from captioner.model.decoding import Generation, beam_search, greedy, sample
@@ -181,11 +181,5 @@ def build_captioner(net: NetConfig, vocab_size: int) -> Captioner:
     self_attention = None
     if net.self_attention.blocks > 0:
         self_attention = SelfAttentionStack(encoder.out_channels, net.self_attention)
-    decoder = ShowAttendTellDecoder(
-        vocab_size=vocab_size,
-        feature_dim=encoder.out_channels,
-        mode=net.attention.value,
-        attention=net.scorer.value,
-        **to_dict(net.decoder),
-    )
+    decoder = ShowAttendTellDecoder(vocab_size, encoder.out_channels, net)
     return Captioner(encoder, decoder, self_attention, feature_norm=net.feature_norm)

@@ -56,7 +56,7 @@ class CaptionerModule(L.LightningModule):
         self.vocab = vocab
         self.net_config = bundle_layout(self.settings.net())
         self.model: Captioner = build_captioner(self.settings.net(), len(vocab))
-        self.criterion = CaptionLoss(pad_id=vocab.pad_id, unk_id=vocab.unk_id, **to_dict(self.settings.loss))
+        self.criterion = CaptionLoss(self.settings.loss, vocab.pad_id, vocab.unk_id)
         self.self_critical = SelfCriticalLoss(self.settings.scst.baseline)
         self.cider: CiderD | None = None  # the SCST reward: CIDEr-D against the training references
         self._unchecked: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (epoch, step, loss, non-finite)
