@@ -59,7 +59,8 @@ class _Compiled(torch.nn.Module):
 
 
 def test_bundle_of_a_compiled_decoder_loads(small_model, small_vocab, tmp_path):
-    wrapped = Captioner(small_model.encoder, _Compiled(small_model.decoder), small_model.self_attention)
+    parts = small_model.encoder, _Compiled(small_model.decoder), small_model.self_attention
+    wrapped = Captioner(*parts, feature_norm=small_model.feature_norm is not None)
     assert "decoder._orig_mod.embedding.weight" in wrapped.state_dict()
     save_bundle(tmp_path / "compiled.pt", wrapped, small_vocab, CAPTIONER_NET)
     loaded, _, _ = load_bundle(tmp_path / "compiled.pt")

@@ -40,8 +40,8 @@ class Captioner(nn.Module):
         self,
         encoder: Encoder,
         decoder: ShowAttendTellDecoder,
-        self_attention: SelfAttentionStack | None = None,
-        feature_norm: bool = False,
+        self_attention: SelfAttentionStack | None,
+        feature_norm: bool,
     ) -> None:
         super().__init__()
         self.encoder = encoder
