@@ -26,7 +26,7 @@ def test_every_experiment_composes_validates_and_instantiates(experiment: str, t
     cfg = compose_cfg([f"experiment={experiment}", "model.encoder.weights=null"], tmp_path)
     validate_config(OmegaConf.to_container(cfg, resolve=True))
     datamodule = instantiate(cfg.data, _convert_="all")
-    assert datamodule.batch_size == cfg.data.batch_size
+    assert datamodule.settings.batch_size == cfg.data.batch_size
     from captioner.data.vocab import Vocabulary
 
     vocab = Vocabulary([f"w{i}" for i in range(20)])

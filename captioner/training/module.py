@@ -341,7 +341,11 @@ class CaptionerModule(L.LightningModule):
         """Write the inference bundle (weights, vocabulary, model config, the data module's image size);
         no Lightning needed to load it."""
         save_bundle(
-            path, self.model, self.vocab, self.net_config, preprocess={"image_size": self.trainer.datamodule.image_size}
+            path,
+            self.model,
+            self.vocab,
+            self.net_config,
+            preprocess={"image_size": self.trainer.datamodule.settings.image_size},
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -350,7 +354,7 @@ class CaptionerModule(L.LightningModule):
         the last check are checked first: with model.nonfinite=stop a non-finite one stops before the write."""
         self._check_losses()
         checkpoint[CHECKPOINT_KEY] = bundle_metadata(
-            self.net_config, self.vocab, {"image_size": self.trainer.datamodule.image_size}
+            self.net_config, self.vocab, {"image_size": self.trainer.datamodule.settings.image_size}
         )
 
 
