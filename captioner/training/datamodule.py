@@ -39,6 +39,7 @@ class CaptionDataModule(L.LightningDataModule):
         self.eval_batch_size = self.settings.eval_batch_size or self.settings.batch_size
         self.vocab: Vocabulary | None = None
         self.splits: dict[str, list[Record]] = {}
+        self._frozen_fingerprint: str | None = None  # of the encoder's frozen stages, which a run never changes
 
     def prepare_data(self) -> None:
         """Check the files exist, generating the built-in dataset on first use."""
@@ -94,8 +95,10 @@ class CaptionDataModule(L.LightningDataModule):
                 f"model.encoder.trainable_stages={encoder.trainable_stages} trains all of them: "
                 "freeze some (a smaller trainable_stages) or set data.feature_cache=null"
             )
+        if self._frozen_fingerprint is None:  # hashing the frozen weights takes seconds for a large CNN: once
+            self._frozen_fingerprint = encoder.frozen_fingerprint()
         key = cache_key(
-            {**module.net_config["encoder"], "frozen_weights": encoder.frozen_fingerprint()},
+            {**module.net_config["encoder"], "frozen_weights": self._frozen_fingerprint},
             self.settings.image_size,
             self.splits[split],
             self.settings.feature_dtype.value,
