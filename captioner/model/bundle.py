@@ -35,7 +35,6 @@ _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
 _BUNDLE_KEYS = ("format", "version", *_METADATA_KEYS, "state_dict")
 PREPROCESS_KEYS = ("image_size",)
 CHECKPOINT_KEY = "captioner"  # where a training checkpoint keeps the bundle metadata
-_NET_SECTIONS = ("encoder", "feature_norm", "self_attention", "decoder")
 
 # What a key left out of a bundle's model config means: part of the bundle format, fixed for good. These are
 # the values the modules' constructors defaulted to when bundles were first written (a frozen resnet101 read
@@ -100,9 +99,9 @@ def net_from_bundle(config: Mapping[str, Any]) -> NetConfig:
     """
     if not isinstance(config, Mapping):
         raise ConfigError(f"model config must be a mapping, got {type(config).__name__}")
-    unknown = [key for key in config if key not in _NET_SECTIONS]
+    unknown = [key for key in config if key not in ABSENT_KEY_VALUES]
     if unknown:
-        raise ConfigError(f"unknown model config key {unknown[0]!r}; valid keys: {', '.join(_NET_SECTIONS)}")
+        raise ConfigError(f"unknown model config key {unknown[0]!r}; valid keys: {', '.join(ABSENT_KEY_VALUES)}")
     for key in ("encoder", "self_attention", "decoder"):
         if config.get(key) is not None and not isinstance(config[key], Mapping):
             raise ConfigError(f"model config {key!r} must be a mapping, got {type(config[key]).__name__}")
