@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from captioner.config import Attention, DecoderConfig, EncoderConfig, NetConfig
+from captioner.config import Attention, DecoderConfig, EncoderConfig, LossConfig, NetConfig
 from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import DecoderOutput
@@ -134,9 +134,7 @@ def build_model(size: Size, args: argparse.Namespace, mode: str = "soft") -> Cap
     """The captioner of ``size`` as the training config builds it (frozen encoder, feature norm) on the device."""
     net = NetConfig(
         attention=Attention(mode),
-        encoder=EncoderConfig(
-            name=size.encoder, stage=None, grid=size.grid, trainable_stages=0, channels_last=args.channels_last
-        ),
+        encoder=encoder_config(size, args.channels_last),
         decoder=DecoderConfig(
             embed_dim=size.embed_dim, hidden_dim=size.hidden_dim, attention_dim=size.attention_dim, dropout=size.dropout
         ),
@@ -144,11 +142,16 @@ def build_model(size: Size, args: argparse.Namespace, mode: str = "soft") -> Cap
     return build_captioner(net, size.vocab_size).to(args.device)
 
 
+def encoder_config(size: Size, channels_last: bool) -> EncoderConfig:
+    """The encoder of ``size``: frozen, its last stage pooled to ``size.grid``."""
+    return EncoderConfig(name=size.encoder, stage=None, grid=size.grid, trainable_stages=0, channels_last=channels_last)
+
+
 @functools.lru_cache
 def encoder_grid(size: Size) -> tuple[int, int, int]:
     """(H, W, C) of the encoder's grid for ``size``'s images, from an encoder on the meta device (no compute)."""
     with torch.device("meta"):
-        encoder = Encoder(size.encoder, grid=size.grid)
+        encoder = Encoder(encoder_config(size, channels_last=False))  # the memory format leaves shapes alone
     return *encoder.grid_size(size.image_size), encoder.out_channels
 
 
@@ -220,7 +223,7 @@ def make_train_step(
     """One optimisation step as training runs it: ``forward`` and CaptionLoss (under autocast), backward,
     and Adam over the trainable parameters of ``trained`` (in train mode; frozen CNN stages stay in eval)."""
     trained.train()
-    criterion = CaptionLoss(pad_id=Vocabulary.pad_id).to(args.device).train()
+    criterion = CaptionLoss(LossConfig(), Vocabulary.pad_id).to(args.device).train()
     optimizer = torch.optim.Adam([p for p in trained.parameters() if p.requires_grad], lr=1e-4)
 
     def step() -> None:

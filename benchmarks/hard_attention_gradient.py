@@ -33,6 +33,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch import Tensor
 
+from captioner.config import LossConfig
 from captioner.model.decoder import DecoderOutput
 from captioner.model.losses import CaptionLoss
 
@@ -89,14 +90,13 @@ def measure(module, batch: dict, name: str, resamples: int) -> tuple[float, floa
     """(split-half cosine, mean norm of one resample's gradient) for estimator ``name``."""
     decoder = module.model.decoder
     decoder.hard_estimator = "gumbel" if name == "gumbel" else "reinforce"
-    criterion = CaptionLoss(
-        pad_id=module.criterion.pad_id,
-        unk_id=module.criterion.unk_id,
+    settings = LossConfig(
         ds_lambda=0.0,
         reinforce_weight=1.0,
         reinforce_reward="suffix" if name == "suffix" else "word",
         entropy_weight=0.0,
-    ).train()
+    )
+    criterion = CaptionLoss(settings, module.criterion.pad_id, module.criterion.unk_id).train()
     features = module._features(batch)
     gradients = []
     for _ in range(resamples):

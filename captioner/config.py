@@ -157,7 +157,7 @@ class SelfAttentionConfig(Settings):
 
     blocks: int = 0  # 0: none
     heads: int = 1
-    positional: bool = False  # add learned 2-D positional embeddings first
+    positional: bool = False  # add a fixed 2-D sinusoidal encoding of the grid to the queries' and keys' input
 
     def check(self) -> None:
         check_range("blocks", self.blocks, 0, kind=int)
@@ -429,18 +429,6 @@ def to_dict(settings: Any) -> dict[str, Any]:
 
 def _plain_items(items: list[tuple[str, Any]]) -> dict[str, Any]:
     return {key: (value.value if isinstance(value, enum.Enum) else value) for key, value in items}
-
-
-def bundle_layout(net: NetConfig) -> dict[str, Any]:
-    """The network as a bundle stores it (and ``build_captioner`` takes it): the attention mode and the
-    scorer inside the decoder's section, as ``mode`` and ``attention``."""
-    plain = to_dict(net)
-    return {
-        "encoder": plain["encoder"],
-        "feature_norm": plain["feature_norm"],
-        "self_attention": plain["self_attention"],
-        "decoder": {**plain["decoder"], "mode": plain["attention"], "attention": plain["scorer"]},
-    }
 
 
 @dataclass

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,15 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from captioner.config import EncoderConfig, LossConfig, NetConfig, from_dict
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary
 from captioner.fileio import save_torch
-from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
+from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, net_from_bundle, save_bundle
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import ShowAttendTellDecoder
+from captioner.model.encoder import Encoder
+from captioner.model.losses import CaptionLoss
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -178,7 +181,7 @@ def small_vocab() -> Vocabulary:
 def small_model(small_vocab: Vocabulary) -> Captioner:
     """A ``CAPTIONER_NET`` captioner in eval mode whose self-attention gate is open (tests must not change it)."""
     torch.manual_seed(0)
-    captioner = build_captioner(CAPTIONER_NET, len(small_vocab)).eval()
+    captioner = build_captioner(net_from_bundle(CAPTIONER_NET), len(small_vocab)).eval()
     with torch.no_grad():
         captioner.self_attention.blocks[0].gamma.fill_(0.5)
     return captioner
@@ -192,7 +195,7 @@ def never_ending_captioner(
     torch.manual_seed(0)
     vocab = Vocabulary(words)
     config = {**SMALL_NET, "decoder": {**SMALL_NET["decoder"], "mode": mode}}
-    model = build_captioner(config, len(vocab)).eval()
+    model = build_captioner(net_from_bundle(config), len(vocab)).eval()
     with torch.no_grad():
         model.decoder.classifier.bias[vocab.end_id] = -1e4
         for word in favoured:
@@ -219,7 +222,7 @@ def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
     """A run folder as train.py leaves it: checkpoints/last.ckpt (written with ``objective``; None: before
     model.objective existed) and bundle.pt, for a tiny ``RUN_NET`` model trained on 64 px images."""
     vocab = Vocabulary(["a", "red", "circle"])
-    model = build_captioner(RUN_NET, len(vocab))
+    model = build_captioner(net_from_bundle(RUN_NET), len(vocab))
     hyper = {} if objective is None else {"objective": objective}
     (folder / "checkpoints").mkdir(parents=True)
     save_torch(
@@ -237,11 +240,31 @@ def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
     return folder
 
 
-def make_decoder(mode: str = "soft", seed: int = 0, **options: Any) -> ShowAttendTellDecoder:
+def make_encoder(name: str, **options: Any) -> Encoder:
+    """The Encoder of torchvision model ``name`` (random weights), frozen and read at its last stage unless
+    ``options`` (other EncoderConfig fields) say otherwise."""
+    return Encoder(EncoderConfig(name, **{"stage": None, "trainable_stages": 0, **options}))
+
+
+def net_config(**options: Any) -> NetConfig:
+    """A NetConfig from flat options: NetConfig's own fields (attention, scorer, encoder, ...) by name, every
+    other option a DecoderConfig field: ``net_config(attention="hard", hidden_dim=16)``."""
+    own = {item.name for item in fields(NetConfig)}
+    decoder = {key: options.pop(key) for key in list(options) if key not in own}
+    return from_dict(NetConfig, {**options, "decoder": decoder})
+
+
+def make_decoder(attention: str = "soft", seed: int = 0, **options: Any) -> ShowAttendTellDecoder:
     """A seeded (V words, D channels) decoder 16 wide without dropout, in eval mode; ``options`` are its other
-    arguments."""
+    settings (``net_config``'s)."""
     torch.manual_seed(seed)
-    return ShowAttendTellDecoder(V, D, 16, 16, 16, mode=mode, dropout=0.0, **options).eval()
+    settings = net_config(attention=attention, embed_dim=16, hidden_dim=16, attention_dim=16, dropout=0.0, **options)
+    return ShowAttendTellDecoder(V, D, settings).eval()
+
+
+def make_loss(pad_id: int = Vocabulary.pad_id, unk_id: int | None = None, **options: Any) -> CaptionLoss:
+    """A CaptionLoss with the paper's ds_lambda = 1 unless ``options`` (LossConfig fields) say otherwise."""
+    return CaptionLoss(LossConfig(**{"ds_lambda": 1.0, **options}), pad_id, unk_id)
 
 
 def features_for(batch: int = 5, seed: int = 1) -> torch.Tensor:

@@ -116,7 +116,7 @@ def test_keys_depend_on_features_only_and_forward_does_not_recompute_them(kind, 
 
 def test_unknown_kind_lists_the_choices():
     with pytest.raises(ConfigError) as error:
-        build_attention("luong", D, H, A)
+        build_attention("luong", D, H, A, 1)
     assert all(kind in str(error.value) for kind in ATTENTION_TYPES)
 
 

@@ -21,9 +21,11 @@ import pytest
 import torch
 from torch import Tensor
 
+from captioner.config import LossConfig
 from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.losses import CaptionLoss
+from conftest import net_config
 
 L, D, K = 16, 16, 4  # locations, feature channels, object words
 PAD, START, END, UNK = Vocabulary.pad_id, Vocabulary.start_id, Vocabulary.end_id, Vocabulary.unk_id
@@ -80,12 +82,13 @@ def one_thread() -> Iterator[None]:
 
 def make_decoder(seed: int, **options: Any) -> ShowAttendTellDecoder:
     torch.manual_seed(seed)
-    return ShowAttendTellDecoder(V, D, embed_dim=16, hidden_dim=32, attention_dim=32, dropout=0.0, **options)
+    settings = net_config(embed_dim=16, hidden_dim=32, attention_dim=32, dropout=0.0, **options)
+    return ShowAttendTellDecoder(V, D, settings)
 
 
 def train(decoder: ShowAttendTellDecoder, scenes: Scenes, steps: int = STEPS) -> None:
     """Adam on CaptionLoss over fresh batches, annealing the Gumbel temperature as CaptionerModule does."""
-    criterion = CaptionLoss(pad_id=PAD, unk_id=UNK, ds_lambda=0.0).train()
+    criterion = CaptionLoss(LossConfig(ds_lambda=0.0), PAD, UNK).train()
     optimizer = torch.optim.Adam(decoder.parameters(), lr=LR)
     decoder.train()
     for step in range(steps):
@@ -122,9 +125,9 @@ def attention_before_and_after(seed: int, **options: Any) -> tuple[tuple[float, 
 
 
 ESTIMATORS: dict[str, dict[str, Any]] = {
-    "soft": {"mode": "soft"},
-    "reinforce": {"mode": "hard", "hard_estimator": "reinforce", "hard_expectation_prob": 0.0},
-    "gumbel": {"mode": "hard", "hard_estimator": "gumbel", "hard_expectation_prob": 0.0},
+    "soft": {"attention": "soft"},
+    "reinforce": {"attention": "hard", "hard_estimator": "reinforce", "hard_expectation_prob": 0.0},
+    "gumbel": {"attention": "hard", "hard_estimator": "gumbel", "hard_expectation_prob": 0.0},
 }
 
 
@@ -144,6 +147,6 @@ def test_training_moves_the_attention_onto_the_informative_cell(options: dict[st
 def test_without_attention_accuracy_stays_low() -> None:
     """The same training with alpha fixed at 1/L (scorer "mean": every step reads the mean feature) leaves
     the word to what the mean tells of it: the accuracy above needs the object's cell."""
-    _, (mass, accuracy) = attention_before_and_after(0, attention="mean")
+    _, (mass, accuracy) = attention_before_and_after(0, scorer="mean")
     assert mass == pytest.approx(1 / L)
     assert accuracy < 0.7

@@ -202,7 +202,7 @@ def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(
     tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from captioner.data.vocab import Vocabulary
-    from captioner.model.bundle import save_bundle
+    from captioner.model.bundle import net_from_bundle, save_bundle
     from captioner.model.captioner import build_captioner
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -214,7 +214,8 @@ def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(
         "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8},
     }
     vocab = Vocabulary(["a", "red", "circle"])
-    save_bundle(tmp_path / "random.pt", build_captioner(config, len(vocab)), vocab, config, {"image_size": 64})
+    model = build_captioner(net_from_bundle(config), len(vocab))
+    save_bundle(tmp_path / "random.pt", model, vocab, config, {"image_size": 64})
     demo.main([str(tmp_path / "random.pt"), "--data", str(tiny_shapes)])
     sys.modules.pop("scst_demo")
     lines = capsys.readouterr().out.splitlines()

@@ -10,9 +10,18 @@ from types import MappingProxyType
 import pytest
 import torch
 
+from captioner.config import NetConfig, from_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
-from captioner.model.bundle import CHECKPOINT_KEY, load_bundle, load_model, save_bundle
+from captioner.model.bundle import (
+    ABSENT_KEY_VALUES,
+    CHECKPOINT_KEY,
+    bundle_layout,
+    load_bundle,
+    load_model,
+    net_from_bundle,
+    save_bundle,
+)
 from captioner.model.captioner import Captioner
 from conftest import CAPTIONER_NET, RUN_NET, random_images, tampered, write_run
 
@@ -50,7 +59,8 @@ class _Compiled(torch.nn.Module):
 
 
 def test_bundle_of_a_compiled_decoder_loads(small_model, small_vocab, tmp_path):
-    wrapped = Captioner(small_model.encoder, _Compiled(small_model.decoder), small_model.self_attention)
+    parts = small_model.encoder, _Compiled(small_model.decoder), small_model.self_attention
+    wrapped = Captioner(*parts, feature_norm=small_model.feature_norm is not None)
     assert "decoder._orig_mod.embedding.weight" in wrapped.state_dict()
     save_bundle(tmp_path / "compiled.pt", wrapped, small_vocab, CAPTIONER_NET)
     loaded, _, _ = load_bundle(tmp_path / "compiled.pt")
@@ -199,3 +209,40 @@ def test_load_model_of_a_run_folder_without_a_bundle_names_what_to_give(tmp_path
     run = write_run(tmp_path / "run", objective=None, bundle=False)  # a run that has not finished
     with pytest.raises(BundleError, match=f"^{run} is a folder without bundle.pt .*one of its checkpoints/\\*.ckpt"):
         load_model(run)
+
+
+def test_a_bundle_layout_round_trips_every_setting() -> None:
+    net = from_dict(NetConfig, {"attention": "hard", "scorer": "dot", "self_attention": {"blocks": 2}})
+    assert net_from_bundle(bundle_layout(net)) == net
+
+
+def test_the_absent_key_table_names_every_key_of_the_layout() -> None:
+    """A setting added to NetConfig needs its fixed meaning in old bundles (where it is absent) decided."""
+    layout = bundle_layout(NetConfig())
+    assert ABSENT_KEY_VALUES.keys() == layout.keys()
+    for section in ("encoder", "self_attention", "decoder"):
+        assert ABSENT_KEY_VALUES[section].keys() == layout[section].keys(), section
+
+
+def test_keys_a_bundle_leaves_out_take_the_absent_key_table_not_the_current_defaults() -> None:
+    read = bundle_layout(net_from_bundle({"self_attention": {}}))
+    table = {
+        key: dict(value) if isinstance(value, MappingProxyType) else value for key, value in ABSENT_KEY_VALUES.items()
+    }
+    assert read == table
+    assert (read["encoder"]["name"], read["decoder"]["hidden_dim"], read["decoder"]["dropout"]) == (
+        "resnet101",
+        512,
+        0.5,
+    )
+    partial = {"encoder": {"name": "resnet18"}, "self_attention": {"heads": 2}, "decoder": {"mode": "hard"}}
+    net = net_from_bundle(partial)
+    assert (net.attention, net.scorer, net.self_attention.blocks, net.feature_norm) == ("hard", "additive", 1, False)
+    assert (net.encoder.name, net.encoder.stage, net.encoder.trainable_stages, net.decoder.hidden_dim) == (
+        "resnet18",
+        None,
+        0,
+        512,
+    )
+    for none in ({}, {"self_attention": None}):  # no self_attention section: no blocks
+        assert net_from_bundle(none).self_attention.blocks == 0

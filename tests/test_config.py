@@ -20,14 +20,11 @@ from captioner.config import (
     DataConfig,
     DecoderConfig,
     ModelConfig,
-    NetConfig,
     TrainConfig,
-    bundle_layout,
     from_dict,
     to_dict,
 )
 from captioner.errors import ConfigError
-from captioner.model.captioner import net_from_bundle
 from conftest import ROOT
 
 CONF = ROOT / "conf"
@@ -152,18 +149,3 @@ def test_from_dict_builds_nested_settings_with_enums_and_defaults() -> None:
     assert settings.optimizer.lr == 1.0 and isinstance(settings.optimizer.lr, float)
     assert from_dict(ModelConfig, settings) is settings
     assert to_dict(settings)["attention"] == "hard" and to_dict(settings)["decoder"]["gate"] == "scalar"
-
-
-def test_a_bundle_layout_round_trips_and_old_bundles_read() -> None:
-    net = from_dict(NetConfig, {"attention": "hard", "scorer": "dot", "self_attention": {"blocks": 2}})
-    assert net_from_bundle(bundle_layout(net)) == net
-    partial = {"encoder": {"name": "resnet18"}, "self_attention": {"heads": 2}, "decoder": {"mode": "hard"}}
-    read = net_from_bundle(partial)  # what is left out means the modules' constructor defaults
-    assert (read.attention, read.scorer, read.self_attention.blocks, read.feature_norm) == (
-        "hard",
-        "additive",
-        1,
-        False,
-    )
-    assert (read.encoder.stage, read.encoder.trainable_stages, read.decoder.hidden_dim) == (None, 0, 512)
-    assert net_from_bundle({"decoder": {}, "self_attention": None}).self_attention.blocks == 0

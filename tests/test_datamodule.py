@@ -160,6 +160,22 @@ def test_the_feature_cache_is_built_once_and_the_loaders_yield_features(source: 
     assert val["skipped"][0].reason == "file not found"  # an unreadable image is recorded in the cache
 
 
+def test_the_frozen_weights_are_hashed_once_for_all_the_splits(
+    source: ListSource, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    datamodule = _datamodule(source, feature_cache=str(tmp_path / "cache"), feature_dtype="float32")
+    datamodule.setup("fit")
+    module = CaptionerModule(datamodule.vocab, encoder={"name": "resnet18", "stage": "layer2", "trainable_stages": 1})
+    _attach(datamodule, module)
+    hashed = []
+    fingerprint = module.model.encoder.frozen_fingerprint
+    monkeypatch.setattr(module.model.encoder, "frozen_fingerprint", lambda: hashed.append(1) or fingerprint())
+    for loader in (datamodule.train_dataloader, datamodule.val_dataloader, datamodule.test_dataloader):
+        loader()
+    assert len(hashed) == 1
+    assert sorted(folder.name.split("-")[0] for folder in (tmp_path / "cache").iterdir()) == ["test", "train", "val"]
+
+
 def test_a_feature_cache_of_an_encoder_trained_whole_is_refused(source: ListSource, tmp_path: Path) -> None:
     datamodule = _datamodule(source, feature_cache=str(tmp_path / "cache"))
     datamodule.setup("fit")

@@ -7,14 +7,17 @@ from torch.testing import assert_close
 
 from captioner.errors import ConfigError
 from captioner.model.decoder import ShowAttendTellDecoder
+from conftest import net_config
 
 V, D, E, H, A, L = 11, 6, 8, 10, 9, 4
 
 
 def make_decoder(**options) -> ShowAttendTellDecoder:
+    """A seeded decoder E/H/A wide without dropout; ``options`` are ``net_config``'s."""
     torch.manual_seed(0)
-    config = dict(vocab_size=V, feature_dim=D, embed_dim=E, hidden_dim=H, attention_dim=A, dropout=0.0)
-    return ShowAttendTellDecoder(**{**config, **options})
+    return ShowAttendTellDecoder(
+        V, D, net_config(**{"embed_dim": E, "hidden_dim": H, "attention_dim": A, "dropout": 0.0, **options})
+    )
 
 
 @pytest.fixture
@@ -106,7 +109,7 @@ def test_keys_and_initial_state_are_computed_once_per_image(batch):
 @pytest.mark.parametrize("mode", ["soft", "hard"])
 def test_image_index_equals_repeating_the_features(batch, mode):
     features, captions, index = batch
-    decoder = make_decoder(mode=mode, dropout=0.0).train(mode == "soft")  # hard: argmax locations in eval
+    decoder = make_decoder(attention=mode, dropout=0.0).train(mode == "soft")  # hard: argmax locations in eval
     gathered = decoder(features, captions, index)
     repeated = decoder(features[index], captions)
     for name in ("logits", "alphas", "location_log_probs", "entropy", "sampled"):
@@ -125,7 +128,7 @@ def test_pad_steps_do_not_change_the_real_steps(batch):
 
 def test_hard_training_outputs(batch):
     features, captions, index = batch
-    decoder = make_decoder(mode="hard", hard_expectation_prob=0.0).train()
+    decoder = make_decoder(attention="hard", hard_expectation_prob=0.0).train()
     output = decoder(features, captions, index)
     assert output.location_log_probs.shape == (5, 6) and output.entropy.shape == (5, 6)
     assert output.sampled.dtype == torch.bool and output.sampled.all()
@@ -136,7 +139,7 @@ def test_hard_training_outputs(batch):
 
 
 def test_expectation_is_chosen_per_image():
-    decoder = make_decoder(mode="hard", hard_expectation_prob=0.5).train()
+    decoder = make_decoder(attention="hard", hard_expectation_prob=0.5).train()
     features = torch.randn(200, L, D)
     index = torch.arange(200).repeat_interleave(3)  # three captions per image
     captions = torch.randint(3, V, (600, 4))
@@ -151,7 +154,7 @@ def test_expectation_is_chosen_per_image():
 
 def test_gumbel_estimator_reads_one_location_and_trains_the_attention(batch):
     features, captions, index = batch
-    decoder = make_decoder(mode="hard", hard_estimator="gumbel", hard_expectation_prob=0.0, gate="none").train()
+    decoder = make_decoder(attention="hard", hard_estimator="gumbel", hard_expectation_prob=0.0, gate="none").train()
     lstm_inputs = []
     decoder.lstm.register_forward_hook(lambda module, args, out: lstm_inputs.append(args[0]))
     output = decoder(features, captions, index)
@@ -165,7 +168,7 @@ def test_gumbel_estimator_reads_one_location_and_trains_the_attention(batch):
 
 
 def test_gumbel_temperature_anneals_geometrically():
-    decoder = make_decoder(mode="hard", hard_estimator="gumbel", gumbel_tau=2.0, gumbel_tau_min=0.5)
+    decoder = make_decoder(attention="hard", hard_estimator="gumbel", gumbel_tau=2.0, gumbel_tau_min=0.5)
     assert decoder.gumbel_tau == 2.0
     decoder.anneal(0.5)
     assert decoder.gumbel_tau == pytest.approx(1.0)
@@ -175,13 +178,13 @@ def test_gumbel_temperature_anneals_geometrically():
 
 def test_multihead_hard_attention_is_refused():
     with pytest.raises(ConfigError, match="multihead works with soft attention only"):
-        make_decoder(mode="hard", attention="multihead", attention_heads=2)
+        make_decoder(attention="hard", scorer="multihead", attention_heads=2)
 
 
 def test_hard_with_expectation_always_equals_soft(batch):
     features, captions, index = batch
     soft = make_decoder().train()
-    hard = make_decoder(mode="hard", hard_expectation_prob=1.0).train()
+    hard = make_decoder(attention="hard", hard_expectation_prob=1.0).train()
     hard.load_state_dict(soft.state_dict())
     expected, output = soft(features, captions, index), hard(features, captions, index)
     assert_close(output.logits, expected.logits)
@@ -190,7 +193,7 @@ def test_hard_with_expectation_always_equals_soft(batch):
 
 def test_hard_inference_uses_the_most_likely_location(batch):
     features, _, _ = batch
-    decoder = make_decoder(mode="hard", gate="none").eval()
+    decoder = make_decoder(attention="hard", gate="none").eval()
     lstm_inputs = []
     decoder.lstm.register_forward_hook(lambda module, args, out: lstm_inputs.append(args[0]))
     keys, state = decoder.attention.keys(features), decoder.init_state(features)
@@ -202,7 +205,7 @@ def test_hard_inference_uses_the_most_likely_location(batch):
 def test_hard_inference_expectation_equals_soft(batch):
     features, captions, index = batch
     soft = make_decoder().eval()
-    hard = make_decoder(mode="hard", hard_inference="expectation").eval()
+    hard = make_decoder(attention="hard", hard_inference="expectation").eval()
     hard.load_state_dict(soft.state_dict())
     assert_close(hard(features, captions, index).logits, soft(features, captions, index).logits)
 
@@ -218,11 +221,11 @@ def test_dropout_acts_in_training_only(batch):
 @pytest.mark.parametrize(
     "option",
     [
-        dict(mode="stochastic"),
+        dict(attention="stochastic"),
         dict(gate="sigmoid"),
         dict(hard_inference="sample"),
         dict(dropout=1.5),
-        dict(attention="luong"),
+        dict(scorer="luong"),
         dict(hard_expectation_prob=-0.1),
         dict(hard_estimator="straight"),
         dict(gumbel_tau=0.0),
@@ -242,7 +245,7 @@ def test_k_states_per_image_equal_the_features_repeated_per_state(batch, attenti
         pytest.skip("hard attention refuses the multihead scorer (test_multihead_hard_attention_is_refused)")
     features, _, _ = batch
     heads = 3 if attention == "multihead" else 1
-    decoder = make_decoder(attention=attention, attention_heads=heads, mode=mode, hard_inference=hard_inference)
+    decoder = make_decoder(scorer=attention, attention_heads=heads, attention=mode, hard_inference=hard_inference)
     decoder.eval()
     generator = torch.Generator().manual_seed(3)
     tokens = torch.randint(3, V, (3, 4), generator=generator)  # (B, K)

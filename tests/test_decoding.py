@@ -11,8 +11,7 @@ from captioner.errors import ConfigError
 from captioner.model import decoding
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import beam_search, greedy, sample
-from captioner.model.losses import CaptionLoss
-from conftest import END, START, D, L, V, features_for, make_decoder
+from conftest import END, START, D, L, V, features_for, make_decoder, make_loss, net_config
 
 METHODS = {"greedy": greedy, "sample": sample, "beam": beam_search}
 
@@ -138,7 +137,10 @@ def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_caption(leng
     over every caption that ends within 3 steps or runs to the limit (the three cases pick "<end>",
     "w <end>" and "w w w")."""
     torch.manual_seed(11)
-    decoder = with_end_bias(ShowAttendTellDecoder(6, D, 8, 8, 8, dropout=0.0).eval(), end_bias)
+    decoder = with_end_bias(
+        ShowAttendTellDecoder(6, D, net_config(embed_dim=8, hidden_dim=8, attention_dim=8, dropout=0.0)).eval(),
+        end_bias,
+    )
     features = features_for(2, seed=11)
     generation = beam_search(decoder, features, 3, START, END, beam_size=27, length_penalty=length_penalty)
     captions = [list(words) + [END] for n in range(3) for words in itertools.product([3, 4, 5], repeat=n)]
@@ -267,10 +269,12 @@ TRAINING_CAPTIONS = torch.tensor(
 @pytest.mark.parametrize("mode", ["soft", "hard"])
 def test_a_tiny_batch_is_memorised_and_greedy_reproduces_it(mode, one_thread):
     torch.manual_seed(0)
-    decoder = ShowAttendTellDecoder(V, D, 32, 32, 32, mode=mode, dropout=0.0)
+    decoder = ShowAttendTellDecoder(
+        V, D, net_config(attention=mode, embed_dim=32, hidden_dim=32, attention_dim=32, dropout=0.0)
+    )
     features = torch.randn(4, L, D)
     image_index = torch.tensor([2, 0, 3, 1])  # caption n describes image image_index[n]
-    loss = CaptionLoss(pad_id=0)
+    loss = make_loss()
     optimizer = torch.optim.Adam(decoder.parameters(), lr=1e-2)
     decoder.train()
     for _ in range(150):
@@ -317,7 +321,7 @@ class RepeatedPerBeam:
 def test_beam_search_scores_the_beams_against_one_copy_of_each_image(attention, mode):
     if (mode, attention) == ("hard", "multihead"):
         pytest.skip("hard attention refuses the multihead scorer (test_multihead_hard_attention_is_refused)")
-    decoder = make_decoder(mode, seed=12, attention=attention, attention_heads=2 if attention == "multihead" else 1)
+    decoder = make_decoder(mode, seed=12, scorer=attention, attention_heads=2 if attention == "multihead" else 1)
     features = features_for(4, seed=12)
     shapes = []
     decoder.attention.register_forward_pre_hook(lambda module, args: shapes.append([tuple(a.shape) for a in args]))
@@ -366,7 +370,7 @@ def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_allowed_capt
     must agree with brute force over every caption the constraints allow (no repeated n-gram, at least
     ``min_len`` words before <end>). The decoder prefers "a a a a", which every blocking case forbids."""
     torch.manual_seed(0)
-    decoder = ShowAttendTellDecoder(5, D, 8, 8, 8, dropout=0.0).eval()
+    decoder = ShowAttendTellDecoder(5, D, net_config(embed_dim=8, hidden_dim=8, attention_dim=8, dropout=0.0)).eval()
     decoder.classifier.bias[3] += 1.0
     decoder.classifier.bias[END] -= 1.0
     features = features_for(3, seed=12)

@@ -13,7 +13,7 @@ from torchvision.models import get_model
 from captioner.errors import ConfigError
 from captioner.model import encoder as encoder_module
 from captioner.model.encoder import Encoder
-from conftest import random_images
+from conftest import make_encoder, random_images
 
 
 def _with_reference(name: str, monkeypatch: pytest.MonkeyPatch, **kwargs) -> tuple[Encoder, nn.Module]:
@@ -25,7 +25,7 @@ def _with_reference(name: str, monkeypatch: pytest.MonkeyPatch, **kwargs) -> tup
         return built[-1]
 
     monkeypatch.setattr(encoder_module, "get_model", spy)
-    encoder = Encoder(name, **kwargs).eval()
+    encoder = make_encoder(name, **kwargs).eval()
     return encoder, built[0].eval()
 
 
@@ -56,11 +56,11 @@ def test_cut_is_the_trunk_before_global_pooling(monkeypatch, name, head, channel
 @pytest.fixture(scope="module")
 def resnet18() -> Encoder:
     """A frozen resnet18 encoder without pooling, in eval mode (tests must not change it)."""
-    return Encoder("resnet18").eval()
+    return make_encoder("resnet18").eval()
 
 
 def test_grid_pooling_equals_adaptive_avg_pool(resnet18):
-    pooled = Encoder("resnet18", grid=2).eval()
+    pooled = make_encoder("resnet18", grid=2).eval()
     pooled.load_state_dict(resnet18.state_dict())
     for size, map_size in ((128, 4), (96, 3), (64, 2)):  # 4 -> 2 in blocks, 3 -> 2 overlapping, 2 -> 2 as is
         images = random_images(size=size)
@@ -85,17 +85,17 @@ def test_stage_reads_the_grid_from_an_earlier_stage(monkeypatch):
         )  # (B, 256, 6, 6)
         torch.testing.assert_close(encoder.feature_map(images), expected)
     assert list(encoder.stages._modules)[-1] == "layer3" and encoder.out_channels == 256
-    assert encoder.grid_size(96) == (6, 6) and Encoder("resnet18", stage="layer2", grid=6).grid_size(96) == (6, 6)
+    assert encoder.grid_size(96) == (6, 6) and make_encoder("resnet18", stage="layer2", grid=6).grid_size(96) == (6, 6)
     with pytest.raises(
         ConfigError,
         match="encoder.stage='layer5' is not a stage of resnet18; choose one of: "
         "conv1, bn1, relu, maxpool, layer1, layer2, layer3, layer4",
     ):
-        Encoder("resnet18", stage="layer5")
+        make_encoder("resnet18", stage="layer5")
 
 
 def test_grid_never_upsamples():
-    encoder = Encoder("resnet18", grid=4)
+    encoder = make_encoder("resnet18", grid=4)
     assert encoder.grid_size(160) == (4, 4)  # 5x5 map
     with pytest.raises(ConfigError, match=r"encoder.grid=4 is larger than the 2x2 feature map"):
         encoder.grid_size(64)
@@ -104,7 +104,7 @@ def test_grid_never_upsamples():
 
 
 def test_grid_size_of_too_small_image():
-    encoder = Encoder("squeezenet1_1")
+    encoder = make_encoder("squeezenet1_1")
     assert encoder.grid_size(24) == (1, 1)
     with pytest.raises(ConfigError, match="image_size=16 is too small for encoder squeezenet1_1"):
         encoder.grid_size(16)
@@ -112,18 +112,18 @@ def test_grid_size_of_too_small_image():
 
 def test_vision_transformer_refused():
     with pytest.raises(ConfigError, match="no spatial convolutional feature grid"):
-        Encoder("vit_b_32")
+        make_encoder("vit_b_32")
 
 
 def test_unknown_model_refused():
     with pytest.raises(ConfigError, match=r"'resnet7'.*torchvision.models.list_models"):
-        Encoder("resnet7")
+        make_encoder("resnet7")
 
 
 @pytest.mark.parametrize("weights", ["IMAGENET1K_V9", "ResNet50_Weights.IMAGENET1K_V1", "imagenet"])
 def test_unknown_weights_refused(weights):
     with pytest.raises(ConfigError, match=r"choose one of: DEFAULT, IMAGENET1K_V1, ResNet18_Weights.IMAGENET1K_V1"):
-        Encoder("resnet18", weights=weights)
+        make_encoder("resnet18", weights=weights)
 
 
 @pytest.mark.parametrize("weights", ["DEFAULT", "IMAGENET1K_V1", "ResNet18_Weights.IMAGENET1K_V1"])
@@ -131,7 +131,7 @@ def test_missing_weight_file_names_url_and_path(tmp_path, monkeypatch, weights):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
     path = os.path.join(tmp_path, "hub", "checkpoints", "resnet18-f37072fd.pth")
     with pytest.raises(ConfigError) as error:
-        Encoder("resnet18", weights=weights)
+        make_encoder("resnet18", weights=weights)
     message = str(error.value)
     assert "download https://download.pytorch.org/models/resnet18-f37072fd.pth" in message
     assert f"save it as {path}" in message and "TORCH_HOME" in message
@@ -144,7 +144,7 @@ def test_corrupt_weight_file_is_a_config_error(tmp_path, monkeypatch):
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match=rf"weight file {path} could not be loaded.*download"):
-        Encoder("resnet18", weights="DEFAULT")
+        make_encoder("resnet18", weights="DEFAULT")
 
 
 def _batchnorms(module: nn.Module) -> list[nn.BatchNorm2d]:
@@ -152,7 +152,7 @@ def _batchnorms(module: nn.Module) -> list[nn.BatchNorm2d]:
 
 
 def test_frozen_encoder_has_no_grad_and_fixed_batchnorm():
-    encoder = Encoder("resnet18")
+    encoder = make_encoder("resnet18")
     nn.ModuleDict({"encoder": encoder}).train()  # a training module around the encoder
     assert encoder.frozen and encoder.training
     assert not any(p.requires_grad for p in encoder.parameters())
@@ -165,7 +165,7 @@ def test_frozen_encoder_has_no_grad_and_fixed_batchnorm():
 
 
 def test_partially_trainable_trains_only_last_stages():
-    encoder = Encoder("resnet18", trainable_stages=2).train()
+    encoder = make_encoder("resnet18", trainable_stages=2).train()
     assert not encoder.frozen
     trainable = {name.split(".")[1] for name, p in encoder.named_parameters() if p.requires_grad}
     assert trainable == {"layer3", "layer4"}
@@ -181,18 +181,18 @@ def test_partially_trainable_trains_only_last_stages():
 
 
 def test_trainable_stages_of_features_models_and_bounds():
-    encoder = Encoder("mobilenet_v3_small", trainable_stages=1)
+    encoder = make_encoder("mobilenet_v3_small", trainable_stages=1)
     last = str(len(encoder.stages) - 1)
     assert {name.split(".")[1] for name, p in encoder.named_parameters() if p.requires_grad} == {last}
-    assert all(p.requires_grad for p in Encoder("mobilenet_v3_small", trainable_stages=-1).parameters())
+    assert all(p.requires_grad for p in make_encoder("mobilenet_v3_small", trainable_stages=-1).parameters())
     with pytest.raises(ConfigError, match="has only 13 stages with parameters"):
-        Encoder("mobilenet_v3_small", trainable_stages=14)
+        make_encoder("mobilenet_v3_small", trainable_stages=14)
     with pytest.raises(ConfigError, match="trainable_stages"):
-        Encoder("mobilenet_v3_small", trainable_stages=-2)
+        make_encoder("mobilenet_v3_small", trainable_stages=-2)
 
 
 def test_channels_last_gives_the_same_features(resnet18):
-    fast = Encoder("resnet18", channels_last=True).eval()
+    fast = make_encoder("resnet18", channels_last=True).eval()
     fast.load_state_dict(resnet18.state_dict())
     images = random_images(size=64)
     with torch.no_grad():
@@ -201,8 +201,8 @@ def test_channels_last_gives_the_same_features(resnet18):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_inception_style_input_transform_is_state():
-    encoder = Encoder("googlenet")  # random weights: torchvision's transform_input is off
+    encoder = make_encoder("googlenet")  # random weights: torchvision's transform_input is off
     state = encoder.state_dict()
     assert torch.equal(state["input_scale"], torch.ones(1, 3, 1, 1))
     assert torch.equal(state["input_shift"], torch.zeros(1, 3, 1, 1))
-    assert "input_scale" not in Encoder("resnet18").state_dict()
+    assert "input_scale" not in make_encoder("resnet18").state_dict()

@@ -6,14 +6,14 @@ import pytest
 import torchvision
 
 from captioner.errors import BundleError, CaptionerError, ConfigError, DataError, check_choice, check_range, first_line
-from captioner.model.encoder import Encoder
+from conftest import make_encoder
 
 
 def test_a_config_error_is_caught_as_a_value_error_like_torchvisions_own() -> None:
     with pytest.raises(ValueError, match="Unknown model"):
         torchvision.models.get_model("resnet1001")
     with pytest.raises(ValueError, match="encoder.name='resnet1001' is not a torchvision classification model"):
-        Encoder("resnet1001")
+        make_encoder("resnet1001")
     with pytest.raises(ValueError, match=r"beam_size=0 must be >= 1"):
         check_range("beam_size", 0, 1, kind=int)
     with pytest.raises(ValueError, match="method='topk' is not valid; choose one of: greedy, beam"):

@@ -7,7 +7,7 @@ from torch.testing import assert_close
 
 from captioner.errors import ConfigError
 from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
-from captioner.model.losses import CaptionLoss
+from conftest import make_loss, net_config
 
 V, L = 9, 4
 CAPTIONS = torch.tensor(
@@ -37,7 +37,7 @@ def real_tokens():
 
 def test_cross_entropy_is_the_mean_over_real_tokens():
     output = random_output()
-    terms = CaptionLoss(pad_id=0)(output, CAPTIONS)
+    terms = make_loss()(output, CAPTIONS)
     targets, mask = CAPTIONS[:, 1:], real_tokens()
     log_probs = output.logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     assert_close(terms["ce"], -log_probs[mask].sum() / 9)
@@ -47,7 +47,7 @@ def test_cross_entropy_is_the_mean_over_real_tokens():
 
 def test_pad_positions_never_count():
     output = random_output()
-    loss = CaptionLoss(pad_id=0)
+    loss = make_loss()
     terms = loss(output, CAPTIONS)
     pad = ~real_tokens()
     changed = DecoderOutput(
@@ -60,7 +60,7 @@ def test_pad_positions_never_count():
 
 def test_doubly_stochastic_penalty():
     output = random_output()
-    terms = CaptionLoss(pad_id=0, ds_lambda=0.5)(output, CAPTIONS)
+    terms = make_loss(ds_lambda=0.5)(output, CAPTIONS)
     mask = real_tokens()
     per_sample = [((1 - output.alphas[n][mask[n]].sum(0)) ** 2).sum() for n in range(3)]
     assert_close(terms["ds"], 0.5 * torch.stack(per_sample).sum() / 9)  # per real token, like ce
@@ -68,10 +68,10 @@ def test_doubly_stochastic_penalty():
 
 def test_appending_pad_steps_changes_no_term():
     torch.manual_seed(0)
-    decoder = ShowAttendTellDecoder(V, 5, 8, 8, 8, dropout=0.3).eval()
+    decoder = ShowAttendTellDecoder(V, 5, net_config(embed_dim=8, hidden_dim=8, attention_dim=8, dropout=0.3)).eval()
     features = torch.randn(2, L, 5)
     index = torch.tensor([0, 1, 1])
-    loss = CaptionLoss(pad_id=0)
+    loss = make_loss()
     padded = torch.cat([CAPTIONS, torch.zeros(3, 4, dtype=torch.long)], dim=1)
     terms, longer = loss(decoder(features, CAPTIONS, index), CAPTIONS), loss(decoder(features, padded, index), padded)
     for name in ("loss", "ce", "ds"):
@@ -89,7 +89,7 @@ def slot_means(values: torch.Tensor, slots: torch.Tensor, used: torch.Tensor) ->
 
 def test_word_reward_per_step_with_a_per_step_baseline_from_the_first_batch():
     output, second = random_output(hard=True), random_output(seed=1, hard=True)
-    loss = CaptionLoss(pad_id=0, reinforce_weight=0.5, entropy_weight=0.1, baseline_decay=0.9).train()
+    loss = make_loss(reinforce_weight=0.5, entropy_weight=0.1, baseline_decay=0.9).train()
     used = real_tokens() & output.sampled.unsqueeze(1)  # (N, T): row 1 read the expected context
     steps = torch.arange(4).expand(3, 4)
 
@@ -111,7 +111,7 @@ def test_word_reward_per_step_with_a_per_step_baseline_from_the_first_batch():
 
 def test_suffix_reward_sums_the_words_from_t_on_with_a_baseline_per_remaining_length():
     output = random_output(hard=True)
-    loss = CaptionLoss(pad_id=0, reinforce_weight=1.0, reinforce_reward="suffix").train()
+    loss = make_loss(reinforce_weight=1.0, reinforce_reward="suffix").train()
     log_lik = per_step_log_likelihood(output)
     lengths = real_tokens().sum(1)
     reward = torch.zeros(3, 4)
@@ -138,7 +138,7 @@ def test_reinforce_gradient_on_the_attention_scores_has_its_analytic_form():
     log_probs = alphas.log().gather(-1, chosen.unsqueeze(-1)).squeeze(-1) * sampled.unsqueeze(1)
     logits = torch.randn(3, 4, V, generator=generator)
     output = DecoderOutput(logits, alphas.detach(), log_probs, torch.zeros(3, 4), sampled)
-    loss = CaptionLoss(pad_id=0, ds_lambda=0.0, reinforce_weight=0.3, entropy_weight=0.0).train()
+    loss = make_loss(ds_lambda=0.0, reinforce_weight=0.3, entropy_weight=0.0).train()
     loss.baseline.copy_(torch.linspace(-3.0, -1.0, 64))
     loss.baseline_seen.fill_(True)
     loss.baseline_decay = 1.0  # keep b fixed for the check
@@ -151,7 +151,7 @@ def test_reinforce_gradient_on_the_attention_scores_has_its_analytic_form():
 
 def test_unk_targets_never_enter_the_loss():
     output = random_output()
-    with_unk = CaptionLoss(pad_id=0, unk_id=3)(output, CAPTIONS)  # caption 2 has <unk> (id 3) as a target
+    with_unk = make_loss(unk_id=3)(output, CAPTIONS)  # caption 2 has <unk> (id 3) as a target
     log_probs = output.logits.log_softmax(-1).gather(-1, CAPTIONS[:, 1:].unsqueeze(-1)).squeeze(-1)
     counted = real_tokens() & (CAPTIONS[:, 1:] != 3)
     assert_close(with_unk["ce"], -log_probs[counted].sum() / 8)
@@ -159,7 +159,7 @@ def test_unk_targets_never_enter_the_loss():
 
 def test_baseline_holds_in_eval_mode_and_without_samples():
     output = random_output(hard=True)
-    loss = CaptionLoss(pad_id=0).eval()
+    loss = make_loss().eval()
     loss(output, CAPTIONS)
     assert not loss.baseline.any() and not loss.baseline_seen.any()
     output.sampled = torch.zeros(3, dtype=torch.bool)
@@ -169,9 +169,9 @@ def test_baseline_holds_in_eval_mode_and_without_samples():
 
 
 def test_baseline_is_checkpointed():
-    loss = CaptionLoss(pad_id=0)
+    loss = make_loss()
     loss(random_output(hard=True), CAPTIONS)
-    restored = CaptionLoss(pad_id=0)
+    restored = make_loss()
     restored.load_state_dict(loss.state_dict())
     assert "baseline" in loss.state_dict() and torch.equal(restored.baseline, loss.baseline)
     assert restored.baseline_seen[:4].all() and loss.baseline[:4].ne(0).all()
@@ -183,9 +183,15 @@ def attention_gradients(decoder: ShowAttendTellDecoder) -> list[torch.Tensor | N
 
 def test_reinforce_is_the_path_from_the_loss_to_hard_attention():
     torch.manual_seed(0)
-    decoder = ShowAttendTellDecoder(V, 5, 8, 8, 8, mode="hard", hard_expectation_prob=0.0, dropout=0.0).train()
+    decoder = ShowAttendTellDecoder(
+        V,
+        5,
+        net_config(
+            attention="hard", embed_dim=8, hidden_dim=8, attention_dim=8, hard_expectation_prob=0.0, dropout=0.0
+        ),
+    ).train()
     features = torch.randn(2, L, 5)
-    loss = CaptionLoss(pad_id=0, ds_lambda=0.0)
+    loss = make_loss(ds_lambda=0.0)
     terms = loss(decoder(features, CAPTIONS, torch.tensor([0, 1, 1])), CAPTIONS)
     terms["ce"].backward(retain_graph=True)  # z_t = a_{s_t}: no gradient reaches the scorer
     assert all(g is None or not g.any() for g in attention_gradients(decoder))
@@ -195,7 +201,7 @@ def test_reinforce_is_the_path_from_the_loss_to_hard_attention():
 
 
 def test_soft_output_has_no_reinforce_terms():
-    terms = CaptionLoss(pad_id=0)(random_output(), CAPTIONS)
+    terms = make_loss()(random_output(), CAPTIONS)
     assert "reinforce" not in terms and "entropy" not in terms
 
 
@@ -205,10 +211,10 @@ def test_soft_output_has_no_reinforce_terms():
 )
 def test_invalid_weights_raise(option):
     with pytest.raises(ConfigError, match=next(iter(option))):
-        CaptionLoss(pad_id=0, **option)
+        make_loss(**option)
 
 
 def test_cross_entropy_matches_torch_with_ignore_index():
     output = random_output(seed=3)
     expected = F.cross_entropy(output.logits.reshape(-1, V), CAPTIONS[:, 1:].reshape(-1), ignore_index=0)
-    assert_close(CaptionLoss(pad_id=0)(output, CAPTIONS)["ce"], expected)
+    assert_close(make_loss()(output, CAPTIONS)["ce"], expected)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from captioner.config import SelfAttentionConfig
 from captioner.errors import ConfigError
 from captioner.model.self_attention import GridSelfAttention, SelfAttentionStack, sinusoidal_grid_encoding
 
@@ -34,14 +35,14 @@ def _reference(block: GridSelfAttention, x: torch.Tensor, qk_input: torch.Tensor
 def test_fresh_block_is_the_identity():
     torch.manual_seed(0)
     x = _features()
-    for block in (GridSelfAttention(8, heads=2, positional=True), SelfAttentionStack(8, blocks=3)):
+    for block in (GridSelfAttention(8, heads=2, positional=True), SelfAttentionStack(8, SelfAttentionConfig(blocks=3))):
         assert torch.equal(block(x, GRID), x)
 
 
 @pytest.mark.parametrize("heads", [1, 4])
 def test_output_matches_hand_computed_attention(heads):
     torch.manual_seed(0)
-    block = GridSelfAttention(8, heads=heads)
+    block = GridSelfAttention(8, heads=heads, positional=False)
     with torch.no_grad():
         block.gamma.fill_(0.7)
     x = _features()
@@ -52,7 +53,7 @@ def test_output_matches_hand_computed_attention(heads):
 
 def test_one_position_attends_to_itself_only():
     torch.manual_seed(0)
-    block = GridSelfAttention(4)
+    block = GridSelfAttention(4, heads=1, positional=False)
     with torch.no_grad():
         block.gamma.fill_(1.0)
     x = torch.randn(1, 1, 4)  # a 1x1 grid: softmax over one position is 1
@@ -61,7 +62,7 @@ def test_one_position_attends_to_itself_only():
 
 def test_multi_head_backward_reaches_the_gate_first():
     torch.manual_seed(0)
-    block = GridSelfAttention(8, heads=2)
+    block = GridSelfAttention(8, heads=2, positional=False)
     x = _features().requires_grad_()
     block(x, GRID).pow(2).sum().backward()
     assert block.gamma.grad.abs() > 0  # the gate opens first ...
@@ -88,7 +89,7 @@ def test_positional_encoding_values():
 
 def test_positional_encoding_changes_queries_and_keys_deterministically():
     torch.manual_seed(0)
-    plain = GridSelfAttention(8, heads=2)
+    plain = GridSelfAttention(8, heads=2, positional=False)
     positional = GridSelfAttention(8, heads=2, positional=True)
     positional.load_state_dict(plain.state_dict())  # no extra parameters: the encoding is fixed
     with torch.no_grad():
@@ -105,7 +106,7 @@ def test_positional_encoding_changes_queries_and_keys_deterministically():
 
 def test_stack_applies_blocks_in_turn():
     torch.manual_seed(0)
-    stack = SelfAttentionStack(8, blocks=2, heads=2, positional=True)
+    stack = SelfAttentionStack(8, SelfAttentionConfig(blocks=2, heads=2, positional=True))
     with torch.no_grad():
         for i, block in enumerate(stack.blocks):
             block.gamma.fill_(0.3 + i)
@@ -116,10 +117,10 @@ def test_stack_applies_blocks_in_turn():
 
 def test_invalid_settings_refused():
     with pytest.raises(ConfigError, match="heads=3 must divide the feature dim 8"):
-        GridSelfAttention(8, heads=3)
+        GridSelfAttention(8, heads=3, positional=False)
     with pytest.raises(ConfigError, match="divisible by 4"):
-        GridSelfAttention(6, positional=True)
+        GridSelfAttention(6, heads=1, positional=True)
     with pytest.raises(ConfigError, match="blocks"):
-        SelfAttentionStack(8, blocks=0)
+        SelfAttentionStack(8, SelfAttentionConfig(blocks=0))
     with pytest.raises(ValueError, match="6 locations do not form a 2x2 grid"):
-        GridSelfAttention(8)(_features(), (2, 2))
+        GridSelfAttention(8, heads=1, positional=False)(_features(), (2, 2))

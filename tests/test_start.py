@@ -12,7 +12,7 @@ from captioner.config import to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
 from captioner.fileio import save_torch
-from captioner.model.captioner import net_from_bundle
+from captioner.model.bundle import net_from_bundle
 from captioner.training.start import model_settings, resolve_start
 from conftest import RUN_NET, write_run
 
@@ -76,7 +76,9 @@ def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
         "data": {"image_size": 96},
     }
     settings = model_settings(start.model, config, tmp_path / "out")
-    net = to_dict(net_from_bundle(RUN_NET))  # every field: what RUN_NET leaves out is the modules' default
+    net = to_dict(
+        net_from_bundle(RUN_NET)
+    )  # every field: what RUN_NET leaves out is the bundle format's ABSENT_KEY_VALUES
     assert settings == {
         **{f"model.{key}": value for key, value in net.items()},
         "data.image_size": 64,

@@ -26,7 +26,7 @@ def test_every_experiment_composes_validates_and_instantiates(experiment: str, t
     cfg = compose_cfg([f"experiment={experiment}", "model.encoder.weights=null"], tmp_path)
     validate_config(OmegaConf.to_container(cfg, resolve=True))
     datamodule = instantiate(cfg.data, _convert_="all")
-    assert datamodule.batch_size == cfg.data.batch_size
+    assert datamodule.settings.batch_size == cfg.data.batch_size
     from captioner.data.vocab import Vocabulary
 
     vocab = Vocabulary([f"w{i}" for i in range(20)])
@@ -63,12 +63,13 @@ def test_a_user_error_is_one_line_on_stderr_and_exit_2(tmp_path: Path) -> None:
 
 def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
     from captioner.data.vocab import Vocabulary
-    from captioner.model.bundle import save_bundle
+    from captioner.model.bundle import net_from_bundle, save_bundle
     from captioner.model.captioner import build_captioner
 
     vocab = Vocabulary(["a", "circle"])
     config = {"encoder": {"name": "resnet18"}, "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8}}
-    save_bundle(tmp_path / "bundle.pt", build_captioner(config, len(vocab)), vocab, config, {"image_size": 64})
+    model = build_captioner(net_from_bundle(config), len(vocab))
+    save_bundle(tmp_path / "bundle.pt", model, vocab, config, {"image_size": 64})
     proc = run_train([f"ckpt_path={tmp_path / 'bundle.pt'}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
     assert error_line(proc) == (
         f"error: ckpt_path='{tmp_path / 'bundle.pt'}' is an inference bundle (weights for captioning, no "

@@ -130,7 +130,7 @@ class MeanAttention(Attention):
         return keys.new_zeros(keys.size(0), h.size(1), keys.size(1))  # (B, K, L): equal scores, uniform weights
 
 
-def build_attention(kind: str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int = 1) -> Attention:
+def build_attention(kind: str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int) -> Attention:
     """Build the scorer ``kind`` (a ``Scorer``); only "multihead" takes ``heads`` > 1."""
     check_choice("attention", kind, list(Scorer))
     check_range("attention_heads", heads, 1, kind=int)

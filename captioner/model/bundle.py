@@ -13,15 +13,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from captioner.config import NetConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
-from captioner.model.captioner import Captioner, build_captioner, net_from_bundle
+from captioner.model.captioner import Captioner, build_captioner
 
 if TYPE_CHECKING:
     from captioner.inference import Captioned, Images
@@ -33,6 +35,88 @@ _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
 _BUNDLE_KEYS = ("format", "version", *_METADATA_KEYS, "state_dict")
 PREPROCESS_KEYS = ("image_size",)
 CHECKPOINT_KEY = "captioner"  # where a training checkpoint keeps the bundle metadata
+
+# What a key left out of a bundle's model config means: part of the bundle format, fixed for good. These are
+# the values the modules' constructors defaulted to when bundles were first written (a frozen resnet101 read
+# at its last stage, no feature norm, the paper's 512-wide decoder with dropout 0.5 and soft additive
+# attention), NOT the current defaults, which live in captioner.config and may change without changing what
+# an old bundle holds. An absent or null ``self_attention`` means no blocks; a ``self_attention`` mapping
+# reads its left-out keys here. ``save_bundle`` writes every key, so only hand-written and old configs rely
+# on this table; a setting added to NetConfig later gets the entry that rebuilds the bundles written before.
+ABSENT_KEY_VALUES: Mapping[str, Any] = MappingProxyType(
+    {
+        "encoder": MappingProxyType(
+            {
+                "name": "resnet101",
+                "weights": None,
+                "stage": None,
+                "grid": None,
+                "trainable_stages": 0,
+                "channels_last": False,
+            }
+        ),
+        "feature_norm": False,
+        "self_attention": MappingProxyType({"blocks": 1, "heads": 1, "positional": False}),
+        "decoder": MappingProxyType(
+            {
+                "embed_dim": 512,
+                "hidden_dim": 512,
+                "attention_dim": 512,
+                "attention_heads": 1,
+                "gate": "scalar",
+                "deep_output": True,
+                "dropout": 0.5,
+                "hard_expectation_prob": 0.5,
+                "hard_inference": "argmax",
+                "hard_estimator": "reinforce",
+                "gumbel_tau": 1.0,
+                "gumbel_tau_min": 0.5,
+                "mode": "soft",
+                "attention": "additive",
+            }
+        ),
+    }
+)
+
+
+def bundle_layout(net: NetConfig) -> dict[str, Any]:
+    """The network as a bundle stores it: every key, the attention mode and the scorer inside the decoder's
+    section, as ``mode`` and ``attention``. ``net_from_bundle`` reads it back."""
+    plain = to_dict(net)
+    return {
+        "encoder": plain["encoder"],
+        "feature_norm": plain["feature_norm"],
+        "self_attention": plain["self_attention"],
+        "decoder": {**plain["decoder"], "mode": plain["attention"], "attention": plain["scorer"]},
+    }
+
+
+def net_from_bundle(config: Mapping[str, Any]) -> NetConfig:
+    """The ``NetConfig`` of a bundle's (or a training checkpoint's) model config, in ``bundle_layout``.
+
+    A key the config leaves out takes its value from ``ABSENT_KEY_VALUES``. ConfigError names an unknown
+    key or a bad value.
+    """
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"model config must be a mapping, got {type(config).__name__}")
+    unknown = [key for key in config if key not in ABSENT_KEY_VALUES]
+    if unknown:
+        raise ConfigError(f"unknown model config key {unknown[0]!r}; valid keys: {', '.join(ABSENT_KEY_VALUES)}")
+    for key in ("encoder", "self_attention", "decoder"):
+        if config.get(key) is not None and not isinstance(config[key], Mapping):
+            raise ConfigError(f"model config {key!r} must be a mapping, got {type(config[key]).__name__}")
+    absent = ABSENT_KEY_VALUES
+    decoder = {**absent["decoder"], **(config.get("decoder") or {})}
+    self_attention = config.get("self_attention")
+    net = {
+        "attention": decoder.pop("mode"),
+        "scorer": decoder.pop("attention"),
+        "encoder": {**absent["encoder"], **(config.get("encoder") or {})},
+        "feature_norm": config.get("feature_norm", absent["feature_norm"]),
+        "self_attention": {"blocks": 0} if self_attention is None else {**absent["self_attention"], **self_attention},
+        "decoder": decoder,
+    }
+    return from_dict(NetConfig, net, "model")
 
 
 def _plain(value: object, where: str = "config") -> object:
@@ -215,7 +299,7 @@ class LoadedModel:
 
     model: Captioner  # in eval mode
     vocab: Vocabulary
-    config: dict  # the model config (``build_captioner``'s)
+    config: dict  # the model config, in ``bundle_layout`` (``net_from_bundle`` reads it)
     image_size: int  # images are resized to image_size x image_size, as in training
 
     def caption(self, images: Images, batch_size: int = 32, **decode: object) -> Captioned | list[Captioned]:

@@ -1,20 +1,17 @@
 """The whole captioner: encoder, optional self-attention over its grid, Show, Attend and Tell decoder.
 
-``build_captioner`` builds one from a model config; ``captioner.model.bundle`` saves and loads it.
+``build_captioner`` builds one from a ``NetConfig``; ``captioner.model.bundle`` saves and loads it.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from captioner.config import DecodeMethod, NetConfig, from_dict, to_dict
-from captioner.errors import ConfigError, check_choice
+from captioner.config import DecodeMethod, NetConfig
+from captioner.errors import check_choice
 from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
 from captioner.model.decoding import Generation, beam_search, greedy, sample
 from captioner.model.encoder import Encoder
@@ -43,8 +40,8 @@ class Captioner(nn.Module):
         self,
         encoder: Encoder,
         decoder: ShowAttendTellDecoder,
-        self_attention: SelfAttentionStack | None = None,
-        feature_norm: bool = False,
+        self_attention: SelfAttentionStack | None,
+        feature_norm: bool,
     ) -> None:
         super().__init__()
         self.encoder = encoder
@@ -177,60 +174,12 @@ class Captioner(nn.Module):
         return generation, grid
 
 
-def _defaults(cls: type, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The keyword defaults of ``cls``'s constructor."""
-    return {
-        name: p.default
-        for name, p in inspect.signature(cls).parameters.items()
-        if p.default is not inspect.Parameter.empty and name not in exclude
-    }
-
-
-def net_from_bundle(config: Mapping[str, Any]) -> NetConfig:
-    """The ``NetConfig`` of a bundle's (or a training checkpoint's) model config, in ``bundle_layout``.
-
-    A key the config leaves out means the default of the module's constructor (``Encoder``,
-    ``SelfAttentionStack``, ``ShowAttendTellDecoder``), as it did when bundles were first written; an
-    absent or null ``self_attention`` means no blocks. ConfigError names an unknown key or a bad value.
-    """
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"model config must be a mapping, got {type(config).__name__}")
-    sections = ("encoder", "feature_norm", "self_attention", "decoder")
-    unknown = [key for key in config if key not in sections]
-    if unknown:
-        raise ConfigError(f"unknown model config key {unknown[0]!r}; valid keys: {', '.join(sections)}")
-    for key in ("encoder", "self_attention", "decoder"):
-        if config.get(key) is not None and not isinstance(config[key], Mapping):
-            raise ConfigError(f"model config {key!r} must be a mapping, got {type(config[key]).__name__}")
-    decoder = {**_defaults(ShowAttendTellDecoder, ("vocab_size", "feature_dim")), **(config.get("decoder") or {})}
-    self_attention = config.get("self_attention")
-    net = {
-        "attention": decoder.pop("mode"),
-        "scorer": decoder.pop("attention"),
-        "encoder": {**_defaults(Encoder), **(config.get("encoder") or {})},
-        "feature_norm": config.get("feature_norm", False),
-        "self_attention": {"blocks": 0}
-        if self_attention is None
-        else {**_defaults(SelfAttentionStack, ("dim",)), **self_attention},
-        "decoder": decoder,
-    }
-    return from_dict(NetConfig, net, "model")
-
-
-def build_captioner(config: NetConfig | Mapping, vocab_size: int) -> Captioner:
-    """Build a Captioner from a ``NetConfig``, or from a bundle's config mapping (``bundle_layout``'s:
-    ``{"encoder": {...}, "feature_norm": bool, "self_attention": {...} | None, "decoder": {..., "mode",
-    "attention"}}``). ConfigError names an unknown key or a bad value."""
-    net = config if isinstance(config, NetConfig) else net_from_bundle(config)
-    encoder = Encoder(**to_dict(net.encoder))
+def build_captioner(net: NetConfig, vocab_size: int) -> Captioner:
+    """Build the Captioner of ``net`` for ``vocab_size`` words (``captioner.model.bundle.net_from_bundle``
+    reads the ``NetConfig`` of a bundle's config)."""
+    encoder = Encoder(net.encoder)
     self_attention = None
     if net.self_attention.blocks > 0:
-        self_attention = SelfAttentionStack(encoder.out_channels, **to_dict(net.self_attention))
-    decoder = ShowAttendTellDecoder(
-        vocab_size=vocab_size,
-        feature_dim=encoder.out_channels,
-        mode=net.attention.value,
-        attention=net.scorer.value,
-        **to_dict(net.decoder),
-    )
+        self_attention = SelfAttentionStack(encoder.out_channels, net.self_attention)
+    decoder = ShowAttendTellDecoder(vocab_size, encoder.out_channels, net)
     return Captioner(encoder, decoder, self_attention, feature_norm=net.feature_norm)

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Categorical
 
-from captioner.config import Attention, DecoderConfig, NetConfig, Scorer
-from captioner.errors import check_choice
+from captioner.config import NetConfig
 from captioner.model.attention import build_attention
 
 State = tuple[Tensor, Tensor]
@@ -38,62 +37,34 @@ class DecoderOutput:
 
 
 class ShowAttendTellDecoder(nn.Module):
-    """LSTM decoder with soft or hard attention, a gating scalar and the deep output layer."""
+    """LSTM decoder with soft or hard attention, a gating scalar and the deep output layer.
 
-    def __init__(
-        self,
-        vocab_size: int,
-        feature_dim: int,
-        embed_dim: int = 512,
-        hidden_dim: int = 512,
-        attention_dim: int = 512,
-        attention: str = "additive",
-        attention_heads: int = 1,
-        mode: str = "soft",
-        gate: str = "scalar",
-        deep_output: bool = True,
-        dropout: float = 0.5,
-        hard_expectation_prob: float = 0.5,
-        hard_inference: str = "argmax",
-        hard_estimator: str = "reinforce",
-        gumbel_tau: float = 1.0,
-        gumbel_tau_min: float = 0.5,
-    ) -> None:
+    ``config`` gives the attention mode (``attention``), the scorer (``scorer``) and the decoder's settings
+    (``decoder``: sizes, gate, dropout, hard attention's options); its encoder and self-attention settings
+    are not read. ``vocab_size`` words, ``feature_dim`` channels per grid location.
+    """
+
+    def __init__(self, vocab_size: int, feature_dim: int, config: NetConfig) -> None:
         super().__init__()
-        # Every value is checked where the settings are defined (captioner.config), with the rule that hard
-        # attention cannot read multihead's projected context.
-        settings = DecoderConfig(
-            embed_dim=embed_dim,
-            hidden_dim=hidden_dim,
-            attention_dim=attention_dim,
-            attention_heads=attention_heads,
-            gate=gate,
-            deep_output=deep_output,
-            dropout=dropout,
-            hard_expectation_prob=hard_expectation_prob,
-            hard_inference=hard_inference,
-            hard_estimator=hard_estimator,
-            gumbel_tau=gumbel_tau,
-            gumbel_tau_min=gumbel_tau_min,
-        )
-        check_choice("mode", mode, list(Attention))
-        check_choice("attention", attention, list(Scorer))
-        NetConfig(attention=mode, scorer=attention, decoder=settings)
-        self.mode = mode
-        self.hard_expectation_prob = hard_expectation_prob
-        self.hard_inference = hard_inference
-        self.hard_estimator = hard_estimator
-        self.gumbel_tau_start, self.gumbel_tau_min = gumbel_tau, gumbel_tau_min
-        self.gumbel_tau = gumbel_tau  # annealed by ``anneal`` during training
+        settings = config.decoder
+        embed_dim, hidden_dim = settings.embed_dim, settings.hidden_dim
+        self.mode = config.attention.value
+        self.hard_expectation_prob = settings.hard_expectation_prob
+        self.hard_inference = settings.hard_inference.value
+        self.hard_estimator = settings.hard_estimator.value
+        self.gumbel_tau_start, self.gumbel_tau_min = settings.gumbel_tau, settings.gumbel_tau_min
+        self.gumbel_tau = settings.gumbel_tau  # annealed by ``anneal`` during training
         self.embedding = nn.Embedding(vocab_size, embed_dim)  # E
-        self.attention = build_attention(attention, feature_dim, hidden_dim, attention_dim, attention_heads)
+        self.attention = build_attention(
+            config.scorer.value, feature_dim, hidden_dim, settings.attention_dim, settings.attention_heads
+        )
         self.init_h = nn.Linear(feature_dim, hidden_dim)  # f_init,h
         self.init_c = nn.Linear(feature_dim, hidden_dim)  # f_init,c
         gates = {"scalar": 1, "vector": feature_dim}
-        self.f_beta = nn.Linear(hidden_dim, gates[gate]) if gate in gates else None
+        self.f_beta = nn.Linear(hidden_dim, gates[settings.gate]) if settings.gate in gates else None
         self.lstm = nn.LSTMCell(embed_dim + feature_dim, hidden_dim)
-        self.dropout = nn.Dropout(dropout)
-        if deep_output:
+        self.dropout = nn.Dropout(settings.dropout)
+        if settings.deep_output:
             self.deep_h = nn.Linear(hidden_dim, embed_dim)  # L_h
             self.deep_z = nn.Linear(feature_dim, embed_dim)  # L_z
             self.classifier = nn.Linear(embed_dim, vocab_size)  # L_o

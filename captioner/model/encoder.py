@@ -110,7 +110,7 @@ class Encoder(nn.Module):
     Inputs are float images (B, 3, H, W) normalised with the ImageNet statistics
     (mean 0.485, 0.456, 0.406; std 0.229, 0.224, 0.225), as the torchvision weights expect.
 
-    Args:
+    ``config`` holds the settings (their defaults and ranges are ``EncoderConfig``'s):
         name: a torchvision classification model (``torchvision.models.list_models``).
         weights: a torchvision weights name ("DEFAULT", "IMAGENET1K_V2", "ResNet101_Weights.IMAGENET1K_V2")
             or None for random initialisation. The file must already be in ``$TORCH_HOME/hub/checkpoints``;
@@ -125,28 +125,13 @@ class Encoder(nn.Module):
         channels_last: run the CNN in channels-last memory format (faster convolutions on recent GPUs).
     """
 
-    def __init__(
-        self,
-        name: str = "resnet101",
-        weights: str | None = None,
-        stage: str | None = None,
-        grid: int | None = None,
-        trainable_stages: int = 0,
-        channels_last: bool = False,
-    ) -> None:
+    def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
-        EncoderConfig(  # checks every value where the settings are defined
-            name=name,
-            weights=weights,
-            stage=stage,
-            grid=grid,
-            trainable_stages=trainable_stages,
-            channels_last=channels_last,
-        )
-        model = _build_classifier(name, weights)
+        name, stage, trainable_stages = config.name, config.stage, config.trainable_stages
+        model = _build_classifier(name, config.weights)
         self.name = name
-        self.grid = grid
-        self.channels_last = channels_last
+        self.grid = config.grid
+        self.channels_last = config.channels_last
         if hasattr(model, "transform_input"):
             # Inception/GoogLeNet ports re-normalise ImageNet inputs to (x - 0.5) / 0.5 when transform_input
             # is set (pretrained weights). Kept as buffers so a bundle loaded without weights behaves the same.
@@ -185,7 +170,7 @@ class Encoder(nn.Module):
         self.trainable_stages = trainable_stages
         for stage in self.stages[: self._first_trainable]:
             stage.requires_grad_(False)
-        if channels_last:
+        if self.channels_last:
             self.stages.to(memory_format=torch.channels_last)
         self.train(self.training)
 

@@ -25,7 +25,7 @@ class CaptionLoss(nn.Module):
 
     Hard attention's REINFORCE term (eq. 12) rewards each step's sampled location s_t with a per-step
     reward, as the authors' code does, not with the whole caption's log-likelihood (which is mostly the
-    caption's length: its gradient on the attention is noise). ``reward="word"``: r_t = log p(y_t | s_<=t),
+    caption's length: its gradient on the attention is noise). ``reinforce_reward="word"``: r_t = log p(y_t | s_<=t),
     the word that location was read for; ``"suffix"``: r_t = sum_{t' >= t} log p(y_t'), everything s_t
     can influence. Its baseline b is kept per step t ("word") or per remaining length ("suffix"), starts
     at the first batch's mean and then moves as b <- decay b + (1 - decay) mean. The baselines are a
@@ -35,31 +35,17 @@ class CaptionLoss(nn.Module):
     baseline: Tensor
     baseline_seen: Tensor
 
-    def __init__(
-        self,
-        pad_id: int,
-        unk_id: int | None = None,
-        ds_lambda: float = 1.0,
-        reinforce_weight: float = 0.1,
-        reinforce_reward: str = "word",
-        entropy_weight: float = 0.002,
-        baseline_decay: float = 0.9,
-    ) -> None:
+    def __init__(self, config: LossConfig, pad_id: int, unk_id: int | None = None) -> None:
+        """``config`` holds the weights, the reward and the baseline's decay; ``pad_id`` and ``unk_id`` (None:
+        no <unk>) are the vocabulary's ids that never enter the loss."""
         super().__init__()
-        LossConfig(  # checks every value where the settings are defined
-            ds_lambda=ds_lambda,
-            reinforce_reward=reinforce_reward,
-            reinforce_weight=reinforce_weight,
-            entropy_weight=entropy_weight,
-            baseline_decay=baseline_decay,
-        )
         self.pad_id = pad_id
         self.unk_id = unk_id
-        self.ds_lambda = ds_lambda
-        self.reinforce_weight = reinforce_weight
-        self.reinforce_reward = reinforce_reward
-        self.entropy_weight = entropy_weight
-        self.baseline_decay = baseline_decay
+        self.ds_lambda = config.ds_lambda
+        self.reinforce_weight = config.reinforce_weight
+        self.reinforce_reward = config.reinforce_reward.value
+        self.entropy_weight = config.entropy_weight
+        self.baseline_decay = config.baseline_decay
         self.register_buffer("baseline", torch.zeros(BASELINE_SLOTS))
         self.register_buffer("baseline_seen", torch.zeros(BASELINE_SLOTS, dtype=torch.bool))
 
@@ -138,7 +124,7 @@ class SelfCriticalLoss(nn.Module):
     the sampled tokens and divided by their number.
     """
 
-    def __init__(self, baseline: str = "mean") -> None:
+    def __init__(self, baseline: str) -> None:
         super().__init__()
         check_choice("baseline", baseline, list(ScstBaseline))
         self.baseline = baseline

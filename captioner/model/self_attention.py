@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from captioner.config import SelfAttentionConfig
 from captioner.errors import ConfigError, check_range
 
 
@@ -45,9 +46,8 @@ class GridSelfAttention(nn.Module):
     (not to the values), so attention can depend on where locations are.
     """
 
-    def __init__(self, dim: int, heads: int = 1, positional: bool = False) -> None:
+    def __init__(self, dim: int, heads: int, positional: bool) -> None:
         super().__init__()
-        check_range("self_attention.heads", heads, low=1, kind=int)
         if dim % heads:
             raise ConfigError(f"self_attention.heads={heads} must divide the feature dim {dim}")
         if positional and dim % 4:
@@ -83,12 +83,14 @@ class GridSelfAttention(nn.Module):
 
 
 class SelfAttentionStack(nn.Module):
-    """``blocks`` GridSelfAttention blocks applied in turn."""
+    """``config.blocks`` (at least one) GridSelfAttention blocks over ``dim`` channels, applied in turn."""
 
-    def __init__(self, dim: int, blocks: int = 1, heads: int = 1, positional: bool = False) -> None:
+    def __init__(self, dim: int, config: SelfAttentionConfig) -> None:
         super().__init__()
-        check_range("self_attention.blocks", blocks, low=1, kind=int)
-        self.blocks = nn.ModuleList(GridSelfAttention(dim, heads, positional) for _ in range(blocks))
+        check_range("self_attention.blocks", config.blocks, low=1, kind=int)
+        self.blocks = nn.ModuleList(
+            GridSelfAttention(dim, config.heads, config.positional) for _ in range(config.blocks)
+        )
 
     def forward(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
         """x (B, L, C), grid (H, W) -> (B, L, C)."""

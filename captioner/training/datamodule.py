@@ -34,22 +34,12 @@ class CaptionDataModule(L.LightningDataModule):
         """``settings``: the ``data`` config's keys other than ``source`` (``captioner.config.DataConfig``'s
         fields); ConfigError names a bad one."""
         super().__init__()
-        config = from_dict(DataConfig, {k: v for k, v in settings.items() if k != "_target_"}, "data")
+        self.settings = from_dict(DataConfig, {k: v for k, v in settings.items() if k != "_target_"}, "data")
         self.source = source
-        self.image_size = config.image_size
-        self.batch_size = config.batch_size
-        self.eval_batch_size = config.eval_batch_size or config.batch_size
-        self.num_workers = config.num_workers
-        self.min_word_count = config.min_word_count
-        self.max_vocab = config.max_vocab
-        self.max_len = config.max_len
-        self.per_caption = config.per_caption
-        self.augment = config.augment
-        self.feature_cache = config.feature_cache
-        self.feature_dtype = config.feature_dtype.value
-        self.vocab_file = config.vocab_file
+        self.eval_batch_size = self.settings.eval_batch_size or self.settings.batch_size
         self.vocab: Vocabulary | None = None
         self.splits: dict[str, list[Record]] = {}
+        self._frozen_fingerprint: str | None = None  # of the encoder's frozen stages, which a run never changes
 
     def prepare_data(self) -> None:
         """Check the files exist, generating the built-in dataset on first use."""
@@ -64,11 +54,13 @@ class CaptionDataModule(L.LightningDataModule):
             self.splits[split] = self.source.records(split)
         if not self.splits["train"]:
             raise DataError("the training split has no images")
-        if self.vocab_file:
-            self.vocab = Vocabulary.load(self.vocab_file)
+        if self.settings.vocab_file:
+            self.vocab = Vocabulary.load(self.settings.vocab_file)
         else:
             captions = (c for r in self.splits["train"] for c in r.captions)
-            self.vocab = Vocabulary.build(captions, min_count=self.min_word_count, max_size=self.max_vocab)
+            self.vocab = Vocabulary.build(
+                captions, min_count=self.settings.min_word_count, max_size=self.settings.max_vocab
+            )
 
     def references(self, split: str) -> dict[int, list[list[str]]]:
         """Tokenised reference captions per image id, for BLEU."""
@@ -80,16 +72,18 @@ class CaptionDataModule(L.LightningDataModule):
 
     def image_dataset(self, split: str, train: bool = False, per_caption: bool = False) -> CaptionDataset:
         """The image-decoding dataset of ``split``."""
-        transform = build_transform(self.image_size, train=train, augment=self.augment and train)
-        return CaptionDataset(self.splits[split], self.vocab, transform, max_len=self.max_len, per_caption=per_caption)
+        transform = build_transform(self.settings.image_size, train=train, augment=self.settings.augment and train)
+        return CaptionDataset(
+            self.splits[split], self.vocab, transform, max_len=self.settings.max_len, per_caption=per_caption
+        )
 
     def _dataset(self, split: str, train: bool) -> Dataset:
-        per_caption = self.per_caption and train
-        if self.feature_cache is None:
+        per_caption = self.settings.per_caption and train
+        if self.settings.feature_cache is None:
             return self.image_dataset(split, train=train, per_caption=per_caption)
         cache = self._ensure_cache(split)
         return FeatureCaptionDataset(
-            self.splits[split], self.vocab, cache, max_len=self.max_len, per_caption=per_caption
+            self.splits[split], self.vocab, cache, max_len=self.settings.max_len, per_caption=per_caption
         )
 
     def _ensure_cache(self, split: str) -> FeatureCache:
@@ -101,13 +95,15 @@ class CaptionDataModule(L.LightningDataModule):
                 f"model.encoder.trainable_stages={encoder.trainable_stages} trains all of them: "
                 "freeze some (a smaller trainable_stages) or set data.feature_cache=null"
             )
+        if self._frozen_fingerprint is None:  # hashing the frozen weights takes seconds for a large CNN: once
+            self._frozen_fingerprint = encoder.frozen_fingerprint()
         key = cache_key(
-            {**module.net_config["encoder"], "frozen_weights": encoder.frozen_fingerprint()},
-            self.image_size,
+            {**module.net_config["encoder"], "frozen_weights": self._frozen_fingerprint},
+            self.settings.image_size,
             self.splits[split],
-            self.feature_dtype,
+            self.settings.feature_dtype.value,
         )
-        cache = FeatureCache(Path(self.feature_cache) / f"{split}-{key}")
+        cache = FeatureCache(Path(self.settings.feature_cache) / f"{split}-{key}")
         if self.trainer.local_rank == 0 and not cache.exists():
             log.info("computing the %s feature cache in %s", split, cache.folder)
             # Its own generator: building the cache (or not) leaves the global RNG, so training, as it was.
@@ -119,7 +115,7 @@ class CaptionDataModule(L.LightningDataModule):
             )
             was_training = encoder.training
             encoder.eval()
-            cache.build(module.model.encode, loader, module.device, self.feature_dtype)
+            cache.build(module.model.encode, loader, module.device, self.settings.feature_dtype.value)
             encoder.train(was_training)
         self.trainer.strategy.barrier("feature_cache")
         return cache
@@ -132,15 +128,15 @@ class CaptionDataModule(L.LightningDataModule):
             batch_size=batch_size,
             shuffle=shuffle,
             collate_fn=collate,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            num_workers=self.settings.num_workers,
+            persistent_workers=self.settings.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
             generator=generator,
         )
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches (Lightning adds the distributed sampler under DDP)."""
-        return self._loader(self._dataset("train", train=True), self.batch_size, shuffle=True)
+        return self._loader(self._dataset("train", train=True), self.settings.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         """Validation images in order, each with all its captions."""

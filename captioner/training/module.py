@@ -23,7 +23,6 @@ from captioner.config import (
     Objective,
     Schedule,
     ScstBaseline,
-    bundle_layout,
     from_dict,
     to_dict,
 )
@@ -33,7 +32,7 @@ from captioner.errors import CaptionerError
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.cider import CiderD, corpus_cider_d
 from captioner.evaluation.correctness import AttentionCorrectness
-from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
+from captioner.model.bundle import CHECKPOINT_KEY, bundle_layout, bundle_metadata, save_bundle
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoding import Generation, greedy, rollout
 from captioner.model.losses import CaptionLoss, SelfCriticalLoss
@@ -58,7 +57,7 @@ class CaptionerModule(L.LightningModule):
         self.vocab = vocab
         self.net_config = bundle_layout(self.settings.net())
         self.model: Captioner = build_captioner(self.settings.net(), len(vocab))
-        self.criterion = CaptionLoss(pad_id=vocab.pad_id, unk_id=vocab.unk_id, **to_dict(self.settings.loss))
+        self.criterion = CaptionLoss(self.settings.loss, vocab.pad_id, vocab.unk_id)
         self.self_critical = SelfCriticalLoss(self.settings.scst.baseline)
         self.cider: CiderD | None = None  # the SCST reward: CIDEr-D against the training references
         self._unchecked: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (epoch, step, loss, non-finite)
@@ -372,7 +371,11 @@ class CaptionerModule(L.LightningModule):
         """Write the inference bundle (weights, vocabulary, model config, the data module's image size);
         no Lightning needed to load it."""
         save_bundle(
-            path, self.model, self.vocab, self.net_config, preprocess={"image_size": self.trainer.datamodule.image_size}
+            path,
+            self.model,
+            self.vocab,
+            self.net_config,
+            preprocess={"image_size": self.trainer.datamodule.settings.image_size},
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -381,7 +384,7 @@ class CaptionerModule(L.LightningModule):
         the last check are checked first: with model.nonfinite=stop a non-finite one stops before the write."""
         self._check_losses()
         checkpoint[CHECKPOINT_KEY] = bundle_metadata(
-            self.net_config, self.vocab, {"image_size": self.trainer.datamodule.image_size}
+            self.net_config, self.vocab, {"image_size": self.trainer.datamodule.settings.image_size}
         )
 
 

@@ -25,8 +25,7 @@ from typing import Any
 from captioner.config import to_dict
 from captioner.errors import ConfigError
 from captioner.fileio import load_torch
-from captioner.model.bundle import BUNDLE_FORMAT, LoadedModel, load_model
-from captioner.model.captioner import net_from_bundle
+from captioner.model.bundle import BUNDLE_FORMAT, LoadedModel, load_model, net_from_bundle
 
 log = logging.getLogger(__name__)
 
