@@ -163,7 +163,7 @@ def test_attention_by_word_measures_each_named_objects_words_in_its_own_box(
 ) -> None:
     from captioner.data.readers import Box
     from captioner.data.vocab import Vocabulary
-    from captioner.model.bundle import save_bundle
+    from captioner.model.bundle import net_from_bundle, save_bundle
     from captioner.model.captioner import build_captioner
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -177,7 +177,8 @@ def test_attention_by_word_measures_each_named_objects_words_in_its_own_box(
         "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8},
     }
     vocab = Vocabulary(["a", "red", "circle"])
-    save_bundle(tmp_path / "random.pt", build_captioner(config, len(vocab)), vocab, config, {"image_size": 64})
+    model = build_captioner(net_from_bundle(config), len(vocab))
+    save_bundle(tmp_path / "random.pt", model, vocab, config, {"image_size": 64})
     by_word.main([str(tmp_path / "random.pt"), "--data", str(tiny_shapes)])
     sys.modules.pop("attention_by_word")
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]

@@ -60,7 +60,7 @@ def nan_loss_at(step: int):
 
 # ``python nan_at_step.py STEP train.py OVERRIDES...``: train.py, the way users run it, with nan_loss_at(STEP).
 NAN_AT_STEP = f"""import runpy, sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
+sys.path[:0] = [{str(ROOT)!r}, {str(Path(__file__).parent)!r}]  # this checkout's captioner, then the tests
 from test_reliability import CaptionLoss, nan_loss_at
 CaptionLoss.forward = nan_loss_at(int(sys.argv.pop(1)))
 sys.argv.pop(0)
