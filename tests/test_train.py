@@ -185,6 +185,7 @@ def test_training_improves_bleu_far_above_an_untrained_model(tiny_shapes: Path, 
     trained = run_train(
         [
             *base,
+            "model.objective=cross_entropy",  # the demo's SCST epochs: tests/test_scst.py (12 here would be slow)
             "trainer.max_epochs=12",
             "test=false",
             "callbacks.early_stopping=null",
