@@ -27,7 +27,7 @@ import torch
 from pycocotools.coco import COCO
 
 from captioner import load_model
-from captioner.data.readers import Box
+from captioner.data.readers import Box, coco_box
 from captioner.data.shapes import COLOURS, SHAPES
 from captioner.evaluation.correctness import box_coverage
 from captioner.inference import caption_images
@@ -68,14 +68,10 @@ def main(argv: list[str] | None = None) -> None:
     by_size: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for image_id, result in zip(ids, results):
         image = coco.imgs[image_id]
-        objects = {}
+        objects = {}  # (colour, shape) -> its box
         for ann in coco.imgToAnns[image_id]:
-            x, y, w, h = ann["bbox"]
-            name = (ann["colour"], coco.cats[ann["category_id"]]["name"])
-            box = Box(
-                name[1], x / image["width"], y / image["height"], (x + w) / image["width"], (y + h) / image["height"]
-            )
-            objects[name] = box
+            shape = coco.cats[ann["category_id"]]["name"]
+            objects[(ann["colour"], shape)] = coco_box(ann["bbox"], shape, image["width"], image["height"])
         found, wrong = phrases(result.words, objects)
         masses = [
             float(result.alphas[step].double() @ box_coverage(box, result.grid))

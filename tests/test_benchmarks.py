@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, write_run
 
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = (
@@ -162,9 +162,6 @@ def test_attention_by_word_measures_each_named_objects_words_in_its_own_box(
     tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from captioner.data.readers import Box
-    from captioner.data.vocab import Vocabulary
-    from captioner.model.bundle import net_from_bundle, save_bundle
-    from captioner.model.captioner import build_captioner
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     by_word = importlib.import_module("attention_by_word")
@@ -172,14 +169,8 @@ def test_attention_by_word_measures_each_named_objects_words_in_its_own_box(
     objects = {("red", "circle"): red, ("blue", "circle"): blue}
     words = "a blue circle and a red circle and a green square".split()
     assert by_word.phrases(words, objects) == ([(1, 2, blue), (5, 6, red)], 1)  # green square: not there
-    config = {
-        "encoder": {"name": "resnet18", "weights": None, "grid": 2},
-        "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8},
-    }
-    vocab = Vocabulary(["a", "red", "circle"])
-    model = build_captioner(net_from_bundle(config), len(vocab))
-    save_bundle(tmp_path / "random.pt", model, vocab, config, {"image_size": 64})
-    by_word.main([str(tmp_path / "random.pt"), "--data", str(tiny_shapes)])
+    run = write_run(tmp_path / "run", None)  # an untrained model's bundle
+    by_word.main([str(run), "--data", str(tiny_shapes)])
     sys.modules.pop("attention_by_word")
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert sum(int(row[1]) for row in rows[1:]) == 24  # every test image, by scene size

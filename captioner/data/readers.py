@@ -128,12 +128,12 @@ def _read_boxes(instances_file: str | Path) -> dict[int, tuple[Box, ...]]:
     boxes = {}
     for image_id, anns in coco.imgToAnns.items():
         image = coco.imgs[image_id]
-        boxes[image_id] = tuple(_box(ann["bbox"], coco.cats[ann["category_id"]]["name"],
+        boxes[image_id] = tuple(coco_box(ann["bbox"], coco.cats[ann["category_id"]]["name"],
                                      image["width"], image["height"]) for ann in anns)
     return boxes
 
 
-def _box(bbox: Sequence[float], label: str, width: float, height: float) -> Box:
+def coco_box(bbox: Sequence[float], label: str, width: float, height: float) -> Box:
     """A COCO ``[x, y, w, h]`` pixel box as a Box of fractions clamped to [0, 1]."""
     x, y, w, h = bbox
 
