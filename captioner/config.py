@@ -42,6 +42,14 @@ class Scorer(enum.StrEnum):
     mean = "mean"  # no attention: the mean feature at every step (an ablation)
 
 
+class Positional(enum.StrEnum):
+    """How the grid self-attention blocks know where the locations are."""
+
+    none = "none"  # not at all: a set of features
+    absolute = "absolute"  # a fixed 2-D sinusoidal encoding of each location, added to the queries' and keys' input
+    relative = "relative"  # learned vectors of the row and column offsets, clipped (Shaw et al. 2018)
+
+
 class Gate(enum.StrEnum):
     """The gating scalar beta of section 4.2.1."""
 
@@ -157,11 +165,15 @@ class SelfAttentionConfig(Settings):
 
     blocks: int = 0  # 0: none
     heads: int = 1
-    positional: bool = False  # add a fixed 2-D sinusoidal encoding of the grid to the queries' and keys' input
+    positional: Positional = Positional.none  # where locations are (bundles' old true/false: absolute/none)
+    # relative: row and column offsets beyond this many cells share their table's last vector, so each
+    # block learns 2 * max_distance + 1 vectors per axis, for keys and for values, per head
+    max_distance: int = 4
 
     def check(self) -> None:
         check_range("blocks", self.blocks, 0, kind=int)
         check_range("heads", self.heads, 1, kind=int)
+        check_range("max_distance", self.max_distance, 1, kind=int)
 
 
 @dataclass

@@ -160,7 +160,7 @@ def test_mlflow_logger_to_a_local_folder(tiny_shapes: Path, tmp_path: Path) -> N
             "model=soft",
             "model.self_attention.blocks=1",
             "model.self_attention.heads=2",
-            "model.self_attention.positional=true",
+            "model.self_attention.positional=relative",
             "model.scorer=multihead",
             "model.decoder.attention_heads=2",
         ],

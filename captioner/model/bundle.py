@@ -56,7 +56,7 @@ ABSENT_KEY_VALUES: Mapping[str, Any] = MappingProxyType(
             }
         ),
         "feature_norm": False,
-        "self_attention": MappingProxyType({"blocks": 1, "heads": 1, "positional": False}),
+        "self_attention": MappingProxyType({"blocks": 1, "heads": 1, "positional": "none", "max_distance": 4}),
         "decoder": MappingProxyType(
             {
                 "embed_dim": 512,
@@ -108,6 +108,9 @@ def net_from_bundle(config: Mapping[str, Any]) -> NetConfig:
     absent = ABSENT_KEY_VALUES
     decoder = {**absent["decoder"], **(config.get("decoder") or {})}
     self_attention = config.get("self_attention")
+    if self_attention is not None and isinstance(self_attention.get("positional"), bool):
+        # bundles written before relative positions: positional true/false
+        self_attention = {**self_attention, "positional": "absolute" if self_attention["positional"] else "none"}
     net = {
         "attention": decoder.pop("mode"),
         "scorer": decoder.pop("attention"),

@@ -1,0 +1,222 @@
+"""Does self-attention over the grid help? The demo with 0 blocks, 1 absolute, 1 relative, 2 relative blocks.
+
+    python benchmarks/self_attention_ablation.py                      # 5 cross-entropy epochs per variant
+    python benchmarks/self_attention_ablation.py --epochs 11 --scst-after 5   # the full demo recipe
+
+Each variant is trained by ``python train.py experiment=demo`` (a subprocess, seed 0, the same data and
+feature cache) into ``<out>/<variant>``; a variant whose ``bundle.pt`` is already there is not retrained.
+Each model then captions the validation split greedily at the image size it was trained at (96 px: a
+12x12 grid) and at others (80 px: 10x10, 112 px: 14x14; the same scenes, resized), scored with BLEU-4
+(nltk, as validation logs it) and attention correctness (the attention mass inside the named shape's
+box). The training step (the trained CNN stage, feature norm, blocks and decoder from the cached frozen
+features, loss, backward, Adam) is timed on one random demo batch, the variants interleaved so they share
+the machine's load alike.
+
+At the COCO size (``experiment=coco_soft``: ResNet-101's 14x14x2048 grid, the 512-wide decoder) it times
+one block's forward and backward against the decoder's training step on cached features, random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import common
+from captioner.config import ModelConfig, NetConfig, SelfAttentionConfig, from_dict
+from captioner.data.shapes import shapes_records
+from captioner.evaluation.report import evaluate_split
+from captioner.model.bundle import load_model, net_from_bundle
+from captioner.model.captioner import build_captioner
+from captioner.model.self_attention import GridSelfAttention
+
+ROOT = Path(__file__).resolve().parents[1]
+# name -> model.self_attention overrides
+VARIANTS = {
+    "0 blocks": {"blocks": 0},
+    "1 absolute": {"blocks": 1, "positional": "absolute"},
+    "1 relative": {"blocks": 1, "positional": "relative"},
+    "2 relative": {"blocks": 2, "positional": "relative"},
+}
+TRAINED_SIZE = 96  # the demo's image size (conf/data/shapes.yaml): a 12x12 layer2 grid
+
+
+def folder_name(variant: str) -> str:
+    return variant.replace(" ", "_")
+
+
+def train(variant: str, args: argparse.Namespace) -> float:
+    """Train ``variant`` with ``python train.py`` into its folder; returns the wall seconds (0 if it was there)."""
+    run = args.out / folder_name(variant)
+    if (run / "bundle.pt").is_file():
+        return float("nan")
+    overrides = [f"model.self_attention.{key}={value}" for key, value in VARIANTS[variant].items()]
+    if args.scst_after is None:
+        overrides.append("model.objective=cross_entropy")
+    else:
+        overrides.append(f"model.scst.after_epochs={args.scst_after}")
+    command = [
+        sys.executable,
+        "train.py",
+        "experiment=demo",
+        f"seed={args.seed}",
+        f"trainer.max_epochs={args.epochs}",
+        "test=false",
+        f"hydra.run.dir={run}",
+        *overrides,
+        *args.override,
+    ]
+    print(f"- training {variant}: {' '.join(command[1:])}", flush=True)
+    start = time.perf_counter()
+    subprocess.run(
+        command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    return time.perf_counter() - start
+
+
+def evaluate(variant: str, image_size: int, args: argparse.Namespace) -> tuple[float, float]:
+    """Greedy BLEU-4 and attention correctness of ``variant``'s model on the validation split at ``image_size``."""
+    run = args.out / folder_name(variant)
+    loaded = dataclasses.replace(load_model(run / "bundle.pt"), image_size=image_size)
+    records = shapes_records(ROOT / "data" / "shapes", "val")
+    metrics, _ = evaluate_split(loaded, records, run / f"eval_{image_size}px", batch_size=125, coco=False)
+    return metrics["bleu"]["bleu4"], metrics["attention_correctness"]["mean_mass"]
+
+
+def demo_steps(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
+    """Per variant: the median training step seconds on one demo batch, the trainable and the blocks' parameters."""
+    torch.manual_seed(args.seed)
+    images = torch.randn(common.DEMO.batch, 3, TRAINED_SIZE, TRAINED_SIZE)
+    captions, index = common.random_captions(common.DEMO, common.DEMO.batch, args.device)
+    steps, counts = {}, {}
+    for variant in VARIANTS:
+        loaded = load_model(args.out / folder_name(variant) / "bundle.pt")
+        model = build_captioner(net_from_bundle(loaded.config), len(loaded.vocab))
+        model.encoder.eval()
+        with torch.no_grad():
+            features, grid = model.encode(images)  # what the feature cache holds
+        step = common.make_train_step(
+            model, lambda m=model, f=features, g=grid: m.forward_features(f, captions, index, g), captions, args
+        )
+        steps[variant] = step
+        blocks = model.self_attention.parameters() if model.self_attention is not None else []
+        counts[variant] = (
+            sum(p.numel() for p in model.parameters() if p.requires_grad),
+            sum(p.numel() for p in blocks),
+        )
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    for _ in range(args.repeats):  # interleaved: each variant sees the same load
+        for variant, step in steps.items():
+            times[variant].extend(common.measure(step, args, warmup=1, repeats=1).runs)
+    return {v: (sorted(times[v])[len(times[v]) // 2], *counts[v]) for v in VARIANTS}
+
+
+def coco_net(self_attention: dict) -> NetConfig:
+    """The network of ``experiment=coco_soft`` (random weights) with these self-attention settings."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["experiment=coco_soft", "model.encoder.weights=null"])
+    model = OmegaConf.to_container(cfg.model, resolve=False)
+    model["self_attention"] = self_attention
+    return from_dict(ModelConfig, model, "model").net()
+
+
+def coco_costs(args: argparse.Namespace) -> list[list[object]]:
+    """One block's forward+backward vs the decoder's training step at the COCO size, on cached features."""
+    batch = args.coco_batch
+    size = dataclasses.replace(common.COCO, batch=batch)
+    features = common.random_features(size, batch, args.device)  # (B, 196, 2048)
+    captions, index = common.random_captions(size, batch, args.device)
+    net = coco_net({"blocks": 0})
+    model = build_captioner(net, size.vocab_size)
+    decoder_step = common.make_train_step(
+        model, lambda: model.forward_features(features, captions, index), captions, args
+    )
+    rows = []
+    decoder = common.measure(decoder_step, args, warmup=1, repeats=args.repeats).median
+    rows.append(["decoder step (0 blocks)", features.shape[1], decoder, 1.0, 0])
+    for positional in ("absolute", "relative"):
+        config = SelfAttentionConfig(blocks=1, positional=positional)
+        block = GridSelfAttention(features.size(-1), config).train()
+        with torch.no_grad():
+            block.gamma.fill_(0.5)  # an open gate: the gradient reaches every projection
+        grid = (common.COCO.grid, common.COCO.grid)
+
+        def block_pass(block: GridSelfAttention = block) -> None:
+            block.zero_grad(set_to_none=True)
+            block(features, grid).square().mean().backward()
+
+        seconds = common.measure(block_pass, args, warmup=1, repeats=args.repeats).median
+        params = sum(p.numel() for p in block.parameters())
+        rows.append([f"1 {positional} block, forward+backward", features.shape[1], seconds, seconds / decoder, params])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=5, help="trainer.max_epochs of each run (default: 5)")
+    parser.add_argument(
+        "--scst-after",
+        type=int,
+        default=None,
+        help="model.scst.after_epochs: cross-entropy epochs before SCST (default: cross-entropy only; the demo: 5)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "self_attention_ablation")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[80, 112], help="other image sizes to evaluate at")
+    parser.add_argument("--repeats", type=int, default=5, help="timed training steps per variant (median)")
+    parser.add_argument("--coco-batch", type=int, default=8, help="images per COCO-size step (the recipe: 32)")
+    parser.add_argument("--skip-coco", action="store_true", help="leave out the COCO-size timing")
+    parser.add_argument("override", nargs="*", help="more train.py overrides for every variant")
+    args = parser.parse_args(argv)
+    args.device, args.precision, args.warmup = torch.device("cpu"), "fp32", 1
+    args.out = args.out.resolve()
+    recipe = "cross-entropy only" if args.scst_after is None else f"{args.scst_after} cross-entropy epochs, then SCST"
+    common.print_environment(
+        "Self-attention over the grid: the demo",
+        argparse.Namespace(
+            device=args.device, precision="fp32", channels_last=False, quick=False, warmup=1, repeats=args.repeats
+        ),
+        [
+            f"python train.py experiment=demo seed={args.seed} trainer.max_epochs={args.epochs} ({recipe})",
+            f"runs in {args.out}",
+        ],
+    )
+    with common.timed_section():
+        walls = {variant: train(variant, args) for variant in VARIANTS}
+        grids = {size: size // 8 for size in [TRAINED_SIZE, *args.sizes]}  # resnet18 layer2: stride 8
+        scores = {(v, s): evaluate(v, s, args) for v in VARIANTS for s in grids}
+        steps = demo_steps(args)
+        columns = ["variant", "params (blocks)"]
+        for cells in grids.values():
+            columns += [f"BLEU-4 {cells}x{cells}", f"att. corr. {cells}x{cells}"]
+        columns += ["step ms", "step vs 0 blocks", "train wall s"]
+        rows = []
+        for variant in VARIANTS:
+            seconds, trainable, blocks = steps[variant]
+            row: list[object] = [variant, f"{trainable:,} ({blocks:,})"]
+            for size in grids:
+                row += list(scores[(variant, size)])
+            row += [1000 * seconds, seconds / steps["0 blocks"][0], walls[variant]]
+            rows.append(row)
+        common.print_table(f"demo, trained at {TRAINED_SIZE} px (12x12), validation split, greedy", columns, rows)
+        if not args.skip_coco:
+            costs = coco_costs(args)
+            for row in costs:
+                row[2] *= 1000
+            common.print_table(
+                f"COCO size (experiment=coco_soft, 14x14x2048 grid), {args.coco_batch} images x 5 captions, CPU",
+                ["what", "L", "ms", "vs decoder step", "params"],
+                costs,
+            )
+
+
+if __name__ == "__main__":
+    main()
