@@ -53,33 +53,45 @@ def folder_name(variant: str) -> str:
     return variant.replace(" ", "_")
 
 
-def train(variant: str, args: argparse.Namespace) -> float:
-    """Train ``variant`` with ``python train.py`` into its folder; returns the wall seconds (0 if it was there)."""
-    run = args.out / folder_name(variant)
-    if (run / "bundle.pt").is_file():
-        return float("nan")
+def train_command(variant: str, args: argparse.Namespace) -> list[str]:
+    """The ``python train.py`` command that trains ``variant`` into its folder."""
     overrides = [f"model.self_attention.{key}={value}" for key, value in VARIANTS[variant].items()]
     if args.scst_after is None:
         overrides.append("model.objective=cross_entropy")
     else:
         overrides.append(f"model.scst.after_epochs={args.scst_after}")
-    command = [
+    return [
         sys.executable,
         "train.py",
         "experiment=demo",
         f"seed={args.seed}",
         f"trainer.max_epochs={args.epochs}",
         "test=false",
-        f"hydra.run.dir={run}",
+        f"hydra.run.dir={args.out / folder_name(variant)}",
         *overrides,
         *args.override,
     ]
-    print(f"- training {variant}: {' '.join(command[1:])}", flush=True)
-    start = time.perf_counter()
-    subprocess.run(
-        command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)}
-    )
-    return time.perf_counter() - start
+
+
+def train_all(args: argparse.Namespace) -> dict[str, float]:
+    """Train the variants without a ``bundle.pt`` yet, ``args.jobs`` at a time (the cores shared out among
+    them); returns each one's wall seconds (nan: trained before)."""
+    todo = [v for v in VARIANTS if not (args.out / folder_name(v) / "bundle.pt").is_file()]
+    threads = str(max(1, (os.cpu_count() or 1) // args.jobs))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads}
+    walls = {variant: float("nan") for variant in VARIANTS}
+    for first in range(0, len(todo), args.jobs):
+        running = {}
+        for variant in todo[first : first + args.jobs]:
+            command = train_command(variant, args)
+            print(f"- training {variant} ({threads} threads): {' '.join(command[1:])}", flush=True)
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+            running[variant] = (process, time.perf_counter())
+        for variant, (process, start) in running.items():
+            if process.wait():
+                raise SystemExit(f"error: training {variant} failed (see {args.out / folder_name(variant)}/train.log)")
+            walls[variant] = time.perf_counter() - start
+    return walls
 
 
 def evaluate(variant: str, image_size: int, args: argparse.Namespace) -> tuple[float, float]:
@@ -121,6 +133,10 @@ def demo_steps(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
 
 def coco_net(self_attention: dict) -> NetConfig:
     """The network of ``experiment=coco_soft`` (random weights) with these self-attention settings."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import train  # noqa: F401  registers the config schemas that conf/ composes with, as running it does
+
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["experiment=coco_soft", "model.encoder.weights=null"])
     model = OmegaConf.to_container(cfg.model, resolve=False)
@@ -141,7 +157,7 @@ def coco_costs(args: argparse.Namespace) -> list[list[object]]:
     )
     rows = []
     decoder = common.measure(decoder_step, args, warmup=1, repeats=args.repeats).median
-    rows.append(["decoder step (0 blocks)", features.shape[1], decoder, 1.0, 0])
+    rows.append(["decoder step (0 blocks)", features.shape[1], 1000 * decoder, 1.0, 0])
     for positional in ("absolute", "relative"):
         config = SelfAttentionConfig(blocks=1, positional=positional)
         block = GridSelfAttention(features.size(-1), config).train()
@@ -155,7 +171,9 @@ def coco_costs(args: argparse.Namespace) -> list[list[object]]:
 
         seconds = common.measure(block_pass, args, warmup=1, repeats=args.repeats).median
         params = sum(p.numel() for p in block.parameters())
-        rows.append([f"1 {positional} block, forward+backward", features.shape[1], seconds, seconds / decoder, params])
+        rows.append(
+            [f"1 {positional} block, forward+backward", features.shape[1], 1000 * seconds, seconds / decoder, params]
+        )
     return rows
 
 
@@ -169,11 +187,14 @@ def main(argv: list[str] | None = None) -> None:
         help="model.scst.after_epochs: cross-entropy epochs before SCST (default: cross-entropy only; the demo: 5)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="trainings at once (default: 1)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "self_attention_ablation")
     parser.add_argument("--sizes", type=int, nargs="+", default=[80, 112], help="other image sizes to evaluate at")
     parser.add_argument("--repeats", type=int, default=5, help="timed training steps per variant (median)")
     parser.add_argument("--coco-batch", type=int, default=8, help="images per COCO-size step (the recipe: 32)")
-    parser.add_argument("--skip-coco", action="store_true", help="leave out the COCO-size timing")
+    parser.add_argument(
+        "--parts", nargs="+", choices=("demo", "coco"), default=["demo", "coco"], help="what to run (default: both)"
+    )
     parser.add_argument("override", nargs="*", help="more train.py overrides for every variant")
     args = parser.parse_args(argv)
     args.device, args.precision, args.warmup = torch.device("cpu"), "fp32", 1
@@ -190,32 +211,36 @@ def main(argv: list[str] | None = None) -> None:
         ],
     )
     with common.timed_section():
-        walls = {variant: train(variant, args) for variant in VARIANTS}
-        grids = {size: size // 8 for size in [TRAINED_SIZE, *args.sizes]}  # resnet18 layer2: stride 8
-        scores = {(v, s): evaluate(v, s, args) for v in VARIANTS for s in grids}
-        steps = demo_steps(args)
-        columns = ["variant", "params (blocks)"]
-        for cells in grids.values():
-            columns += [f"BLEU-4 {cells}x{cells}", f"att. corr. {cells}x{cells}"]
-        columns += ["step ms", "step vs 0 blocks", "train wall s"]
-        rows = []
-        for variant in VARIANTS:
-            seconds, trainable, blocks = steps[variant]
-            row: list[object] = [variant, f"{trainable:,} ({blocks:,})"]
-            for size in grids:
-                row += list(scores[(variant, size)])
-            row += [1000 * seconds, seconds / steps["0 blocks"][0], walls[variant]]
-            rows.append(row)
-        common.print_table(f"demo, trained at {TRAINED_SIZE} px (12x12), validation split, greedy", columns, rows)
-        if not args.skip_coco:
+        if "demo" in args.parts:
+            demo_table(args)
+        if "coco" in args.parts:
             costs = coco_costs(args)
-            for row in costs:
-                row[2] *= 1000
             common.print_table(
                 f"COCO size (experiment=coco_soft, 14x14x2048 grid), {args.coco_batch} images x 5 captions, CPU",
                 ["what", "L", "ms", "vs decoder step", "params"],
                 costs,
             )
+
+
+def demo_table(args: argparse.Namespace) -> None:
+    """Train what is missing, evaluate at every size, time the steps; print the table."""
+    walls = train_all(args)
+    grids = {size: size // 8 for size in [TRAINED_SIZE, *args.sizes]}  # resnet18 layer2: stride 8
+    scores = {(v, s): evaluate(v, s, args) for v in VARIANTS for s in grids}
+    steps = demo_steps(args)
+    columns = ["variant", "params (blocks)"]
+    for cells in grids.values():
+        columns += [f"BLEU-4 {cells}x{cells}", f"att. corr. {cells}x{cells}"]
+    columns += ["step ms", "step vs 0 blocks", "train wall s"]
+    rows = []
+    for variant in VARIANTS:
+        seconds, trainable, blocks = steps[variant]
+        row: list[object] = [variant, f"{trainable:,} ({blocks:,})"]
+        for size in grids:
+            row += list(scores[(variant, size)])
+        row += [1000 * seconds, seconds / steps["0 blocks"][0], walls[variant]]
+        rows.append(row)
+    common.print_table(f"demo, trained at {TRAINED_SIZE} px (12x12), validation split, greedy", columns, rows)
 
 
 if __name__ == "__main__":
