@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import platform
@@ -37,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from captioner.config import DataConfig, ModelConfig, from_dict
-from captioner.data.shapes import make_scene
+from captioner.data.shapes import ShapesSpec, make_scene
 from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import Captioner
 from captioner.model.decoder import DecoderOutput
@@ -122,13 +123,13 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
 
 
 # ------------------------------------------------------------------------------------------ the experiments
-def compose_config(experiment: str, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """``python train.py experiment=<experiment> <overrides>``'s config, composed from ``conf/`` by Hydra's
-    compose API, resolved as if started from the repository root; plain data, without the ``hydra`` node."""
+def compose_config(experiment: str | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """``python train.py experiment=<experiment> <overrides>``'s config (None: no experiment), composed from
+    ``conf/`` by Hydra's compose API, resolved as if started from the repository root; plain data, without
+    the ``hydra`` node."""
+    chosen = [f"experiment={experiment}"] if experiment else []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            config_name="config", overrides=[f"experiment={experiment}", *overrides], return_hydra_config=True
-        )
+        cfg = compose(config_name="config", overrides=[*chosen, *overrides], return_hydra_config=True)
     cfg.hydra.runtime.cwd = str(ROOT)  # paths.root_dir
     cfg.hydra.runtime.output_dir = str(ROOT / "outputs")
     HydraConfig.instance().set_config(cfg)  # the ${hydra:...} resolver reads it from there
@@ -144,10 +145,16 @@ def vocabulary(cfg: dict[str, Any]) -> Vocabulary:
     data = data_settings(cfg)
     spec = getattr(instantiate(cfg["data"]["source"]), "spec", None)  # ShapesSource's generator parameters
     if spec is not None:
-        captions = (c for i in range(spec.n_train) for c in make_scene(spec, "train", i).captions)
-        return Vocabulary.build(captions, min_count=data.min_word_count, max_size=data.max_vocab)
+        return shapes_vocabulary(spec, data.min_word_count, data.max_vocab)
     first = len(Vocabulary.SPECIALS)
     return Vocabulary([f"w{i}" for i in range(first, first + (data.max_vocab or 10_000))])
+
+
+@functools.cache
+def shapes_vocabulary(spec: ShapesSpec, min_count: int, max_size: int | None) -> Vocabulary:
+    """The vocabulary of the training captions of the shapes dataset ``spec`` (scenes made, not drawn)."""
+    captions = (c for i in range(spec.n_train) for c in make_scene(spec, "train", i).captions)
+    return Vocabulary.build(captions, min_count=min_count, max_size=max_size)
 
 
 def data_settings(cfg: dict[str, Any]) -> DataConfig:
@@ -307,7 +314,11 @@ def model_train_step(size: Setup, args: argparse.Namespace, source: str) -> tupl
 
 
 def make_train_step(
-    module: nn.Module, trained: nn.Module, forward: Callable[[], DecoderOutput], captions: Tensor, args: argparse.Namespace
+    module: nn.Module,
+    trained: nn.Module,
+    forward: Callable[[], DecoderOutput],
+    captions: Tensor,
+    args: argparse.Namespace,
 ) -> Callable[[], None]:
     """One optimisation step as training runs it: ``forward`` and the module's loss (its ``criterion``, under
     autocast), backward, and Adam over the trainable parameters of ``trained`` (in train mode; frozen CNN
@@ -395,7 +406,8 @@ class MatmulRate:
     def describe(self) -> str:
         """One line: what was probed and its rate."""
         name = str(self.dtype).removeprefix("torch.")
-        return f"matmul probe: {name} {self.size}x{self.size} @ {self.size}x{self.size}, {self.flops_per_s / 1e9:,.1f} GFLOP/s"
+        n = self.size
+        return f"matmul probe: {name} {n}x{n} @ {n}x{n}, {self.flops_per_s / 1e9:,.1f} GFLOP/s"
 
 
 FLOP_COLUMNS = ["GFLOP", "GFLOP/s", "matmul %"]

@@ -3,8 +3,9 @@ for the COCO recipes (``experiment=coco_soft``, ``coco_hard``) and the demo (``p
 ``model=hard``), then the decoder alone given features.
 
 A step is what training runs per batch: forward (encoder once per image, its captions gathered after
-it), the experiment's loss (its ``CaptionerModule.criterion``), backward, Adam. "images, per caption" is the ``per_caption=True`` layout, where every
-caption brings its own copy of the image, so the CNN runs once per caption.
+it), the experiment's loss (its ``CaptionerModule.criterion``), backward, Adam. "images, per caption" is
+the ``data.per_caption=true`` layout, where every caption brings its own copy of the image, so the CNN
+runs once per caption.
 
     python benchmarks/train_step.py                      # CPU: --quick by default
     python benchmarks/train_step.py --device cuda --precision bf16 --channels-last
