@@ -396,11 +396,11 @@ class MatmulRate:
 
     @classmethod
     def probe(cls, args: argparse.Namespace) -> MatmulRate:
-        """Time a square matmul (best of 5 after a warm-up; 256 wide and one run under --tiny)."""
+        """Time a square matmul (best of 3 after a warm-up; 256 wide and one run under --tiny)."""
         size = 256 if args.tiny else PROBE_SIZE.get(args.device.type, PROBE_SIZE["cpu"])
         dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
         a, b = (torch.randn(size, size, device=args.device, dtype=dtype) for _ in range(2))
-        timing = measure(lambda: a @ b, args, warmup=0 if args.tiny else 1, repeats=1 if args.tiny else 5)
+        timing = measure(lambda: a @ b, args, warmup=0 if args.tiny else 1, repeats=1 if args.tiny else 3)
         return cls(2 * size**3 / min(timing.runs), size, dtype)
 
     def describe(self) -> str:
@@ -415,7 +415,9 @@ FLOP_COLUMNS = ["GFLOP", "GFLOP/s", "matmul %"]
 
 def flop_cells(flops: int, seconds: float, args: argparse.Namespace) -> list[float]:
     """The cells of ``FLOP_COLUMNS``: FLOPs of the timed work, its rate, and that rate as a percentage of the
-    device's matmul rate probed in this run (``args.matmul``)."""
+    device's matmul rate probed again now, just after the row was timed: on a shared machine the row and its
+    yardstick then see the same contention (the probe is kept in ``args.matmul``)."""
+    args.matmul = MatmulRate.probe(args)
     rate = flops / seconds
     return [flops / 1e9, rate / 1e9, 100 * rate / args.matmul.flops_per_s]
 
@@ -602,8 +604,9 @@ def print_environment(title: str, args: argparse.Namespace, extra: Sequence[str]
     for line in extra:
         print(f"- {line}")
     print(
-        f"- {args.matmul.describe()}: the 100 % of the 'matmul %' columns; 'GFLOP' per timed run as "
-        "torch.utils.flop_counter counts it (matrix products and convolutions, forward and backward)"
+        f"- {args.matmul.describe()} at start; probed again after every row, that row's 100 % in the "
+        "'matmul %' columns; 'GFLOP' per timed run as torch.utils.flop_counter counts it (matrix products and "
+        "convolutions, forward and backward)"
     )
     print_load("at start")
 
