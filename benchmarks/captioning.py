@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
             "= max_len",
             "'vs encoder alone' = encoder time / (encoder + decode time); 'CNN images' = images entering the CNN "
             "per batch (a hook on its first stage)",
+            "'encoder ms' times Captioner.encode, the encoder's frozen part (what the feature cache holds); the "
+            "stages an experiment trains (the demo's layer2) run in 'decode ms', from the features",
             "'host reads/call' = values read back to the host (bool(t), t.item(), ...: GPU syncs); counts that do "
             "not grow with the batch mean no per-image Python loop",
             "'max/min': slowest / fastest timed run of what the row times; 'others %': share of the cores other "

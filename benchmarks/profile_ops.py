@@ -32,7 +32,7 @@ def profile_table(label: str, fn: Callable[[], object], args: argparse.Namespace
     gflop, rate, share = common.flop_cells(flops, time.perf_counter() - start, args)
     sort_by = "self_device_time_total" if args.device.type == "cuda" else "self_cpu_time_total"
     print(f"\n### {label} (sorted by {sort_by})\n")
-    print(f"{gflop:.3g} GFLOP in {rate:.3g} GFLOP/s over the profiled run, {share:.3g} % of the matmul probe\n")
+    print(f"{gflop:.3g} GFLOP at {rate:.3g} GFLOP/s over the profiled run, {share:.3g} % of the matmul probe\n")
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=40))
 
 
