@@ -227,11 +227,11 @@ def setup(experiment: str, args: argparse.Namespace, attention: str = "soft", ov
     return Setup("tiny" if args.tiny else experiment, cfg, vocabulary(cfg))
 
 
-def setups(args: argparse.Namespace, attention: str = "soft", overrides: Sequence[str] = ()) -> list[Setup]:
+def setups(args: argparse.Namespace, attention: str = "soft") -> list[Setup]:
     """The sizes to run with ``attention``: the COCO recipe and the demo, or only the tiny demo."""
     if args.tiny:
-        return [setup("demo", args, attention, overrides)]
-    return [setup(name, args, attention, overrides) for name in EXPERIMENTS[attention]]
+        return [setup("demo", args, attention)]
+    return [setup(name, args, attention) for name in EXPERIMENTS[attention]]
 
 
 def build_module(size: Setup, args: argparse.Namespace) -> nn.Module:
