@@ -3,8 +3,9 @@ the encoder alone (1.0: decoding is free); then beam search against the batch si
 
 ``Captioner.generate`` is ``encode`` followed by ``generate_from_features``: the table times the two
 parts separately (the total is their sum) and checks the sum against one real ``generate`` call.
-The models never emit <end> (``common.never_end``), so every caption runs the full ``max_len`` words: the
-worst case, and the same work at every batch size.
+The models are the ``coco_soft`` experiment's and the demo's; they never emit <end> (``common.never_end``), so
+every caption runs the experiment's full ``model.decoding.max_len`` words: the worst case, and the same work
+at every batch size.
 
     python benchmarks/captioning.py                      # CPU: --quick by default
     python benchmarks/captioning.py --device cuda --precision bf16 --channels-last
@@ -31,6 +32,7 @@ THROUGHPUT_COLUMNS = [
     "vs encoder alone",
     "words",
     "CNN images",
+    *common.FLOP_COLUMNS,
     "others %",
 ]
 BEAM_COLUMNS = [
@@ -43,17 +45,18 @@ BEAM_COLUMNS = [
     "words",
     "torch calls/call",
     "host reads/call",
+    *common.FLOP_COLUMNS,
     "others %",
 ]
 BEAM_BATCHES = (1, 8, 32, 128)
 
 
-def throughput_rows(size: common.Size, args: argparse.Namespace) -> list[list[object]]:
+def throughput_rows(size: common.Setup, args: argparse.Namespace) -> list[list[object]]:
     """Encoder alone, encoder + each decoding method, and one end-to-end ``generate`` call as a check.
 
     "max/min" is the spread of the part the row times itself (the encoder, or the decoding).
     """
-    model = common.never_end(common.build_model(size, args).eval())
+    model = common.never_end(common.build_module(size, args).model.eval())
     batch = size.caption_batch
     images = common.random_images(size, batch, args.device)
     encoded: list[tuple[torch.Tensor, tuple[int, int]]] = []
@@ -62,6 +65,7 @@ def throughput_rows(size: common.Size, args: argparse.Namespace) -> list[list[ob
         with torch.no_grad(), common.autocast(args):
             encoded[:] = [model.encode(images)]
 
+    encoder_flops = common.count_flops(encode)
     with common.EncoderCounter(model) as counter, common.OtherLoad() as others:
         encoder = common.measure(encode, args)
     features, grid = encoded[0]
@@ -80,6 +84,7 @@ def throughput_rows(size: common.Size, args: argparse.Namespace) -> list[list[ob
             1.0,
             "-",
             cnn_images,
+            *common.flop_cells(encoder_flops, encoder_s, args),
             others.percent,
         ]
     ]
@@ -89,10 +94,11 @@ def throughput_rows(size: common.Size, args: argparse.Namespace) -> list[list[ob
         def decode() -> None:
             with common.autocast(args):
                 generation, _ = model.generate_from_features(
-                    features, grid, method=method, beam_size=beam, max_len=size.steps
+                    features, grid, method=method, beam_size=beam, max_len=size.decode_len
                 )
             words[label] = generation.tokens.size(1)
 
+        decode_flops = common.count_flops(decode)
         with common.OtherLoad() as others:
             decoding = common.measure(decode, args)
         total = encoder_s + decoding.median
@@ -109,12 +115,16 @@ def throughput_rows(size: common.Size, args: argparse.Namespace) -> list[list[ob
                 encoder_s / total,
                 words[label],
                 cnn_images,
+                *common.flop_cells(encoder_flops + decode_flops, total, args),
                 others.percent,
             ]
         )
     with common.EncoderCounter(model) as counter, common.OtherLoad() as others, common.autocast(args):
         total = common.measure(
-            lambda: model.generate(images, method="beam", beam_size=3, max_len=size.steps), args, warmup=0, repeats=1
+            lambda: model.generate(images, method="beam", beam_size=3, max_len=size.decode_len),
+            args,
+            warmup=0,
+            repeats=1,
         ).median
     rows.append(
         [
@@ -129,6 +139,9 @@ def throughput_rows(size: common.Size, args: argparse.Namespace) -> list[list[ob
             encoder_s / total,
             "-",
             counter.images,
+            "-",
+            "-",
+            "-",
             others.percent,
         ]
     )
@@ -136,23 +149,24 @@ def throughput_rows(size: common.Size, args: argparse.Namespace) -> list[list[ob
 
 
 def beam_rows(
-    size: common.Size, batches: tuple[int, ...], args: argparse.Namespace, beam: int = 3
+    size: common.Setup, batches: tuple[int, ...], args: argparse.Namespace, beam: int = 3
 ) -> list[list[object]]:
     """Beam search from features for each batch size; the untimed warm-up call counts torch calls and host reads."""
-    model = common.never_end(common.build_model(size, args).eval())
+    model = common.never_end(common.build_module(size, args).model.eval())
     rows = []
     for batch in batches:
-        features = common.random_features(size, batch, args.device)
+        features = common.random_features(model, size, batch, args.device)
 
         def search() -> torch.Tensor:
             with common.autocast(args):
                 generation, _ = model.generate_from_features(
-                    features, method="beam", beam_size=beam, max_len=size.steps
+                    features, method="beam", beam_size=beam, max_len=size.decode_len
                 )
             return generation.tokens
 
         with common.OpCounter() as ops:
             words = search().size(1)
+        flops = common.count_flops(search)
         with common.OtherLoad() as others:
             timing = common.measure(search, args, warmup=max(args.warmup - 1, 0))
         rows.append(
@@ -166,6 +180,7 @@ def beam_rows(
                 words,
                 ops.calls,
                 ops.host_reads,
+                *common.flop_cells(flops, timing.median, args),
                 others.percent,
             ]
         )
@@ -175,15 +190,18 @@ def beam_rows(
 def main(argv: list[str] | None = None) -> None:
     """Print the captioning-throughput table and the beam-search batching table."""
     args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
-    sizes = common.sizes(args)
+    sizes = common.setups(args)
     common.print_environment(
         "Captioning",
         args,
         [size.describe() for size in sizes]
         + [
-            "max_len = the size's caption length; <end> is never emitted, so 'words' (steps decoded) = max_len",
+            "max_len = the experiment's model.decoding.max_len; <end> is never emitted, so 'words' (steps decoded) "
+            "= max_len",
             "'vs encoder alone' = encoder time / (encoder + decode time); 'CNN images' = images entering the CNN "
             "per batch (a hook on its first stage)",
+            "'encoder ms' times Captioner.encode, the encoder's frozen part (what the feature cache holds); the "
+            "stages an experiment trains (the demo's layer2) run in 'decode ms', from the features",
             "'host reads/call' = values read back to the host (bool(t), t.item(), ...: GPU syncs); counts that do "
             "not grow with the batch mean no per-image Python loop",
             "'max/min': slowest / fastest timed run of what the row times; 'others %': share of the cores other "

@@ -1,9 +1,13 @@
-"""What the benchmark scripts share: options, the model sizes, batches, the training step, timing, memory, tables.
+"""What no package module does and every benchmark script needs: composing the project's experiments into
+the model and batches they train, timing, memory, load, FLOP counting, the device's matmul rate, tables.
 
 The scripts are plain Python, run from the repository root as ``python benchmarks/<script>.py``; each
-prints Markdown tables whose rows carry their configuration. Models have random weights (timing does
-not depend on the values, and nothing is downloaded), built through ``build_captioner`` exactly as
-training builds them.
+prints Markdown tables whose rows carry their configuration. A size is an experiment of ``conf/``
+(``demo``, what ``python train.py`` trains, and ``coco_soft``/``coco_hard``, the paper's recipe), composed
+with Hydra's compose API as ``train.py`` composes it and built with ``hydra.utils.instantiate`` into the
+same ``CaptionerModule`` (model, loss) training builds. Only what a benchmark cannot have is overridden:
+random encoder weights (nothing is downloaded; timing does not depend on the values), and under
+``--quick`` a smaller COCO training batch.
 """
 
 from __future__ import annotations
@@ -20,62 +24,55 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import OmegaConf, open_dict
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
 
-from captioner.config import Attention, DecoderConfig, EncoderConfig, LossConfig, NetConfig
+from captioner.config import DataConfig, ModelConfig, from_dict
+from captioner.data.shapes import ShapesSpec, make_scene
 from captioner.data.vocab import Vocabulary
-from captioner.model.captioner import Captioner, build_captioner
+from captioner.model.captioner import Captioner
 from captioner.model.decoder import DecoderOutput
-from captioner.model.encoder import Encoder
-from captioner.model.losses import CaptionLoss
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import train  # noqa: E402, F401 (registers the config schemas, as `python train.py` does)
 
 MiB = 2**20
 # Tensor methods that copy a value to the host (a device synchronisation on a GPU).
 HOST_READS = frozenset({"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy"})
-
-
-@dataclass(frozen=True)
-class Size:
-    """A model size and its training batch (images per batch, each with ``captions_per_image`` captions)."""
-
-    name: str
-    encoder: str
-    image_size: int
-    grid: int | None
-    embed_dim: int
-    hidden_dim: int
-    attention_dim: int
-    vocab_size: int
-    steps: int  # teacher-forced words per caption (<end> included): caption tensors hold steps + 1 ids
-    batch: int  # images per training batch
-    dropout: float
-    captions_per_image: int = 5
-    caption_batch: int = 32  # images per captioning batch
-
-    def describe(self) -> str:
-        """One line with every number of this size."""
-        height, width, channels = encoder_grid(self)
-        return (
-            f"{self.name}: {self.encoder} (frozen, random weights) {self.image_size} px -> "
-            f"{height}x{width}x{channels} grid, "
-            f"embed/hidden/attention {self.embed_dim}/{self.hidden_dim}/{self.attention_dim}, "
-            f"vocab {self.vocab_size:,}, {self.steps}-word captions, {self.captions_per_image} per image, "
-            f"training batch {self.batch} images, captioning batch {self.caption_batch}"
-        )
-
-
-# The COCO recipe (conf/experiment/coco_soft.yaml) and the built-in demo (conf/experiment/demo.yaml).
-COCO = Size("coco", "resnet101", 448, 14, 512, 512, 512, 10_000, 20, 32, 0.5)
-DEMO = Size("demo", "resnet18", 96, None, 128, 256, 128, 40, 16, 32, 0.3)
-# Smoke tests only: the smallest images resnet18 maps to a 2x2 grid.
-TINY = Size("tiny", "resnet18", 64, None, 16, 16, 16, 20, 4, 2, 0.0, caption_batch=2)
+CAPTIONS_PER_IMAGE = 5  # COCO's and the demo's references per image
+CAPTION_BATCH = 32  # images per captioning batch: `captioner caption`'s default --batch-size
+# The experiments benchmarked: the paper's COCO recipe and the built-in demo (`python train.py`).
+EXPERIMENTS = {"soft": ("coco_soft", "demo"), "hard": ("coco_hard", "demo")}
+# Nothing can be downloaded, and timing does not depend on the weights' values.
+RANDOM_WEIGHTS = ("model.encoder.weights=null",)
 # --quick: COCO training batches of fewer images (a 448 px ResNet-101 training step on 32 images takes most of a
 # minute on 2 CPU cores); captioning keeps its batch of 32.
-QUICK_COCO_BATCH = 8
+QUICK_BATCH = 8
+# --tiny (smoke tests): the demo shrunk to 64 px images (an 8x8 layer2 grid), 16-wide layers, 2 images of
+# 3-word captions, 4 decoded words, the vocabulary of 50 generated training scenes.
+TINY = (
+    "data.image_size=64",
+    "data.batch_size=2",
+    "data.max_len=3",
+    "data.source.n_train=50",
+    "model.decoder.embed_dim=16",
+    "model.decoder.hidden_dim=16",
+    "model.decoder.attention_dim=16",
+    "model.decoding.max_len=4",
+)
+# The matmul probe: n x n @ n x n, large enough to reach the device's rate.
+PROBE_SIZE = {"cpu": 2048, "cuda": 8192}
 
 
 def make_parser(description: str) -> argparse.ArgumentParser:
@@ -89,12 +86,12 @@ def make_parser(description: str) -> argparse.ArgumentParser:
         help="fp32, or bf16 autocast as Lightning's bf16-mixed (default: fp32)",
     )
     parser.add_argument("--channels-last", action="store_true", help="run the CNN in channels-last memory format")
-    parser.add_argument("--tiny", action="store_true", help="a tiny model, one iteration: a smoke test")
+    parser.add_argument("--tiny", action="store_true", help="a tiny demo model, one iteration: a smoke test")
     parser.add_argument(
         "--quick",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=f"COCO training batches of {QUICK_COCO_BATCH} images instead of 32, fewer repeats "
+        help=f"COCO training batches of {QUICK_BATCH} images instead of the recipe's 32, fewer repeats "
         "(default: on for CPU, off for GPU)",
     )
     parser.add_argument(
@@ -108,7 +105,8 @@ def make_parser(description: str) -> argparse.ArgumentParser:
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse and resolve the defaults that depend on the device; seed torch."""
+    """Parse and resolve the defaults that depend on the device; seed torch; probe the device's matmul rate
+    (``args.matmul``)."""
     args = parser.parse_args(argv)
     args.device = torch.device(args.device)
     if args.quick is None:
@@ -120,39 +118,135 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> arg
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    args.matmul = MatmulRate.probe(args)
     return args
 
 
-def sizes(args: argparse.Namespace) -> list[Size]:
-    """The sizes to run: COCO and demo (COCO batch shrunk by --quick), or only the tiny one."""
+# ------------------------------------------------------------------------------------------ the experiments
+def compose_config(experiment: str | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """``python train.py experiment=<experiment> <overrides>``'s config (None: no experiment), composed from
+    ``conf/`` by Hydra's compose API, resolved as if started from the repository root; plain data, without
+    the ``hydra`` node."""
+    chosen = [f"experiment={experiment}"] if experiment else []
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*chosen, *overrides], return_hydra_config=True)
+    cfg.hydra.runtime.cwd = str(ROOT)  # paths.root_dir
+    cfg.hydra.runtime.output_dir = str(ROOT / "outputs")
+    HydraConfig.instance().set_config(cfg)  # the ${hydra:...} resolver reads it from there
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def vocabulary(cfg: dict[str, Any]) -> Vocabulary:
+    """The vocabulary the config's data gives: for the built-in shapes, the words of its training captions
+    (generated, no image drawn) as the data module counts them; for a real dataset ``data.max_vocab`` words
+    (COCO's Karpathy train reaches 10,000), named ``w4``, ``w5``, ..."""
+    data = data_settings(cfg)
+    spec = getattr(instantiate(cfg["data"]["source"]), "spec", None)  # ShapesSource's generator parameters
+    if spec is not None:
+        return shapes_vocabulary(spec, data.min_word_count, data.max_vocab)
+    first = len(Vocabulary.SPECIALS)
+    return Vocabulary([f"w{i}" for i in range(first, first + (data.max_vocab or 10_000))])
+
+
+@functools.cache
+def shapes_vocabulary(spec: ShapesSpec, min_count: int, max_size: int | None) -> Vocabulary:
+    """The vocabulary of the training captions of the shapes dataset ``spec`` (scenes made, not drawn)."""
+    captions = (c for i in range(spec.n_train) for c in make_scene(spec, "train", i).captions)
+    return Vocabulary.build(captions, min_count=min_count, max_size=max_size)
+
+
+def data_settings(cfg: dict[str, Any]) -> DataConfig:
+    """The ``data`` section as its dataclass (the source left out: it is built by Hydra)."""
+    return from_dict(DataConfig, {k: v for k, v in cfg["data"].items() if k != "source"}, "data")
+
+
+@dataclass(frozen=True, eq=False)
+class Setup:
+    """One benchmarked size: an experiment of ``conf/`` composed with the benchmark's overrides."""
+
+    name: str  # the experiment, or "tiny"
+    cfg: dict[str, Any]  # the composed config (plain)
+    vocab: Vocabulary
+
+    @property
+    def model(self) -> ModelConfig:
+        """The ``model`` section as its dataclass."""
+        return from_dict(ModelConfig, {k: v for k, v in self.cfg["model"].items() if k != "_target_"}, "model")
+
+    @property
+    def data(self) -> DataConfig:
+        """The ``data`` section as its dataclass."""
+        return data_settings(self.cfg)
+
+    @property
+    def batch(self) -> int:
+        """Training images per step (``data.batch_size``)."""
+        return self.data.batch_size
+
+    @property
+    def steps(self) -> int:
+        """Teacher-forced steps of a longest training caption: its ``data.max_len`` words and ``<end>``."""
+        return self.data.max_len + 1
+
+    @property
+    def decode_len(self) -> int:
+        """Words decoded per caption (``model.decoding.max_len``)."""
+        return self.model.decoding.max_len
+
+    @property
+    def caption_batch(self) -> int:
+        """Images per captioning batch."""
+        return 2 if self.name == "tiny" else CAPTION_BATCH
+
+    def describe(self) -> str:
+        """One line with every number of this size."""
+        net = self.model
+        encoder, decoder = net.encoder, net.decoder
+        height, width, channels = grid_shape(self)
+        frozen = "frozen" if encoder.trainable_stages == 0 else f"last {encoder.trainable_stages} stage(s) trained"
+        return (
+            f"{self.name}: {encoder.name} ({frozen}, random weights, {encoder.stage or 'last stage'}) "
+            f"{self.data.image_size} px -> {height}x{width}x{channels} grid, embed/hidden/attention "
+            f"{decoder.embed_dim}/{decoder.hidden_dim}/{decoder.attention_dim}, vocab {len(self.vocab):,}, "
+            f"{self.data.max_len}-word captions, {CAPTIONS_PER_IMAGE} per image, training batch {self.batch} images, "
+            f"decoding {self.decode_len} words, captioning batch {self.caption_batch}"
+        )
+
+
+def setup(experiment: str, args: argparse.Namespace, attention: str = "soft", overrides: Sequence[str] = ()) -> Setup:
+    """``experiment`` with ``model=<attention>``, random encoder weights, ``args``' memory format, and
+    under --quick (COCO) or --tiny the smaller batches and sizes."""
+    extra = [*RANDOM_WEIGHTS, f"model={attention}", f"model.encoder.channels_last={str(args.channels_last).lower()}"]
     if args.tiny:
-        return [TINY]
-    return [replace(COCO, batch=QUICK_COCO_BATCH) if args.quick else COCO, DEMO]
+        extra += TINY
+    elif args.quick and experiment.startswith("coco"):
+        extra.append(f"data.batch_size={QUICK_BATCH}")
+    cfg = compose_config(experiment, [*extra, *overrides])
+    return Setup("tiny" if args.tiny else experiment, cfg, vocabulary(cfg))
 
 
-def build_model(size: Size, args: argparse.Namespace, mode: str = "soft") -> Captioner:
-    """The captioner of ``size`` as the training config builds it (frozen encoder, feature norm) on the device."""
-    net = NetConfig(
-        attention=Attention(mode),
-        encoder=encoder_config(size, args.channels_last),
-        decoder=DecoderConfig(
-            embed_dim=size.embed_dim, hidden_dim=size.hidden_dim, attention_dim=size.attention_dim, dropout=size.dropout
-        ),
-    )
-    return build_captioner(net, size.vocab_size).to(args.device)
+def setups(args: argparse.Namespace, attention: str = "soft") -> list[Setup]:
+    """The sizes to run with ``attention``: the COCO recipe and the demo, or only the tiny demo."""
+    if args.tiny:
+        return [setup("demo", args, attention)]
+    return [setup(name, args, attention) for name in EXPERIMENTS[attention]]
 
 
-def encoder_config(size: Size, channels_last: bool) -> EncoderConfig:
-    """The encoder of ``size``: frozen, its last stage pooled to ``size.grid``."""
-    return EncoderConfig(name=size.encoder, stage=None, grid=size.grid, trainable_stages=0, channels_last=channels_last)
+def build_module(size: Setup, args: argparse.Namespace) -> nn.Module:
+    """The ``CaptionerModule`` of ``size`` (its captioner, loss and settings) on the device, built from the
+    ``model`` section with ``hydra.utils.instantiate`` as ``train.py`` builds it."""
+    return instantiate(size.cfg["model"], vocab=size.vocab, _convert_="all").to(args.device)
 
 
-@functools.lru_cache
-def encoder_grid(size: Size) -> tuple[int, int, int]:
-    """(H, W, C) of the encoder's grid for ``size``'s images, from an encoder on the meta device (no compute)."""
+def grid_shape(size: Setup) -> tuple[int, int, int]:
+    """(H, W, C) of the grid the decoder attends over for ``size``'s images, from an encoder on the meta device."""
+    from captioner.model.encoder import Encoder
+
     with torch.device("meta"):
-        encoder = Encoder(encoder_config(size, channels_last=False))  # the memory format leaves shapes alone
-    return *encoder.grid_size(size.image_size), encoder.out_channels
+        encoder = Encoder(size.model.encoder)
+    return *encoder.grid_size(size.data.image_size), encoder.out_channels
 
 
 def never_end(model: Captioner) -> Captioner:
@@ -163,27 +257,29 @@ def never_end(model: Captioner) -> Captioner:
     return model
 
 
-def random_images(size: Size, count: int, device: torch.device) -> Tensor:
+def random_images(size: Setup, count: int, device: torch.device) -> Tensor:
     """(count, 3, S, S) normalised-looking images."""
-    return torch.randn(count, 3, size.image_size, size.image_size, device=device)
+    return torch.randn(count, 3, size.data.image_size, size.data.image_size, device=device)
 
 
-def random_features(size: Size, count: int, device: torch.device) -> Tensor:
-    """(count, L, C) non-negative features, like a ReLU CNN's grid."""
-    height, width, channels = encoder_grid(size)
-    return torch.randn(count, height * width, channels, device=device).relu()
+def random_features(model: Captioner, size: Setup, count: int, device: torch.device) -> Tensor:
+    """(count, L', C') non-negative features shaped as ``model.encode``'s output (what the feature cache holds:
+    the grid of a frozen encoder, the frozen stages' map of one that trains its last stages)."""
+    with torch.no_grad():
+        shape = model.encode(random_images(size, 1, device))[0].shape[1:]
+    return torch.randn(count, *shape, device=device).relu()
 
 
-def random_captions(size: Size, images: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``captions_per_image`` full-length captions per image: ids (N, steps + 1) and image_index (N,).
+def random_captions(size: Setup, images: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``CAPTIONS_PER_IMAGE`` longest captions per image: ids (N, steps + 1) and image_index (N,).
 
-    Each is ``<start>``, ``steps - 1`` random words and ``<end>``: no padding, every step counts.
+    Each is ``<start>``, ``data.max_len`` random words and ``<end>``: no padding, every step counts.
     """
-    count = images * size.captions_per_image
-    words = torch.randint(Vocabulary.unk_id + 1, size.vocab_size, (count, size.steps - 1), device=device)
+    count = images * CAPTIONS_PER_IMAGE
+    words = torch.randint(Vocabulary.unk_id + 1, len(size.vocab), (count, size.data.max_len), device=device)
     start = torch.full((count, 1), Vocabulary.start_id, device=device)
     end = torch.full((count, 1), Vocabulary.end_id, device=device)
-    index = torch.arange(images, device=device).repeat_interleave(size.captions_per_image)
+    index = torch.arange(images, device=device).repeat_interleave(CAPTIONS_PER_IMAGE)
     return torch.cat([start, words, end], dim=1), index
 
 
@@ -192,43 +288,48 @@ def autocast(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     return torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
 
-def model_train_step(
-    size: Size, args: argparse.Namespace, mode: str, source: str
-) -> tuple[Captioner, Callable[[], None], int]:
+def model_train_step(size: Setup, args: argparse.Namespace, source: str) -> tuple[Captioner, Callable[[], None], int]:
     """The whole captioner's training step on a random batch of ``size``: the model, the step, its caption count.
 
     ``source``: "images" (each image once, its captions gathered after the encoder), "per_caption" (one
-    copy of the image per caption, as ``per_caption=True`` batches them) or "features" (cached features).
+    copy of the image per caption, as ``data.per_caption=true`` batches them) or "features" (the feature
+    cache's content).
     """
-    model = build_model(size, args, mode)
+    module = build_module(size, args)
+    model = module.model
     captions, index = random_captions(size, size.batch, args.device)
     forward: Callable[[], DecoderOutput]
     if source == "features":
-        features = random_features(size, size.batch, args.device)
+        features = random_features(model, size, size.batch, args.device)
         forward = lambda: model.forward_features(features, captions, index)  # noqa: E731
     elif source == "images":
         images = random_images(size, size.batch, args.device)
         forward = lambda: model(images, captions, index)  # noqa: E731
     elif source == "per_caption":
-        copies = random_images(size, size.batch, args.device).repeat_interleave(size.captions_per_image, 0)
+        copies = random_images(size, size.batch, args.device).repeat_interleave(CAPTIONS_PER_IMAGE, 0)
         forward = lambda: model(copies, captions)  # noqa: E731
     else:
         raise ValueError(f"unknown source {source!r}")
-    return model, make_train_step(model, forward, captions, args), captions.size(0)
+    return model, make_train_step(module, model, forward, captions, args), captions.size(0)
 
 
 def make_train_step(
-    trained: nn.Module, forward: Callable[[], DecoderOutput], captions: Tensor, args: argparse.Namespace
+    module: nn.Module,
+    trained: nn.Module,
+    forward: Callable[[], DecoderOutput],
+    captions: Tensor,
+    args: argparse.Namespace,
 ) -> Callable[[], None]:
-    """One optimisation step as training runs it: ``forward`` and CaptionLoss (under autocast), backward,
-    and Adam over the trainable parameters of ``trained`` (in train mode; frozen CNN stages stay in eval)."""
+    """One optimisation step as training runs it: ``forward`` and the module's loss (its ``criterion``, under
+    autocast), backward, and Adam over the trainable parameters of ``trained`` (in train mode; frozen CNN
+    stages stay in eval)."""
+    module.train()
     trained.train()
-    criterion = CaptionLoss(LossConfig(), Vocabulary.pad_id).to(args.device).train()
     optimizer = torch.optim.Adam([p for p in trained.parameters() if p.requires_grad], lr=1e-4)
 
     def step() -> None:
         with autocast(args):
-            loss = criterion(forward(), captions)["loss"]
+            loss = module.criterion(forward(), captions)["loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -236,6 +337,7 @@ def make_train_step(
     return step
 
 
+# ---------------------------------------------------------------------------------------- timing and FLOPs
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on CPU)."""
     if device.type == "cuda":
@@ -274,6 +376,50 @@ def measure(
         synchronize(args.device)
         runs.append(time.perf_counter() - start)
     return Timing(tuple(runs))
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """FLOPs of one run of ``fn`` as ``torch.utils.flop_counter.FlopCounterMode`` counts them (matrix products
+    and convolutions, forward and backward; elementwise work is not counted)."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@dataclass(frozen=True)
+class MatmulRate:
+    """The device's dense matmul rate in this run, at the benchmark's precision: the yardstick of every row."""
+
+    flops_per_s: float
+    size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def probe(cls, args: argparse.Namespace) -> MatmulRate:
+        """Time a square matmul (best of 3 after a warm-up; 256 wide and one run under --tiny)."""
+        size = 256 if args.tiny else PROBE_SIZE.get(args.device.type, PROBE_SIZE["cpu"])
+        dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+        a, b = (torch.randn(size, size, device=args.device, dtype=dtype) for _ in range(2))
+        timing = measure(lambda: a @ b, args, warmup=0 if args.tiny else 1, repeats=1 if args.tiny else 3)
+        return cls(2 * size**3 / min(timing.runs), size, dtype)
+
+    def describe(self) -> str:
+        """One line: what was probed and its rate."""
+        name = str(self.dtype).removeprefix("torch.")
+        n = self.size
+        return f"matmul probe: {name} {n}x{n} @ {n}x{n}, {self.flops_per_s / 1e9:,.1f} GFLOP/s"
+
+
+FLOP_COLUMNS = ["GFLOP", "GFLOP/s", "matmul %"]
+
+
+def flop_cells(flops: int, seconds: float, args: argparse.Namespace) -> list[float]:
+    """The cells of ``FLOP_COLUMNS``: FLOPs of the timed work, its rate, and that rate as a percentage of the
+    device's matmul rate probed again now, just after the row was timed: on a shared machine the row and its
+    yardstick then see the same contention (the probe is kept in ``args.matmul``)."""
+    args.matmul = MatmulRate.probe(args)
+    rate = flops / seconds
+    return [flops / 1e9, rate / 1e9, 100 * rate / args.matmul.flops_per_s]
 
 
 def _proc_status_kib(field: str) -> int:
@@ -457,6 +603,11 @@ def print_environment(title: str, args: argparse.Namespace, extra: Sequence[str]
     )
     for line in extra:
         print(f"- {line}")
+    print(
+        f"- {args.matmul.describe()} at start; probed again after every row, that row's 100 % in the "
+        "'matmul %' columns; 'GFLOP' per timed run as torch.utils.flop_counter counts it (matrix products and "
+        "convolutions, forward and backward)"
+    )
     print_load("at start")
 
 

@@ -1,8 +1,9 @@
 """Data loading throughput next to what the training step consumes, so a starved loader shows.
 
-Two sources, each through the dataset class training uses: JPEG files of COCO's typical size (640x480,
-generated into a temporary folder) decoded and transformed by ``CaptionDataset``, and a fp16 feature
-cache read by ``FeatureCaptionDataset``. Each is read in the main process (workers 0: the rate of one
+Two sources, for the ``coco_soft`` experiment and the demo: JPEG files of COCO's typical size (640x480,
+generated into a temporary folder) through the experiment's data module (``CaptionDataModule``, built from
+its ``data`` section, as training reads images), and a fp16 feature cache of the model's frozen part read
+by ``FeatureCaptionDataset``. Each is read in the main process (workers 0: the rate of one
 worker) and by DataLoader worker processes; "step consumes" is the soft-attention training step's rate on
 the same input (images or cached features). A loader/step ratio below 1 starves the step; "workers
 needed" = step rate / rate of one worker, rounded up.
@@ -21,14 +22,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from hydra.utils import instantiate
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 import common
-from captioner.data.dataset import CaptionDataset, build_transform, collate
+from captioner.data.dataset import collate
 from captioner.data.features import FeatureCache, FeatureCaptionDataset
 from captioner.data.readers import Record
-from captioner.data.vocab import Vocabulary
+from captioner.training.datamodule import CaptionDataModule
 
 COLUMNS = [
     "size",
@@ -37,6 +39,8 @@ COLUMNS = [
     "loader images/s",
     "per worker",
     "step consumes images/s",
+    "step GFLOP/s",
+    "step matmul %",
     "loader / step",
     "workers needed",
     "others %",
@@ -61,23 +65,46 @@ def write_jpegs(folder: Path, count: int, seed: int = 0) -> list[Record]:
     return records
 
 
-def write_cache(folder: Path, dataset: CaptionDataset, locations: int, channels: int) -> FeatureCache:
-    """A fp16 feature cache of random (L, C) grids for the images of ``dataset``, built as training builds
-    one (``FeatureCache.build`` over a DataLoader), with random features in place of the encoder's."""
+class GeneratedSource:
+    """A dataset source (``captioner.data.sources.Source``) of the generated JPEGs, all in the training split."""
+
+    def __init__(self, records: list[Record]) -> None:
+        self.train = records
+
+    def check_files(self) -> None:
+        """The files were just written."""
+
+    def prepare(self) -> None:
+        """Nothing to generate."""
+
+    def records(self, split: str) -> list[Record]:
+        """The generated records for ``train``, none for the other splits."""
+        return self.train if split == "train" else []
+
+
+def datamodule(size: common.Setup, source: GeneratedSource, workers: int) -> CaptionDataModule:
+    """The experiment's data module (its ``data`` section, built with ``hydra.utils.instantiate`` as
+    ``train.py`` builds it) over ``source``, with ``workers`` loader processes and no feature cache."""
+    settings = {**size.cfg["data"], "source": None, "num_workers": workers, "feature_cache": None}
+    module = instantiate(settings, source=source, _convert_="all")
+    module.setup("fit")
+    return module
+
+
+def write_cache(folder: Path, dataset: Dataset, shape: torch.Size) -> FeatureCache:
+    """A fp16 feature cache of random ``shape`` (L', C') maps for the images of ``dataset``, built as training
+    builds one (``FeatureCache.build`` over a DataLoader), with random features in place of the encoder's."""
 
     def encode(images: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        return torch.rand(images.size(0), locations, channels), (1, locations)
+        return torch.rand(images.size(0), *shape), (1, shape[0])
 
     cache = FeatureCache(folder)
     cache.build(encode, DataLoader(dataset, batch_size=32, collate_fn=collate), "cpu")
     return cache
 
 
-def loader_rate(dataset: Dataset, workers: int, batch: int, pin_memory: bool) -> float:
-    """Images per second through a DataLoader as training builds it, the first batch (worker start) untimed."""
-    loader = DataLoader(
-        dataset, batch_size=batch, shuffle=False, collate_fn=collate, num_workers=workers, pin_memory=pin_memory
-    )
+def loader_rate(loader: DataLoader) -> float:
+    """Images per second through ``loader``, the first batch (worker start) untimed."""
     iterator = iter(loader)
     next(iterator)
     images, start = 0, time.perf_counter()
@@ -86,48 +113,70 @@ def loader_rate(dataset: Dataset, workers: int, batch: int, pin_memory: bool) ->
     return images / (time.perf_counter() - start)
 
 
-def step_rate(size: common.Size, source: str, args: argparse.Namespace) -> float:
-    """Images per second of the soft-attention training step on ``source`` (images or features)."""
-    _, step, _ = common.model_train_step(size, args, "soft", source)
-    return size.batch / common.measure(step, args).median
+def step_rate(size: common.Setup, source: str, args: argparse.Namespace) -> tuple[float, list[float], torch.Size]:
+    """Images per second of the experiment's training step on ``source`` (images or features), its FLOP cells,
+    and the shape of one image's cached features (L', C')."""
+    model, step, _ = common.model_train_step(size, args, source)
+    flops = common.count_flops(step)
+    seconds = common.measure(step, args).median
+    shape = common.random_features(model, size, 1, args.device).shape[1:]
+    return size.batch / seconds, common.flop_cells(flops, seconds, args), shape
 
 
-def size_rows(size: common.Size, folder: Path, records: list[Record], args: argparse.Namespace) -> list[list[object]]:
+def size_rows(size: common.Setup, folder: Path, records: list[Record], args: argparse.Namespace) -> list[list[object]]:
     """Loader rows of both sources for ``size``, each next to the step's consumption."""
-    vocab = Vocabulary(WORDS)
-    height, width, channels = common.encoder_grid(size)
-    locations = height * width
-    images = CaptionDataset(records, vocab, build_transform(size.image_size, train=True), max_len=size.steps)
-    cache = write_cache(folder / f"cache-{size.name}", images, locations, channels)
-    sources = [
-        (f"JPEG 640x480 -> {size.image_size} px", "images", images),
-        (
-            f"fp16 cache {locations}x{channels}",
-            "features",
-            FeatureCaptionDataset(records, vocab, cache, max_len=size.steps),
-        ),
-    ]
+    source = GeneratedSource(records)
+    images = datamodule(size, source, 0)
+    consumes, flops, shape = step_rate(size, "images", args)
     rows = []
-    for label, source, dataset in sources:
-        consumes = step_rate(size, source, args)
-        for workers in args.workers:
-            with common.OtherLoad() as others:
-                rate = loader_rate(dataset, workers, size.batch, pin_memory=args.device.type == "cuda")
-            per_worker = rate / max(workers, 1)
-            rows.append(
-                [
-                    size.name,
-                    label,
-                    workers or "0 (main process)",
-                    rate,
-                    per_worker,
-                    consumes,
-                    rate / consumes,
-                    math.ceil(consumes / per_worker),
-                    others.percent,
-                ]
-            )
+    for workers in args.workers:
+        with common.OtherLoad() as others:
+            rate = loader_rate(datamodule(size, source, workers).train_dataloader())
+        rows.append(
+            loader_row(size, f"JPEG 640x480 -> {size.data.image_size} px", workers, rate, consumes, flops, others)
+        )
+    cache = write_cache(folder / f"cache-{size.name}", images.image_dataset("train"), shape)
+    features = FeatureCaptionDataset(records, images.vocab, cache, max_len=size.data.max_len)
+    consumes, flops, _ = step_rate(size, "features", args)
+    for workers in args.workers:
+        loader = DataLoader(
+            features,
+            batch_size=size.batch,
+            shuffle=True,
+            collate_fn=collate,
+            num_workers=workers,
+            pin_memory=args.device.type == "cuda",
+        )
+        with common.OtherLoad() as others:
+            rate = loader_rate(loader)
+        label = f"fp16 cache {shape[0]}x{shape[1]}"
+        rows.append(loader_row(size, label, workers, rate, consumes, flops, others))
     return rows
+
+
+def loader_row(
+    size: common.Setup,
+    label: str,
+    workers: int,
+    rate: float,
+    consumes: float,
+    flops: list[float],
+    others: common.OtherLoad,
+) -> list[object]:
+    """One table row: the loader's rate against the step's."""
+    per_worker = rate / max(workers, 1)
+    return [
+        size.name,
+        label,
+        workers or "0 (main process)",
+        rate,
+        per_worker,
+        consumes,
+        *flops[1:],
+        rate / consumes,
+        math.ceil(consumes / per_worker),
+        others.percent,
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--images", type=int, default=None, help="JPEGs to generate (default: 4 of the largest batch)")
     args = common.parse(parser, argv)
-    sizes = common.sizes(args)
+    sizes = common.setups(args)
     count = args.images or (4 * max(size.batch for size in sizes))
     with tempfile.TemporaryDirectory(prefix="captioner-bench-") as tmp:
         folder = Path(tmp)
@@ -151,7 +200,9 @@ def main(argv: list[str] | None = None) -> None:
             + [
                 f"{count} generated JPEGs, {JPEG_SIZE[0]}x{JPEG_SIZE[1]}, mean {kib:.0f} KiB; the training "
                 "transform (resize to the model's size, to tensor, normalise); 5 captions each",
-                "the training step consumes at its measured rate (soft attention, random weights)",
+                "the training step consumes at its measured rate (soft attention, random weights); the JPEG rows "
+                "read through the experiment's data module (CaptionDataModule.train_dataloader, the training "
+                "transform), the cache rows through FeatureCaptionDataset",
                 "'others %': share of the cores other processes kept busy while the loader row ran (/proc/stat)",
             ],
         )

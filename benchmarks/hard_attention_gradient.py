@@ -26,38 +26,26 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch import Tensor
 
+import common
 from captioner.config import LossConfig
 from captioner.model.decoder import DecoderOutput
 from captioner.model.losses import CaptionLoss
 
-ROOT = Path(__file__).resolve().parents[1]
 ESTIMATORS = ("sequence", "word", "suffix", "gumbel")
 
 
 def demo_batch(overrides: list[str]) -> tuple[object, dict]:
     """The CaptionerModule and the first training batch of the demo, built as ``train.py`` builds them,
     with the batch's grid features computed once under ``batch["features"]``."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(
-            config_name="config",
-            overrides=["model=hard", *overrides, "data.feature_cache=null"],
-            return_hydra_config=True,
-        )
-    cfg.hydra.runtime.cwd = str(ROOT)  # paths.root_dir resolves through the runtime folder
-    cfg.hydra.runtime.output_dir = str(ROOT / "outputs")
-    from hydra.core.hydra_config import HydraConfig
-
-    HydraConfig.instance().set_config(cfg)
-    datamodule = instantiate(cfg.data, _convert_="all")
+    cfg = common.compose_config("demo", ["model=hard", *overrides, "data.feature_cache=null"])
+    datamodule = instantiate(cfg["data"], _convert_="all")
     datamodule.setup("fit")
-    module = instantiate(cfg.model, vocab=datamodule.vocab, _convert_="all")
+    module = instantiate(cfg["model"], vocab=datamodule.vocab, _convert_="all")
     batch = next(iter(datamodule.train_dataloader()))
     module.model.encoder.eval()
     with torch.no_grad():

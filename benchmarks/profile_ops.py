@@ -1,5 +1,5 @@
 """torch.profiler tables of one training step (soft attention, from images) and one beam-search call
-(beam 3, from features) at the COCO size: the operators that take the most time, by self time.
+(beam 3, from features) of the ``coco_soft`` experiment: the operators that take the most time, by self time.
 
     python benchmarks/profile_ops.py                         # CPU: --quick by default (COCO training batch of 8)
     python benchmarks/profile_ops.py --device cuda --precision bf16 --channels-last --rows 25
@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -16,17 +17,22 @@ import common
 
 
 def profile_table(label: str, fn: Callable[[], object], args: argparse.Namespace) -> None:
-    """Run ``fn`` ``args.warmup`` times, then once under the profiler, and print its top operators."""
+    """Run ``fn`` ``args.warmup`` times, then once under the profiler, and print its top operators, its FLOPs
+    and their rate over the profiled run's wall time."""
     for _ in range(args.warmup):
         fn()
+    flops = common.count_flops(fn)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
     common.synchronize(args.device)
+    start = time.perf_counter()
     with profile(activities=activities) as prof:
         with record_function(label):
             fn()
         common.synchronize(args.device)
+    gflop, rate, share = common.flop_cells(flops, time.perf_counter() - start, args)
     sort_by = "self_device_time_total" if args.device.type == "cuda" else "self_cpu_time_total"
     print(f"\n### {label} (sorted by {sort_by})\n")
+    print(f"{gflop:.3g} GFLOP at {rate:.3g} GFLOP/s over the profiled run, {share:.3g} % of the matmul probe\n")
     print(prof.key_averages().table(sort_by=sort_by, row_limit=args.rows, max_name_column_width=40))
 
 
@@ -36,17 +42,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=15, help="operators per table (default: 15)")
     args = common.parse(parser, argv)
     args.repeats = 1  # one profiled run of each
-    size = common.sizes(args)[0]
+    size = common.setups(args)[0]
     common.print_environment("Profile", args, [size.describe()])
     with common.timed_section():
-        _, step, pairs = common.model_train_step(size, args, "soft", "images")
+        model, step, pairs = common.model_train_step(size, args, "images")
         profile_table(f"training step, soft, {size.batch} images x {pairs} captions", step, args)
-        model = common.never_end(common.build_model(size, args).eval())
-        features = common.random_features(size, size.caption_batch, args.device)
+        common.never_end(model.eval())
+        features = common.random_features(model, size, size.caption_batch, args.device)
 
         def search() -> None:
             with common.autocast(args):
-                model.generate_from_features(features, method="beam", beam_size=3, max_len=size.steps)
+                model.generate_from_features(features, method="beam", beam_size=3, max_len=size.decode_len)
 
         profile_table(f"beam search, beam 3, {size.caption_batch} images from features", search, args)
 

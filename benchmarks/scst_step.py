@@ -8,7 +8,8 @@ the size of the dataset's training split (demo: 3,000 images over the demo's voc
 Karpathy training images over a Zipf-distributed vocabulary), five per image; "table s" is the one-off
 build of their CIDEr-D tables (document frequencies and reference vectors). Models have random weights
 and never emit <end>, so every caption runs ``max_len`` words: the most work for both the rollout and
-the reward.
+the reward. The modules are the ``coco_soft``/``coco_hard`` experiments' and the demo's with
+``model.objective=scst``, built as ``train.py`` builds them.
 
     python benchmarks/scst_step.py                   # CPU: --quick by default (COCO batch of 8 images)
     python benchmarks/scst_step.py --device cuda
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 import common
-from captioner.data.shapes import ShapesSpec
 from captioner.data.vocab import Vocabulary
 from captioner.evaluation.cider import CiderD
 from captioner.training.module import CaptionerModule
@@ -40,11 +40,12 @@ COLUMNS = [
     "max/min",
     "reward ms",
     "reward %",
+    *common.FLOP_COLUMNS,
     "others %",
 ]
 SAMPLES = 5
 REFERENCE_LENGTH = (8, 16)  # words per random reference caption, inclusive range
-CORPUS = {"demo": ShapesSpec().n_train, "coco": 113_287, "tiny": 50}  # training images
+KARPATHY_TRAIN = 113_287  # COCO's training images with Karpathy's splits (restval included)
 
 
 @dataclass
@@ -66,11 +67,6 @@ class Stopwatch:
         return timed
 
 
-def vocabulary(size: common.Size) -> Vocabulary:
-    """``size.vocab_size`` ids: the four specials and words w4, w5, ..."""
-    return Vocabulary([f"w{i}" for i in range(len(Vocabulary.SPECIALS), size.vocab_size)])
-
-
 def random_references(images: int, vocab: Vocabulary, seed: int = 0) -> list[list[list[str]]]:
     """Five random captions per image over the vocabulary's words, the frequent ones likelier (Zipf)."""
     generator = torch.Generator().manual_seed(seed)
@@ -86,43 +82,31 @@ def random_references(images: int, vocab: Vocabulary, seed: int = 0) -> list[lis
     return [captions[i : i + 5] for i in range(0, len(captions), 5)]
 
 
-def build_module(size: common.Size, mode: str, baseline: str, args: argparse.Namespace) -> CaptionerModule:
-    """The training module of ``size`` with the SCST objective (no trainer: its step is called directly)."""
-    module = CaptionerModule(
-        vocabulary(size),
-        attention=mode,
-        encoder={"name": size.encoder, "weights": None, "stage": None, "grid": size.grid, "trainable_stages": 0},
-        feature_norm=True,
-        decoder={
-            "embed_dim": size.embed_dim,
-            "hidden_dim": size.hidden_dim,
-            "attention_dim": size.attention_dim,
-            "dropout": size.dropout,
-        },
-        decoding={"max_len": size.steps},
-        objective="scst",
-        scst={"samples": SAMPLES, "baseline": baseline},
-    )
+def corpus_images(size: common.Setup) -> int:
+    """The experiment's training images: the shapes source's ``n_train``, or COCO's Karpathy train."""
+    return size.cfg["data"]["source"].get("n_train", KARPATHY_TRAIN)
+
+
+def build_module(name: str, attention: str, baseline: str, args: argparse.Namespace) -> CaptionerModule:
+    """The training module of experiment ``name`` with the SCST objective (no trainer: its step is called
+    directly), in train mode, never ending a caption."""
+    overrides = ["model.objective=scst", f"model.scst.samples={SAMPLES}", f"model.scst.baseline={baseline}"]
+    module = common.build_module(common.setup(name, args, attention, overrides), args)
     common.never_end(module.model)
-    return module.to(args.device).train()
+    return module.train()
 
 
 def row(
-    size: common.Size,
-    mode: str,
-    baseline: str,
-    cider: CiderD,
-    build_seconds: float,
-    images: int,
-    args: argparse.Namespace,
+    size: common.Setup, baseline: str, cider: CiderD, build_seconds: float, args: argparse.Namespace
 ) -> list[object]:
-    """Time the SCST step of one configuration and the reward inside it."""
-    module = build_module(size, mode, baseline, args)
+    """Time the SCST step of one configuration (a training batch of ``size``) and the reward inside it."""
+    mode, images = size.model.attention.value, size.batch
+    module = build_module("demo" if args.tiny else size.name, mode, baseline, args)
     stopwatch = Stopwatch(args.device)
     cider.score_ids = stopwatch.wrap(CiderD.score_ids.__get__(cider))
     module.cider = cider
     batch = {
-        "features": common.random_features(size, images, args.device),
+        "features": common.random_features(module.model, size, images, args.device),
         "indices": torch.randint(0, len(cider), (images,), device=args.device),
     }
     optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=1e-5)
@@ -134,6 +118,7 @@ def row(
         loss.backward()
         optimizer.step()
 
+    flops = common.count_flops(step)
     for _ in range(args.warmup):
         step()
     stopwatch.seconds = 0.0
@@ -151,6 +136,7 @@ def row(
         timing.spread,
         reward * 1e3,
         100 * reward / timing.median,
+        *common.flop_cells(flops, timing.median, args),
         others.percent,
     ]
 
@@ -158,11 +144,11 @@ def row(
 def main(argv: list[str] | None = None) -> None:
     """Print the SCST step table."""
     args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
-    sizes = common.sizes(args)
+    soft, hard = common.setups(args, "soft"), common.setups(args, "hard")
     common.print_environment(
         "SCST step",
         args,
-        [size.describe() for size in sizes]
+        [size.describe() for size in soft]
         + [
             f"{SAMPLES} captions sampled per image, each as long as the size's captions (it never ends early)",
             "'reward %': CIDEr-D's share of the step's wall time; 'max/min': slowest / fastest timed step; "
@@ -171,16 +157,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     with common.timed_section():
         rows = []
-        for size in sizes:
-            vocab = vocabulary(size)
-            references = random_references(CORPUS[size.name], vocab)
+        for pair in zip(soft, hard):
+            vocab = pair[0].vocab
+            references = random_references(corpus_images(pair[0]), vocab)
             start = time.perf_counter()
             cider = CiderD(references, words=vocab.itos, device=args.device)
             common.synchronize(args.device)
             build_seconds = time.perf_counter() - start
-            for mode in ("soft", "hard"):
+            for size in pair:
                 for baseline in ("mean", "greedy"):
-                    rows.append(row(size, mode, baseline, cider, build_seconds, size.batch, args))
+                    rows.append(row(size, baseline, cider, build_seconds, args))
         common.print_table("SCST step: rollout + CIDEr-D reward + self-critical loss + backward + Adam", COLUMNS, rows)
 
 

@@ -1,9 +1,11 @@
 """Training-step throughput and peak memory: soft and hard attention, from images and from cached features,
-at the COCO recipe's size and the demo's, then the decoder alone given features.
+for the COCO recipes (``experiment=coco_soft``, ``coco_hard``) and the demo (``python train.py``, and with
+``model=hard``), then the decoder alone given features.
 
 A step is what training runs per batch: forward (encoder once per image, its captions gathered after
-it), CaptionLoss, backward, Adam. "images, per caption" is the ``per_caption=True`` layout, where every
-caption brings its own copy of the image, so the CNN runs once per caption.
+it), the experiment's loss (its ``CaptionerModule.criterion``), backward, Adam. "images, per caption" is
+the ``data.per_caption=true`` layout, where every caption brings its own copy of the image, so the CNN
+runs once per caption.
 
     python benchmarks/train_step.py                      # CPU: --quick by default
     python benchmarks/train_step.py --device cuda --precision bf16 --channels-last
@@ -12,6 +14,8 @@ caption brings its own copy of the image, so the CNN runs once per caption.
 from __future__ import annotations
 
 import argparse
+
+import torch
 
 import common
 
@@ -26,6 +30,7 @@ TRAIN_COLUMNS = [
     "images/s",
     "pairs/s",
     "CNN images/step",
+    *common.FLOP_COLUMNS,
     "peak MiB",
     "step MiB",
     "others %",
@@ -39,6 +44,7 @@ DECODER_COLUMNS = [
     "max/min",
     "images/s",
     "pairs/s",
+    *common.FLOP_COLUMNS,
     "peak MiB",
     "step MiB",
     "others %",
@@ -47,9 +53,10 @@ DECODER_BATCH = 64
 SOURCES = {"images": "images", "per_caption": "images, per caption", "features": "cached features"}
 
 
-def step_row(size: common.Size, mode: str, source: str, args: argparse.Namespace) -> list[object]:
+def step_row(size: common.Setup, source: str, args: argparse.Namespace) -> list[object]:
     """Time one configuration of the whole captioner's training step; ``source``: images, per_caption, features."""
-    model, step, pairs = common.model_train_step(size, args, mode, source)
+    model, step, pairs = common.model_train_step(size, args, source)
+    flops = common.count_flops(step)
     with (
         common.PeakMemory(args.device) as memory,
         common.EncoderCounter(model) as counter,
@@ -59,7 +66,7 @@ def step_row(size: common.Size, mode: str, source: str, args: argparse.Namespace
     seconds = timing.median
     return [
         size.name,
-        mode,
+        size.model.attention.value,
         SOURCES[source],
         f"{size.batch} x {pairs}",
         size.steps,
@@ -68,39 +75,44 @@ def step_row(size: common.Size, mode: str, source: str, args: argparse.Namespace
         size.batch / seconds,
         pairs / seconds,
         counter.images / (args.warmup + args.repeats),
+        *common.flop_cells(flops, seconds, args),
         memory.peak_mib,
         memory.added_mib,
         others.percent,
     ]
 
 
-def decoder_row(size: common.Size, mode: str, images: int, args: argparse.Namespace) -> list[object]:
-    """Time the decoder's training step alone on features already in memory."""
-    model = common.build_model(size, args, mode)
-    features = common.random_features(size, images, args.device)
+def decoder_row(size: common.Setup, images: int, args: argparse.Namespace) -> list[object]:
+    """Time the decoder's training step alone on grid features already in memory."""
+    module = common.build_module(size, args)
+    decoder = module.model.decoder
+    height, width, channels = common.grid_shape(size)
+    features = torch.randn(images, height * width, channels, device=args.device).relu()  # (B, L, C)
     captions, index = common.random_captions(size, images, args.device)
-    step = common.make_train_step(model.decoder, lambda: model.decoder(features, captions, index), captions, args)
+    step = common.make_train_step(module, decoder, lambda: decoder(features, captions, index), captions, args)
+    flops = common.count_flops(step)
     with common.PeakMemory(args.device) as memory, common.OtherLoad() as others:
         timing = common.measure(step, args)
     seconds, pairs = timing.median, captions.size(0)
     return [
         size.name,
-        mode,
+        size.model.attention.value,
         f"{images} x {pairs}",
         size.steps,
         seconds * 1e3,
         timing.spread,
         images / seconds,
         pairs / seconds,
+        *common.flop_cells(flops, seconds, args),
         memory.peak_mib,
         memory.added_mib,
         others.percent,
     ]
 
 
-def decoder_batch(size: common.Size, args: argparse.Namespace) -> int:
+def decoder_batch(size: common.Setup, args: argparse.Namespace) -> int:
     """64 images, except the COCO size under --quick (its batch) and --tiny (the tiny batch)."""
-    if args.tiny or (args.quick and size.name == common.COCO.name):
+    if args.tiny or (args.quick and size.name.startswith("coco")):
         return size.batch
     return DECODER_BATCH
 
@@ -108,12 +120,13 @@ def decoder_batch(size: common.Size, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> None:
     """Print the training-step table and the decoder-only table."""
     args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
-    sizes = common.sizes(args)
+    soft, hard = common.setups(args, "soft"), common.setups(args, "hard")
     common.print_environment(
         "Training step",
         args,
-        [size.describe() for size in sizes]
+        [size.describe() for size in soft]
         + [
+            "hard attention: the same sizes with model=hard (the COCO one is experiment=coco_hard)",
             f"memory: {common.memory_method(args.device)}; 'step MiB' is the peak above the memory held before "
             "the first step (model, batch), i.e. activations, gradients and Adam state",
             "'CNN images/step' counts the images entering the encoder per step (a hook on its first stage)",
@@ -123,14 +136,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     with common.timed_section():
         rows = []
-        for size in sizes:
-            for mode in ("soft", "hard"):
-                for source in ("images", "features"):
-                    rows.append(step_row(size, mode, source, args))
-            if not (args.quick and size.name == common.COCO.name):  # 5x the CNN work: slow at 448 px on a CPU
-                rows.append(step_row(size, "soft", "per_caption", args))
+        for pair in zip(soft, hard):
+            rows += [step_row(size, source, args) for size in pair for source in ("images", "features")]
+            if not (args.quick and pair[0].name.startswith("coco")):  # 5x the CNN work: slow at 448 px on a CPU
+                rows.append(step_row(pair[0], "per_caption", args))
         common.print_table("Training step: encoder + decoder + loss + backward + Adam", TRAIN_COLUMNS, rows)
-        rows = [decoder_row(size, mode, decoder_batch(size, args), args) for size in sizes for mode in ("soft", "hard")]
+        rows = [decoder_row(size, decoder_batch(size, args), args) for pair in zip(soft, hard) for size in pair]
         common.print_table("Decoder-only training step given features", DECODER_COLUMNS, rows)
 
 

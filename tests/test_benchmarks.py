@@ -1,11 +1,13 @@
-"""Smoke tests of benchmarks/: every script runs on the tiny configuration and prints its tables.
+"""Smoke tests of benchmarks/: every script runs on the tiny configuration and prints its tables, and the
+benchmarked sizes are the experiments users train.
 
 Benchmarks are not tests: nothing here looks at a time. The only values checked are counts that
-do not depend on the machine (how many images the encoder sees).
+do not depend on the machine (how many images the encoder sees, FLOPs) and the composed configs.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
@@ -74,6 +76,9 @@ def test_train_step_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable
     # 2 images with 5 captions each: the CNN sees 2 images per step, 10 in the per-caption layout, 0 from the cache
     assert [row["CNN images/step"] for row in rows] == ["2", "0", "2", "0", "10"]
     assert all(row["images x captions"] == "2 x 10" for row in rows)
+    # FLOPs are counted, not timed: the cache saves the frozen stem's, the per-caption layout runs the CNN 5x
+    soft_images, soft_cached, hard_images, hard_cached, per_caption = (float(row["GFLOP"]) for row in rows)
+    assert 0 < soft_cached < soft_images < per_caption and (hard_images, hard_cached) == (soft_images, soft_cached)
     rows = table(stdout, "Decoder-only training step given features", 2)
     assert [row["attention"] for row in rows] == ["soft", "hard"]
 
@@ -103,9 +108,33 @@ def test_data_loading_runs(run_tiny: Callable[..., str]) -> None:
     assert [(row["source"], row["workers"]) for row in rows] == [
         ("JPEG 640x480 -> 64 px", "0 (main process)"),
         ("JPEG 640x480 -> 64 px", "1"),
-        ("fp16 cache 4x512", "0 (main process)"),
-        ("fp16 cache 4x512", "1"),
+        # the demo trains layer2, so its cache holds layer1's map: 16x16x64 at 64 px
+        ("fp16 cache 256x64", "0 (main process)"),
+        ("fp16 cache 256x64", "1"),
     ]
+
+
+@pytest.mark.parametrize("experiment", ["demo", "coco_soft", "coco_hard"])
+def test_benchmarked_sizes_are_the_experiments_as_train_py_composes_them(
+    monkeypatch: pytest.MonkeyPatch, experiment: str
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    common = importlib.import_module("common")
+    attention = "hard" if experiment == "coco_hard" else "soft"
+    trained = common.compose_config(experiment)
+    for quick in (False, True):
+        args = argparse.Namespace(tiny=False, quick=quick, channels_last=False)
+        size = common.setup(experiment, args, attention)
+        # the model as trained but for random weights; the data as trained but for --quick's COCO batch
+        assert size.cfg["model"] == {**trained["model"], "encoder": {**trained["model"]["encoder"], "weights": None}}
+        batch = 8 if quick and experiment != "demo" else trained["data"]["batch_size"]
+        assert size.cfg["data"] == {**trained["data"], "batch_size": batch}
+    if experiment == "demo":  # what `python train.py` trains: the demo experiment is the default config
+        plain = common.compose_config(None)
+        assert (plain["model"], plain["data"]) == (trained["model"], trained["data"])
+        assert len(size.vocab) == 4 + 44  # the specials and the training captions' words seen 5 times or more
+    else:
+        assert len(size.vocab) == 4 + 10_000  # data.max_vocab words
 
 
 def test_profile_runs(run_tiny: Callable[..., str]) -> None:
