@@ -128,8 +128,8 @@ class CaptionDataModule(L.LightningDataModule):
             batch_size=batch_size,
             shuffle=shuffle,
             collate_fn=collate,
-            num_workers=self.settings.num_workers,
-            persistent_workers=self.settings.num_workers > 0,
+            num_workers=self.settings.workers,
+            persistent_workers=self.settings.workers > 0,
             pin_memory=torch.cuda.is_available(),
             generator=generator,
         )
