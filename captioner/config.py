@@ -269,8 +269,11 @@ class SchedulerConfig(Settings):
 
 @dataclass
 class DecodingConfig(Settings):
-    """How validation and test decode (the CLI takes the same settings as flags)."""
+    """How captions are decoded: these defaults are validation's and test's (``model.decoding``);
+    captioning (``Captioner.generate``, ``caption()``, the CLI's flags) starts from ``captioning()``, the
+    same settings with ``CAPTIONING_METHOD``. ``captioner.model.decoding`` reads its defaults here."""
 
+    # greedy for validation and test (one decode per epoch, fast); captioning: CAPTIONING_METHOD
     method: DecodeMethod = DecodeMethod.greedy
     beam_size: int = 3
     max_len: int = 20  # words at most, <end> excluded
@@ -278,6 +281,16 @@ class DecodingConfig(Settings):
     temperature: float = 1.0  # sample: softmax(logits / temperature)
     min_len: int = 0  # no <end> before this many words (0: off)
     no_repeat_ngram_size: int = 0  # no n-gram of this many words twice in a caption (0: off)
+    # Run all max_len steps with finished captions masked, no early exit and no host read inside the loop:
+    # the same shapes on every call, what a captured CUDA graph needs, for the same captions. None: on CUDA
+    # only; on a CPU stopping once every caption has ended is cheaper (benchmarks/captioning.py).
+    static_shapes: bool | None = None
+
+    @classmethod
+    def captioning(cls, **settings: Any) -> DecodingConfig:
+        """Captioning's settings: ``method=CAPTIONING_METHOD``, then ``settings`` (field names) over them;
+        ConfigError names a bad one."""
+        return from_dict(cls, {"method": CAPTIONING_METHOD, **settings})
 
     def check(self) -> None:
         check_range("beam_size", self.beam_size, 1, kind=int)
@@ -288,6 +301,11 @@ class DecodingConfig(Settings):
         check_range("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, kind=int)
         if self.min_len >= self.max_len:
             raise ConfigError(f"min_len={self.min_len} must be < max_len={self.max_len}")
+
+
+# How captioning decodes by default (validation and test: DecodingConfig.method): beam search finds better
+# captions than greedy decoding, for a cost paid once per image rather than every epoch.
+CAPTIONING_METHOD = DecodeMethod.beam
 
 
 @dataclass
