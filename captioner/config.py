@@ -283,7 +283,8 @@ class DecodingConfig(Settings):
     no_repeat_ngram_size: int = 0  # no n-gram of this many words twice in a caption (0: off)
     # Run all max_len steps with finished captions masked, no early exit and no host read inside the loop:
     # the same shapes on every call, what a captured CUDA graph needs, for the same captions. None: on CUDA
-    # only; on a CPU stopping once every caption has ended is cheaper (benchmarks/captioning.py).
+    # only; on a CPU stopping once every caption has ended is cheaper (demo-size decoder, ~10-word captions
+    # of max_len 20: static takes 1.55-2.1x the time of greedy and beam 3/5 at batch 125 and 1).
     static_shapes: bool | None = None
 
     @classmethod
