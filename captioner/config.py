@@ -371,7 +371,7 @@ class DataConfig(Settings):
     batch_size: int = 32  # training images (or captions with per_caption) per step and process
     eval_batch_size: int | None = 64  # validation/test images per step; None: batch_size
     # DataLoader worker processes; None: one per CPU this process may use, less one for the main process,
-    # at most 8 (``workers``)
+    # at most MAX_AUTO_WORKERS (``workers``)
     num_workers: int | None = None
     min_word_count: int = 5  # words seen fewer times in the training captions become <unk>
     max_vocab: int | None = 10000  # keep at most this many words (most frequent first); None: all
@@ -405,10 +405,12 @@ class DataConfig(Settings):
 
     @property
     def workers(self) -> int:
-        """``num_workers``, or when None the CPUs this process may use less one (the main process), in 0..8."""
+        """``num_workers``, or when None the CPUs this process may use less one (the main process), at most
+        ``MAX_AUTO_WORKERS``."""
         if self.num_workers is not None:
             return self.num_workers
-        return max(0, min(len(os.sched_getaffinity(0)) - 1, MAX_AUTO_WORKERS))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(0, min(cpus - 1, MAX_AUTO_WORKERS))
 
 
 # ------------------------------------------------------------------------------------------------ building
