@@ -289,8 +289,14 @@ class DecodingConfig(Settings):
 
     @classmethod
     def captioning(cls, **settings: Any) -> DecodingConfig:
-        """Captioning's settings: ``method=CAPTIONING_METHOD``, then ``settings`` (field names) over them;
-        ConfigError names a bad one."""
+        """Captioning's settings: ``method=CAPTIONING_METHOD``, then ``settings`` (field names) over them.
+
+        TypeError for a name that is no field (as for any unknown keyword), ConfigError naming a bad value.
+        """
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = [name for name in settings if name not in fields]
+        if unknown:
+            raise TypeError(f"unknown decoding option {unknown[0]!r}; the options are: {', '.join(fields)}")
         return from_dict(cls, {"method": CAPTIONING_METHOD, **settings})
 
     def check(self) -> None:

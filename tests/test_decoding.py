@@ -544,3 +544,7 @@ def test_decode_follows_the_settings_and_the_defaults_have_one_owner():
                 assert parameter.default == getattr(Vocabulary, name)
     assert DecodingConfig.captioning().method == CAPTIONING_METHOD != defaults.method
     assert DecodingConfig.captioning(beam_size=5).beam_size == 5
+    with pytest.raises(TypeError, match="unknown decoding option 'beam'; the options are: method, beam_size"):
+        DecodingConfig.captioning(beam=5)
+    with pytest.raises(ConfigError, match="beam_size=0 must be >= 1"):
+        DecodingConfig.captioning(beam_size=0)
