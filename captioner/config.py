@@ -281,11 +281,6 @@ class DecodingConfig(Settings):
     temperature: float = 1.0  # sample: softmax(logits / temperature)
     min_len: int = 0  # no <end> before this many words (0: off)
     no_repeat_ngram_size: int = 0  # no n-gram of this many words twice in a caption (0: off)
-    # Run all max_len steps with finished captions masked, no early exit and no host read inside the loop:
-    # the same shapes on every call, what a captured CUDA graph needs, for the same captions. None: on CUDA
-    # only; on a CPU stopping once every caption has ended is cheaper (demo-size decoder, ~10-word captions
-    # of max_len 20: static takes 1.55-2.1x the time of greedy and beam 3/5 at batch 125 and 1).
-    static_shapes: bool | None = None
 
     @classmethod
     def captioning(cls, **settings: Any) -> DecodingConfig:
@@ -349,6 +344,12 @@ class ModelConfig(NetConfig):
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
     compile: bool = False  # torch.compile the decoder
+    # Decoding (captions and SCST samples) runs all max_len steps with finished captions masked, no early exit
+    # and no host read inside the loop: the same shapes on every call, what a captured CUDA graph needs, for
+    # the same captions. None: on CUDA only; on a CPU stopping once every caption has ended is cheaper
+    # (demo-size decoder, ~10-word captions of max_len 20: static takes 1.55-2.1x the time of greedy and
+    # beam 3/5 at batch 125 and 1).
+    static_shapes: bool | None = None
     nonfinite: NonFinite = NonFinite.stop
     # Training steps between host reads of the losses (also before every checkpoint and at each epoch
     # end); 1 reads every step, a GPU stall each time.

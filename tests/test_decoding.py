@@ -519,7 +519,7 @@ def test_static_rollout_gives_the_early_exit_samples_padded_to_max_len(mode):
 
 
 def test_static_shapes_default_to_cuda_only():
-    assert decoding.DecodingConfig().static_shapes is None
+    assert decoding.ModelConfig().static_shapes is None
     assert decoding._static(None, torch.zeros(1)) is False
     assert decoding._static(None, torch.zeros(1, device="meta")) is False
     assert decoding._static(True, torch.zeros(1)) is True
@@ -528,7 +528,7 @@ def test_static_shapes_default_to_cuda_only():
 def test_decode_follows_the_settings_and_the_defaults_have_one_owner():
     import inspect
 
-    from captioner.config import CAPTIONING_METHOD, DecodingConfig
+    from captioner.config import CAPTIONING_METHOD, DecodingConfig, ModelConfig
     from captioner.data.vocab import Vocabulary
 
     decoder, features = make_decoder(seed=2), features_for(3)
@@ -538,7 +538,9 @@ def test_decode_follows_the_settings_and_the_defaults_have_one_owner():
     defaults = DecodingConfig()
     for function in (greedy, sample, beam_search, decoding.rollout):
         for name, parameter in inspect.signature(function).parameters.items():
-            if hasattr(defaults, name):
+            if name == "static_shapes":
+                assert parameter.default == ModelConfig.static_shapes
+            elif hasattr(defaults, name):
                 assert parameter.default == getattr(defaults, name), (function.__name__, name)
             if name in ("start_id", "end_id"):
                 assert parameter.default == getattr(Vocabulary, name)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from captioner.config import DecodingConfig, NetConfig
+from captioner.config import DecodingConfig, ModelConfig, NetConfig
 from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
 from captioner.model.decoding import Generation, decode
@@ -105,20 +105,23 @@ class Captioner(nn.Module):
         start_id: int = Vocabulary.start_id,
         end_id: int = Vocabulary.end_id,
         unk_id: int | None = None,
+        static_shapes: bool | None = ModelConfig.static_shapes,
         **settings: Any,
     ) -> tuple[Generation, Grid]:
         """Caption images (B, 3, H_img, W_img) without gradients; call ``.eval()`` first.
 
         ``settings`` are ``DecodingConfig`` fields over captioning's defaults (``DecodingConfig.captioning``:
         beam search): ``method`` "greedy", "sample" (``temperature``, ``generator``) or "beam" (``beam_size``,
-        ``length_penalty``); every method takes ``max_len``, ``min_len`` (no <end> before that many words),
-        ``no_repeat_ngram_size`` (no n-gram of that size twice in a caption) and ``static_shapes``. ConfigError
-        names a bad one. ``unk_id`` (the vocabulary's <unk>) is never generated when given. Returns the
-        Generation (tokens, scores, per-word alphas (B, T, L), lengths) and the (H, W) grid that the L
-        attention weights of each word lie on.
+        ``length_penalty``); every method takes ``max_len``, ``min_len`` (no <end> before that many words) and
+        ``no_repeat_ngram_size`` (no n-gram of that size twice in a caption); ConfigError names a bad one.
+        ``static_shapes``: see ``ModelConfig.static_shapes``. ``unk_id`` (the vocabulary's <unk>) is never
+        generated when given. Returns the Generation (tokens, scores, per-word alphas (B, T, L), lengths) and
+        the (H, W) grid that the L attention weights of each word lie on.
         """
         features, grid = self.encode(images)  # (B, L', C')
-        return self.generate_from_features(features, grid, generator, start_id, end_id, unk_id, **settings)
+        return self.generate_from_features(
+            features, grid, generator, start_id, end_id, unk_id, static_shapes, **settings
+        )
 
     @torch.no_grad()
     def generate_from_features(
@@ -129,6 +132,7 @@ class Captioner(nn.Module):
         start_id: int = Vocabulary.start_id,
         end_id: int = Vocabulary.end_id,
         unk_id: int | None = None,
+        static_shapes: bool | None = ModelConfig.static_shapes,
         **settings: Any,
     ) -> tuple[Generation, Grid]:
         """Like ``generate`` from (cached) ``encode`` output (B, L', C') on its grid (default square); the
@@ -136,7 +140,7 @@ class Captioner(nn.Module):
         decoding = DecodingConfig.captioning(**settings)
         features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         features = self.attend_grid(features, grid)  # (B, L, C)
-        return decode(self.decoder, features, decoding, generator, start_id, end_id, unk_id), grid
+        return decode(self.decoder, features, decoding, generator, start_id, end_id, unk_id, static_shapes), grid
 
 
 def build_captioner(net: NetConfig, vocab_size: int) -> Captioner:

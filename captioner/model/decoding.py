@@ -5,7 +5,7 @@ finished rows masked (the batch never shrinks). Dynamic shapes (``static_shapes=
 ``EXIT_CHECK_INTERVAL`` steps one host read asks whether every image is done, and the loop stops early.
 Static shapes (``True``): all ``max_len`` steps run and nothing is read back inside the loop, so every
 call has the same shapes and kernels, what a captured CUDA graph needs; the captions, scores and alphas
-are the same either way (the extra steps only add <pad>). ``None`` (``DecodingConfig.static_shapes``)
+are the same either way (the extra steps only add <pad>). ``None`` (``ModelConfig.static_shapes``)
 picks static on CUDA, dynamic elsewhere. <pad> and <start> are never generated, nor <unk> when its
 ``unk_id`` is given (the vocabulary's: a caption never says "unknown word"). Defaults are read from their
 owners: ``DecodingConfig`` (the settings) and ``Vocabulary`` (the special-token ids).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from captioner.config import DecodeMethod, DecodingConfig
+from captioner.config import DecodeMethod, DecodingConfig, ModelConfig
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError, check_range
 from captioner.model.decoder import ShowAttendTellDecoder
@@ -86,7 +86,7 @@ def greedy(
     min_len: int = DecodingConfig.min_len,
     no_repeat_ngram_size: int = DecodingConfig.no_repeat_ngram_size,
     unk_id: int | None = None,
-    static_shapes: bool | None = DecodingConfig.static_shapes,
+    static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Emit the most likely allowed word at each step for the features (B, L, D)."""
     return _decode(
@@ -113,7 +113,7 @@ def sample(
     min_len: int = DecodingConfig.min_len,
     no_repeat_ngram_size: int = DecodingConfig.no_repeat_ngram_size,
     unk_id: int | None = None,
-    static_shapes: bool | None = DecodingConfig.static_shapes,
+    static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Sample each word from softmax(logits / temperature) over the allowed words; scores use the
     untempered log-probs."""
@@ -190,7 +190,7 @@ def beam_search(
     min_len: int = DecodingConfig.min_len,
     no_repeat_ngram_size: int = DecodingConfig.no_repeat_ngram_size,
     unk_id: int | None = None,
-    static_shapes: bool | None = DecodingConfig.static_shapes,
+    static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Beam search over B images x K beams at once, returning the best caption of each image.
 
@@ -329,7 +329,7 @@ def rollout(
     end_id: int = Vocabulary.end_id,
     generator: torch.Generator | None = None,
     unk_id: int | None = None,
-    static_shapes: bool | None = DecodingConfig.static_shapes,
+    static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Rollout:
     """Sample ``samples`` captions for each image of ``features`` (B, L, D) from the decoder's policy.
 
@@ -376,6 +376,7 @@ def decode(
     start_id: int = Vocabulary.start_id,
     end_id: int = Vocabulary.end_id,
     unk_id: int | None = None,
+    static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Caption the features (B, L, D) as ``settings`` says (its method and that method's options)."""
     common = dict(
@@ -385,7 +386,7 @@ def decode(
         min_len=settings.min_len,
         no_repeat_ngram_size=settings.no_repeat_ngram_size,
         unk_id=unk_id,
-        static_shapes=settings.static_shapes,
+        static_shapes=static_shapes,
     )
     if settings.method == DecodeMethod.greedy:
         return greedy(decoder, features, **common)
