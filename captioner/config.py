@@ -6,13 +6,15 @@ schemas (``train.py`` registers them), so a misspelt key fails when the config i
 ``build_captioner``, the LightningModule, the data module, the bundle and the benchmarks build the same
 classes with ``from_dict``, which names the key of a bad value (``model.decoder.dropout=1.5 must be ...``).
 
-The defaults are those of the built-in demo (``python train.py``); ``conf/experiment/coco_*`` set the paper's.
+The network's defaults are those of the built-in demo (``python train.py``); its recipe (SCST, epochs) is
+``conf/experiment/demo.yaml``, and ``conf/experiment/coco_*`` set the paper's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 from captioner.errors import ConfigError, check_range
 
 T = TypeVar("T")
+MAX_AUTO_WORKERS = 8  # DataConfig.num_workers=None uses at most this many loader workers
 
 
 class Attention(enum.StrEnum):
@@ -278,8 +281,11 @@ class SchedulerConfig(Settings):
 
 @dataclass
 class DecodingConfig(Settings):
-    """How validation and test decode (the CLI takes the same settings as flags)."""
+    """How captions are decoded: these defaults are validation's and test's (``model.decoding``);
+    captioning (``Captioner.generate``, ``caption()``, the CLI's flags) starts from ``captioning()``, the
+    same settings with ``CAPTIONING_METHOD``. ``captioner.model.decoding`` reads its defaults here."""
 
+    # greedy for validation and test (one decode per epoch, fast); captioning: CAPTIONING_METHOD
     method: DecodeMethod = DecodeMethod.greedy
     beam_size: int = 3
     max_len: int = 20  # words at most, <end> excluded
@@ -287,6 +293,18 @@ class DecodingConfig(Settings):
     temperature: float = 1.0  # sample: softmax(logits / temperature)
     min_len: int = 0  # no <end> before this many words (0: off)
     no_repeat_ngram_size: int = 0  # no n-gram of this many words twice in a caption (0: off)
+
+    @classmethod
+    def captioning(cls, **settings: Any) -> DecodingConfig:
+        """Captioning's settings: ``method=CAPTIONING_METHOD``, then ``settings`` (field names) over them.
+
+        TypeError for a name that is no field (as for any unknown keyword), ConfigError naming a bad value.
+        """
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = [name for name in settings if name not in fields]
+        if unknown:
+            raise TypeError(f"unknown decoding option {unknown[0]!r}; the options are: {', '.join(fields)}")
+        return from_dict(cls, {"method": CAPTIONING_METHOD, **settings})
 
     def check(self) -> None:
         check_range("beam_size", self.beam_size, 1, kind=int)
@@ -297,6 +315,11 @@ class DecodingConfig(Settings):
         check_range("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, kind=int)
         if self.min_len >= self.max_len:
             raise ConfigError(f"min_len={self.min_len} must be < max_len={self.max_len}")
+
+
+# How captioning decodes by default (validation and test: DecodingConfig.method): beam search finds better
+# captions than greedy decoding, for a cost paid once per image rather than every epoch.
+CAPTIONING_METHOD = DecodeMethod.beam
 
 
 @dataclass
@@ -333,13 +356,19 @@ class ModelConfig(NetConfig):
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
     compile: bool = False  # torch.compile the decoder
+    # Decoding (captions and SCST samples) runs all max_len steps with finished captions masked, no early exit
+    # and no host read inside the loop: the same shapes on every call, what a captured CUDA graph needs, for
+    # the same captions. None: on CUDA only; on a CPU stopping once every caption has ended is cheaper
+    # (demo-size decoder, ~10-word captions of max_len 20: static takes 1.55-2.1x the time of greedy and
+    # beam 3/5 at batch 125 and 1).
+    static_shapes: bool | None = None
     nonfinite: NonFinite = NonFinite.stop
     # Training steps between host reads of the losses (also before every checkpoint and at each epoch
     # end); 1 reads every step, a GPU stall each time.
     nonfinite_check_interval: int = 50
-    # The demo trains with cross-entropy for scst.after_epochs epochs, then with SCST; the COCO recipes set
-    # cross_entropy (and coco_scst fine-tunes their model with SCST).
-    objective: Objective = Objective.scst
+    # Only an experiment switches to SCST: the demo's (cross-entropy for scst.after_epochs epochs, then SCST),
+    # demo_scst and coco_scst (which fine-tune a cross-entropy run's model).
+    objective: Objective = Objective.cross_entropy
     scst: ScstConfig = field(default_factory=ScstConfig)
 
     def check(self) -> None:
@@ -360,7 +389,9 @@ class DataConfig(Settings):
     image_size: int = 224  # images are resized to image_size x image_size
     batch_size: int = 32  # training images (or captions with per_caption) per step and process
     eval_batch_size: int | None = 64  # validation/test images per step; None: batch_size
-    num_workers: int = 8  # DataLoader worker processes
+    # DataLoader worker processes; None: one per CPU this process may use, less one for the main process,
+    # at most MAX_AUTO_WORKERS (``workers``)
+    num_workers: int | None = None
     min_word_count: int = 5  # words seen fewer times in the training captions become <unk>
     max_vocab: int | None = 10000  # keep at most this many words (most frequent first); None: all
     max_len: int = 20  # longer training captions are cut to this many words
@@ -369,17 +400,36 @@ class DataConfig(Settings):
     feature_cache: str | None = None  # a folder: cache the encoder's frozen stages' output there
     feature_dtype: FeatureDtype = FeatureDtype.float16  # the cache's dtype
     vocab_file: str | None = None  # load this vocabulary JSON instead of building one from the captions
+    # Training captions padded to this many tokens (<start> and <end> included, so max_len + 2 holds every
+    # caption) instead of the batch's longest: every step has the same shapes, what a captured CUDA graph
+    # needs; the loss is unchanged (pad steps are masked). None: the batch's longest (fewer steps on a CPU).
+    pad_to: int | None = None
+    # Where the recipe that trains on this dataset is: the demo's recipe (``demo``) on any dataset but the
+    # built-in shapes (``recipe: null``) stops at once, naming it.
+    recipe: str | None = "experiment=coco_soft"
 
     def check(self) -> None:
         check_range("image_size", self.image_size, 32, kind=int)
         check_range("batch_size", self.batch_size, 1, kind=int)
         if self.eval_batch_size is not None:
             check_range("eval_batch_size", self.eval_batch_size, 1, kind=int)
-        check_range("num_workers", self.num_workers, 0, kind=int)
+        if self.num_workers is not None:
+            check_range("num_workers", self.num_workers, 0, kind=int)
         check_range("min_word_count", self.min_word_count, 1, kind=int)
         if self.max_vocab is not None:
             check_range("max_vocab", self.max_vocab, 4, kind=int)
         check_range("max_len", self.max_len, 1, kind=int)
+        if self.pad_to is not None:
+            check_range("pad_to", self.pad_to, self.max_len + 2, kind=int)
+
+    @property
+    def workers(self) -> int:
+        """``num_workers``, or when None the CPUs this process may use less one (the main process), at most
+        ``MAX_AUTO_WORKERS``."""
+        if self.num_workers is not None:
+            return self.num_workers
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(0, min(cpus - 1, MAX_AUTO_WORKERS))
 
 
 # ------------------------------------------------------------------------------------------------ building
@@ -461,9 +511,15 @@ class TrainConfig(Settings):
     callbacks: Any = None  # name -> a Lightning callback (conf/callbacks)
     logger: Any = None  # name -> a Lightning logger (conf/logger)
     paths: Any = None  # where data, caches and outputs go (conf/paths)
+    demo: bool = False  # set by experiment=demo (and demo_scst): a recipe for the built-in shapes only
 
     def check(self) -> None:
         check_range("seed", self.seed, 0, 2**32 - 1, kind=int)
+        if self.demo and self.data.recipe is not None:
+            raise ConfigError(
+                "the demo's recipe (a small model with random weights, SCST after a few epochs) is for the "
+                f"built-in shapes; for this dataset train with {self.data.recipe}"
+            )
 
 
 SCHEMAS: dict[str, type] = {"train": TrainConfig, "model": ModelConfig, "data": DataConfig}  # Hydra's schema/<name>

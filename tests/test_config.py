@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import typing
 from pathlib import Path
@@ -25,7 +26,7 @@ from captioner.config import (
     to_dict,
 )
 from captioner.errors import ConfigError
-from conftest import ROOT
+from conftest import ROOT, compose_plain
 
 CONF = ROOT / "conf"
 GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig}
@@ -79,8 +80,8 @@ def test_every_yaml_key_is_a_schema_field(path: Path) -> None:
         ["experiment=coco_finetune"],
         ["experiment=demo_scst"],
         ["experiment=coco_scst"],
-        ["data=coco"],
-        ["data=flickr8k"],
+        ["experiment=coco_soft", "data=coco"],
+        ["experiment=flickr8k_soft"],
         ["debug=overfit"],
     ],
 )
@@ -94,9 +95,10 @@ def test_every_schema_field_has_a_value_after_composition(overrides: list[str], 
     assert to_dict(settings.model) == plain["model"]
 
 
-def test_the_schema_defaults_are_the_demo_the_yaml_files_do_not_repeat_them(tmp_path: Path) -> None:
+def test_the_schema_defaults_are_the_demo_model_the_yaml_files_do_not_repeat_them(tmp_path: Path) -> None:
     plain = OmegaConf.to_container(compose_cfg([], tmp_path), resolve=True, enum_to_str=True)
-    assert plain["model"] == to_dict(ModelConfig())  # conf/model/soft.yaml sets attention=soft, the default
+    # conf/model/soft.yaml sets attention=soft, the default; conf/experiment/demo.yaml the SCST switch
+    assert plain["model"] == to_dict(ModelConfig(objective="scst"))
     model_yaml = yaml.safe_load((CONF / "model" / "base.yaml").read_text())
     assert set(model_yaml) == {"defaults"}
 
@@ -149,3 +151,84 @@ def test_from_dict_builds_nested_settings_with_enums_and_defaults() -> None:
     assert settings.optimizer.lr == 1.0 and isinstance(settings.optimizer.lr, float)
     assert from_dict(ModelConfig, settings) is settings
     assert to_dict(settings)["attention"] == "hard" and to_dict(settings)["decoder"]["gate"] == "scalar"
+
+
+# ------------------------------------------------------------------ recipes in experiments, hardware in trainers
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+TRAINERS = ["cpu", "gpu", "ddp", "ddp_cpu", "multi_node"]
+# The only keys a trainer config may change: everything else in a composed config is the experiment's.
+HARDWARE_KEYS = {"accelerator", "devices", "strategy", "num_nodes", "precision", "sync_batchnorm"}
+
+
+def _flat(values: dict, prefix: str = "") -> dict[str, typing.Any]:
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_with_every_trainer_which_changes_only_the_hardware(
+    experiment: str, tmp_path: Path
+) -> None:
+    composed = {}
+    for trainer in TRAINERS:
+        plain = compose_plain([f"experiment={experiment}", f"trainer={trainer}"], tmp_path)
+        from_dict(TrainConfig, plain)  # valid settings
+        assert plain["trainer"]["max_epochs"] >= 1 and plain["trainer"]["gradient_clip_val"] == 5.0
+        composed[trainer] = _flat(plain)
+    reference = composed["cpu"]
+    for trainer, flat in composed.items():
+        differing = {key for key in reference.keys() | flat.keys() if reference.get(key) != flat.get(key)}
+        assert {key.removeprefix("trainer.") for key in differing} <= HARDWARE_KEYS, (trainer, differing)
+        assert all(key.startswith("trainer.") for key in differing), (trainer, differing)
+    assert composed["gpu"]["trainer.accelerator"] == "gpu"  # the trainers do differ where they should
+
+
+def test_the_trainer_configs_hold_hardware_keys_only() -> None:
+    common = set(yaml.safe_load((CONF / "trainer" / "default.yaml").read_text()))
+    for trainer in TRAINERS:
+        values = yaml.safe_load((CONF / "trainer" / f"{trainer}.yaml").read_text())
+        assert set(values) - {"defaults"} <= HARDWARE_KEYS, trainer
+    assert not common & {"max_epochs", "gradient_clip_val"}  # recipe keys: the experiments'
+
+
+def test_the_demo_is_the_same_recipe_on_every_trainer(tmp_path: Path) -> None:
+    cpu, gpu = (compose_plain(overrides, tmp_path) for overrides in ([], ["trainer=gpu"]))
+    assert cpu["trainer"]["max_epochs"] == gpu["trainer"]["max_epochs"] == 11
+    assert cpu["model"] == gpu["model"] and cpu["data"] == gpu["data"]
+    assert cpu["model"]["objective"] == "scst" and cpu["model"]["scst"]["after_epochs"] == 5
+
+
+@pytest.mark.parametrize(
+    "data,remedy",
+    [
+        ("coco", "experiment=coco_soft data=coco"),
+        ("coco_karpathy", "experiment=coco_soft"),
+        ("flickr8k", "experiment=flickr8k_soft"),
+        ("flickr30k", "experiment=flickr30k_soft"),
+    ],
+)
+def test_a_bare_real_dataset_stops_naming_the_experiment_for_it(data: str, remedy: str, tmp_path: Path) -> None:
+    plain = compose_plain([f"data={data}"], tmp_path)
+    with pytest.raises(ConfigError) as info:
+        from_dict(TrainConfig, plain)
+    assert str(info.value).endswith(f"for this dataset train with {remedy}") and "\n" not in str(info.value)
+    fitting = compose_plain([*remedy.split(), f"data={data}"], tmp_path)  # the named remedy composes and is valid
+    settings = from_dict(TrainConfig, fitting)
+    assert settings.model.objective == "cross_entropy" and settings.model.encoder.weights is not None
+    assert fitting["trainer"]["accelerator"] == "gpu" and settings.data.image_size == 448
+
+
+def test_only_an_experiment_switches_the_objective(tmp_path: Path) -> None:
+    objectives = {e: compose_plain([f"experiment={e}"], tmp_path)["model"]["objective"] for e in EXPERIMENTS}
+    assert ModelConfig().objective == "cross_entropy"
+    assert {e for e, o in objectives.items() if o == "scst"} == {"demo", "demo_scst", "coco_scst"}
+
+
+def test_the_image_size_of_the_coco_recipes_has_one_owner() -> None:
+    owners = [p for p in CONF.rglob("*.yaml") if re.search(r"^\s*image_size: 448", p.read_text(), re.M)]
+    assert [p.relative_to(CONF).as_posix() for p in owners] == ["experiment/coco_soft.yaml"]

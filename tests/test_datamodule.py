@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,10 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
+from captioner.config import MAX_AUTO_WORKERS, DataConfig
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Box, Record
 from captioner.data.vocab import Vocabulary
-from captioner.errors import DataError
+from captioner.errors import ConfigError, DataError
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.module import CaptionerModule
 
@@ -121,6 +123,26 @@ def test_loaders_hold_each_image_once_with_all_its_captions(source: ListSource) 
         b["captions"].shape[0] == b["images"].shape[0] for b in train
     )
     assert list(per_caption.val_dataloader())[0]["captions"].shape[0] == 2  # validation stays per image
+
+
+def test_pad_to_gives_every_batch_the_same_caption_length(source: ListSource) -> None:
+    datamodule = _datamodule(source, pad_to=10, max_len=8, num_workers=1)  # the partial collate reaches a worker
+    datamodule.setup("fit")
+    widths = {
+        b["captions"].shape[1]
+        for loader in (datamodule.train_dataloader(), datamodule.val_dataloader())
+        for b in loader
+    }
+    assert widths == {10}
+    with pytest.raises(ConfigError, match=r"data.pad_to=9 must be >= 10"):
+        _datamodule(source, pad_to=9, max_len=8)
+
+
+@pytest.mark.parametrize("cpus,workers", [(1, 0), (2, 1), (6, 5), (64, MAX_AUTO_WORKERS)])
+def test_the_number_of_workers_defaults_from_the_cpus_this_process_may_use(monkeypatch, cpus, workers) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert DataConfig().num_workers is None and DataConfig().workers == workers
+    assert DataConfig(num_workers=3).workers == 3
 
 
 def test_moving_a_batch_to_the_device_keeps_the_skipped_images(source: ListSource) -> None:

@@ -23,6 +23,7 @@ from captioner.data.dataset import (
 )
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
+from conftest import features_for, make_decoder, make_loss
 
 SIZE = 8
 COLOURS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255)]
@@ -175,6 +176,46 @@ def test_collate_shapes_and_values(files, vocab):
     assert torch.allclose(batch["images"][1, :, 0, 0], normalised((0, 0, 255)), atol=1e-5)
     assert [s.path for s in batch["skipped"]] == [str(files["missing"]), str(files["folder"])]
     assert all(t.dtype == torch.long for k, t in batch.items() if k not in ("images", "skipped"))
+
+
+def test_collate_pads_to_a_fixed_length_when_asked(files, vocab):
+    dataset = CaptionDataset(make_records(files), vocab, build_transform(SIZE, train=False))
+    items = [dataset[i] for i in (0, 1, 4, 5)]
+    longest, fixed = collate(items), collate(items, pad_to=9)
+    assert fixed["captions"].shape == (5, 9) and fixed["captions"][:, :6].equal(longest["captions"])
+    assert not fixed["captions"][:, 6:].any() and fixed["lengths"].equal(longest["lengths"])
+    with pytest.raises(ValueError, match="a caption of 6 tokens does not fit pad_to=5"):
+        collate(items, pad_to=5)
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_a_padded_training_step_has_the_loss_and_gradients_of_the_unpadded_one(mode):
+    decoder = make_decoder(mode, seed=3).train()  # hard attention samples locations
+    decoder.dropout.p = 0.3  # and dropout draws masks: both repeat for a seed, whatever the padding
+    loss = make_loss(reinforce_weight=0.1, entropy_weight=0.01)
+    items = [
+        {
+            "features": features_for(1, seed=k)[0],
+            "captions": [torch.tensor([1, *range(4, 4 + n), 2])],
+            "image_id": k,
+            "index": k,
+        }
+        for k, n in enumerate((1, 5, 3))
+    ]
+    results = []
+    for batch in (collate(items), collate(items, pad_to=12)):
+        torch.manual_seed(0)
+        decoder.zero_grad()
+        terms = loss(decoder(batch["features"], batch["captions"], batch["image_index"]), batch["captions"])
+        terms["loss"].backward()
+        results.append((terms, {n: p.grad.clone() for n, p in decoder.named_parameters() if p.grad is not None}))
+    (short, short_grads), (padded, padded_grads) = results
+    assert collate(items)["captions"].size(1) == 7  # padded: 12
+    for key in short:
+        torch.testing.assert_close(padded[key], short[key])
+    assert padded_grads.keys() == short_grads.keys() and len(short_grads) > 5
+    for name, grad in short_grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, msg=name)
 
 
 def test_collate_of_only_skipped_items_is_an_empty_batch():

@@ -433,3 +433,120 @@ def test_constrained_beam_search_batched_equals_one_image_at_a_time():
 def test_bad_constraints_raise_config_error(method, option, value):
     with pytest.raises(ConfigError, match=option):
         METHODS[method](make_decoder(), features_for(1), 6, START, END, **{option: value})
+
+
+# ------------------------------------------------------------------------------------------------ static shapes
+class EndsAtItsStep(torch.nn.Module):
+    """A real decoder whose <end> logit is pushed down before, and up from, step 2 + (b mod 5) of image b:
+    the images of a batch finish at different steps. The step counter and the target ride in the state,
+    so beams and samples carry them like h and c."""
+
+    def __init__(self, decoder: ShowAttendTellDecoder) -> None:
+        super().__init__()
+        self.inner, self.attention = decoder, decoder.attention
+
+    def init_state(self, features):
+        targets = 2.0 + torch.arange(features.size(0)) % 5  # (B,)
+        return (*self.inner.init_state(features), torch.stack([torch.zeros_like(targets), targets], dim=1))
+
+    def step(self, tokens, state, features, keys):
+        h, c, clock = state  # clock (..., 2): steps taken, target
+        logits, (h, c), alpha, log_prob, entropy = self.inner.step(tokens, (h, c), features, keys)
+        clock = clock + torch.tensor([1.0, 0.0])
+        push = torch.where(clock[..., 0] > clock[..., 1], 4.0, -4.0)  # (...,)
+        logits = logits + torch.nn.functional.one_hot(torch.tensor(END), logits.size(-1)) * push.unsqueeze(-1)
+        return logits, (h, c, clock), alpha, log_prob, entropy
+
+
+def _run(method: str, decoder, features, static: bool, **options) -> decoding.Generation:
+    if method == "sample":
+        options["generator"] = torch.Generator().manual_seed(3)
+    if method.startswith("beam"):
+        options["beam_size"] = int(method[4:])
+        method = "beam"
+    return METHODS[method](decoder, features, 16, START, END, static_shapes=static, **options)
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam1", "beam3", "beam5"])
+@pytest.mark.parametrize("batch", [1, 6])
+def test_static_shapes_give_the_captions_scores_and_alphas_of_the_early_exit(mode, method, batch):
+    decoder = EndsAtItsStep(make_decoder(mode, seed=4))  # captions of several lengths, all well under 16
+    features = features_for(batch, seed=5)
+    options = dict(length_penalty=0.7) if method.startswith("beam") else {}
+    dynamic = _run(method, decoder, features, False, **options)
+    static = _run(method, decoder, features, True, **options)
+    if batch > 1:
+        assert dynamic.lengths.unique().numel() > 1  # the images finish at different steps
+    assert int(dynamic.lengths.max()) < 12  # so the dynamic loop stopped early
+    assert torch.equal(static.tokens, dynamic.tokens) and torch.equal(static.lengths, dynamic.lengths)
+    assert torch.equal(static.scores, dynamic.scores)
+    assert torch.equal(static.alphas, dynamic.alphas)
+
+
+def test_static_shapes_run_every_step_without_reading_the_device(monkeypatch):
+    decoder = with_end_bias(make_decoder(seed=8), 3.0)  # every caption ends at once
+    steps, reads = [], []
+    decoder.lstm.register_forward_hook(lambda m, args, out: steps.append(1))
+    original = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(1) or original(self))
+    for run in METHODS.values():
+        steps.clear(), reads.clear()
+        run(decoder, features_for(3), 12, START, END, static_shapes=True)
+        assert len(steps) == 12 and reads == [], run.__name__
+        steps.clear()
+        run(decoder, features_for(3), 12, START, END, static_shapes=False)
+        assert len(steps) == decoding.EXIT_CHECK_INTERVAL, run.__name__
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_static_rollout_gives_the_early_exit_samples_padded_to_max_len(mode):
+    decoder = EndsAtItsStep(make_decoder(mode, seed=6).train())  # hard attention samples locations too
+    draws = []
+    for static in (False, True):
+        torch.manual_seed(0)
+        draws.append(
+            decoding.rollout(
+                decoder, features_for(4), 3, 16, START, END, torch.Generator().manual_seed(1), static_shapes=static
+            )
+        )
+    dynamic, static = draws
+    width = dynamic.tokens.size(1)
+    assert width < 16 and static.tokens.shape == (12, 16) and dynamic.lengths.unique().numel() > 1
+    assert torch.equal(static.tokens[:, :width], dynamic.tokens) and not static.tokens[:, width:].any()
+    assert torch.equal(static.lengths, dynamic.lengths)
+    assert torch.equal(static.log_probs[:, :width], dynamic.log_probs) and not static.log_probs[:, width:].any()
+
+
+def test_static_shapes_default_to_cuda_only():
+    assert decoding.ModelConfig().static_shapes is None
+    assert decoding._static(None, torch.zeros(1)) is False
+    assert decoding._static(None, torch.zeros(1, device="meta")) is False
+    assert decoding._static(True, torch.zeros(1)) is True
+
+
+def test_decode_follows_the_settings_and_the_defaults_have_one_owner():
+    import inspect
+
+    from captioner.config import CAPTIONING_METHOD, DecodingConfig, ModelConfig
+    from captioner.data.vocab import Vocabulary
+
+    decoder, features = make_decoder(seed=2), features_for(3)
+    settings = DecodingConfig(method="beam", beam_size=2, max_len=7, length_penalty=0.5)
+    expected = beam_search(decoder, features, 7, START, END, beam_size=2, length_penalty=0.5)
+    assert torch.equal(decoding.decode(decoder, features, settings).tokens, expected.tokens)
+    defaults = DecodingConfig()
+    for function in (greedy, sample, beam_search, decoding.rollout):
+        for name, parameter in inspect.signature(function).parameters.items():
+            if name == "static_shapes":
+                assert parameter.default == ModelConfig.static_shapes
+            elif hasattr(defaults, name):
+                assert parameter.default == getattr(defaults, name), (function.__name__, name)
+            if name in ("start_id", "end_id"):
+                assert parameter.default == getattr(Vocabulary, name)
+    assert DecodingConfig.captioning().method == CAPTIONING_METHOD != defaults.method
+    assert DecodingConfig.captioning(beam_size=5).beam_size == 5
+    with pytest.raises(TypeError, match="unknown decoding option 'beam'; the options are: method, beam_size"):
+        DecodingConfig.captioning(beam=5)
+    with pytest.raises(ConfigError, match="beam_size=0 must be >= 1"):
+        DecodingConfig.captioning(beam_size=0)

@@ -217,7 +217,12 @@ def test_a_malformed_annotation_file_is_one_line_naming_it(
 
 def test_a_missing_dataset_file_stops_train_py_before_any_work(tmp_path: Path) -> None:
     proc = run_train(
-        ["data=flickr30k", f"paths.data_dir={tmp_path / 'data'}", f"hydra.run.dir={tmp_path / 'run'}"],
+        [
+            "experiment=flickr30k_soft",
+            "model.encoder.weights=null",
+            f"paths.data_dir={tmp_path / 'data'}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
         check=False,
         timeout=300,
     )

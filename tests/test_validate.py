@@ -90,12 +90,18 @@ def test_every_config_value_is_checked(override: str, message: str, tmp_path: Pa
     "overrides,message",
     [
         (
-            ["data=coco"],
+            ["experiment=coco_soft", "data=coco", "model.encoder.weights=null"],
             "data.source.splits.train.captions='{data}/coco/annotations/captions_train2014.json': file "
             "not found (see data/README.md",
         ),
-        (["data=flickr8k"], "data.source.split_file='{data}/karpathy/dataset_flickr8k.json': file not found"),
-        (["data=coco_karpathy", "data.source.split_file={tmp}"], "data.source.split_file='{tmp}' is not a file"),
+        (
+            ["experiment=flickr8k_soft", "model.encoder.weights=null"],
+            "data.source.split_file='{data}/karpathy/dataset_flickr8k.json': file not found",
+        ),
+        (
+            ["experiment=coco_soft", "model.encoder.weights=null", "data.source.split_file={tmp}"],
+            "data.source.split_file='{tmp}' is not a file",
+        ),
         (["data.vocab_file={tmp}/vocab.json"], "data.vocab_file='{tmp}/vocab.json': file not found"),
         (["data.source.root={tmp}/file.txt"], "data.source.root='{tmp}/file.txt' is a file, not a folder"),
     ],

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
@@ -92,11 +93,12 @@ class CaptionDataset(Dataset):
         }
 
 
-def collate(items: list[dict | Skipped]) -> dict:
+def collate(items: list[dict | Skipped], pad_to: int | None = None) -> dict:
     """Batch dataset items: images stacked, every caption of every image flattened and padded.
 
     Returns ``images`` (B, 3, H, W) (or ``features`` (B, L, C) for items that carry cached features),
-    ``captions`` (N, T) padded with ``<pad>`` = 0, ``lengths`` (N,) including ``<start>``/``<end>``,
+    ``captions`` (N, T) padded with ``<pad>`` to the longest caption, or to T = ``pad_to`` when given (the
+    same T for every batch: ``DataConfig.pad_to``), ``lengths`` (N,) including ``<start>``/``<end>``,
     ``image_index`` (N,) the image of each caption, ``image_ids`` (B,), ``indices`` (B,) and
     ``skipped`` (the Skipped items, dropped from the batch). B may be 0 when every image was skipped.
     """
@@ -107,9 +109,14 @@ def collate(items: list[dict | Skipped]) -> dict:
     captions = [c for item in kept for c in item["captions"]]
     counts = torch.tensor([len(item["captions"]) for item in kept])
     key = "features" if "features" in kept[0] else "image"
+    padded = pad_sequence(captions, batch_first=True, padding_value=Vocabulary.pad_id)  # (N, longest)
+    if pad_to is not None:
+        if padded.size(1) > pad_to:
+            raise ValueError(f"a caption of {padded.size(1)} tokens does not fit pad_to={pad_to}")
+        padded = F.pad(padded, (0, pad_to - padded.size(1)), value=Vocabulary.pad_id)  # (N, pad_to)
     return {
         "images" if key == "image" else "features": torch.stack([item[key] for item in kept]),
-        "captions": pad_sequence(captions, batch_first=True, padding_value=Vocabulary.pad_id),  # (N, T)
+        "captions": padded,  # (N, T)
         "lengths": torch.tensor([len(c) for c in captions], dtype=torch.long),  # (N,)
         "image_index": torch.repeat_interleave(torch.arange(len(kept)), counts),  # (N,)
         "image_ids": torch.tensor([item["image_id"] for item in kept], dtype=torch.long),  # (B,)

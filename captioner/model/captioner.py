@@ -6,14 +6,15 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from captioner.config import DecodeMethod, NetConfig
-from captioner.errors import check_choice
+from captioner.config import DecodingConfig, ModelConfig, NetConfig
+from captioner.data.vocab import Vocabulary
 from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
-from captioner.model.decoding import Generation, beam_search, greedy, sample
+from captioner.model.decoding import Generation, decode
 from captioner.model.encoder import Encoder
 from captioner.model.self_attention import SelfAttentionStack
 
@@ -100,42 +101,26 @@ class Captioner(nn.Module):
     def generate(
         self,
         images: Tensor,
-        method: str = "beam",
-        beam_size: int = 3,
-        max_len: int = 20,
-        temperature: float = 1.0,
-        length_penalty: float = 0.0,
-        start_id: int = 1,
-        end_id: int = 2,
-        unk_id: int | None = None,
         generator: torch.Generator | None = None,
-        min_len: int = 0,
-        no_repeat_ngram_size: int = 0,
+        start_id: int = Vocabulary.start_id,
+        end_id: int = Vocabulary.end_id,
+        unk_id: int | None = None,
+        static_shapes: bool | None = ModelConfig.static_shapes,
+        **settings: Any,
     ) -> tuple[Generation, Grid]:
         """Caption images (B, 3, H_img, W_img) without gradients; call ``.eval()`` first.
 
-        ``method`` is "greedy", "sample" (``temperature``, ``generator``) or "beam" (``beam_size``,
-        ``length_penalty``). Every method takes ``min_len`` (no <end> before that many words) and
-        ``no_repeat_ngram_size`` (no n-gram of that size twice in a caption); 0 turns either off.
-        ``unk_id`` (the vocabulary's <unk>) is never generated when given. Returns the Generation (tokens,
-        scores, per-word alphas (B, T, L), lengths) and the (H, W) grid that the L attention weights of each
-        word lie on.
+        ``settings`` are ``DecodingConfig`` fields over captioning's defaults (``DecodingConfig.captioning``:
+        beam search): ``method`` "greedy", "sample" (``temperature``, ``generator``) or "beam" (``beam_size``,
+        ``length_penalty``); every method takes ``max_len``, ``min_len`` (no <end> before that many words) and
+        ``no_repeat_ngram_size`` (no n-gram of that size twice in a caption); ConfigError names a bad one.
+        ``static_shapes``: see ``ModelConfig.static_shapes``. ``unk_id`` (the vocabulary's <unk>) is never
+        generated when given. Returns the Generation (tokens, scores, per-word alphas (B, T, L), lengths) and
+        the (H, W) grid that the L attention weights of each word lie on.
         """
         features, grid = self.encode(images)  # (B, L', C')
         return self.generate_from_features(
-            features,
-            grid,
-            method=method,
-            beam_size=beam_size,
-            max_len=max_len,
-            temperature=temperature,
-            length_penalty=length_penalty,
-            start_id=start_id,
-            end_id=end_id,
-            unk_id=unk_id,
-            generator=generator,
-            min_len=min_len,
-            no_repeat_ngram_size=no_repeat_ngram_size,
+            features, grid, generator, start_id, end_id, unk_id, static_shapes, **settings
         )
 
     @torch.no_grad()
@@ -143,35 +128,19 @@ class Captioner(nn.Module):
         self,
         features: Tensor,
         grid: Grid | None = None,
-        method: str = "beam",
-        beam_size: int = 3,
-        max_len: int = 20,
-        temperature: float = 1.0,
-        length_penalty: float = 0.0,
-        start_id: int = 1,
-        end_id: int = 2,
-        unk_id: int | None = None,
         generator: torch.Generator | None = None,
-        min_len: int = 0,
-        no_repeat_ngram_size: int = 0,
+        start_id: int = Vocabulary.start_id,
+        end_id: int = Vocabulary.end_id,
+        unk_id: int | None = None,
+        static_shapes: bool | None = ModelConfig.static_shapes,
+        **settings: Any,
     ) -> tuple[Generation, Grid]:
         """Like ``generate`` from (cached) ``encode`` output (B, L', C') on its grid (default square); the
         grid returned is the attention's."""
-        check_choice("method", method, list(DecodeMethod))
+        decoding = DecodingConfig.captioning(**settings)
         features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         features = self.attend_grid(features, grid)  # (B, L, C)
-        constraints = dict(min_len=min_len, no_repeat_ngram_size=no_repeat_ngram_size, unk_id=unk_id)
-        if method == "greedy":
-            generation = greedy(self.decoder, features, max_len, start_id, end_id, **constraints)
-        elif method == "sample":
-            generation = sample(
-                self.decoder, features, max_len, start_id, end_id, temperature, generator, **constraints
-            )
-        else:
-            generation = beam_search(
-                self.decoder, features, max_len, start_id, end_id, beam_size, length_penalty, **constraints
-            )
-        return generation, grid
+        return decode(self.decoder, features, decoding, generator, start_id, end_id, unk_id, static_shapes), grid
 
 
 def build_captioner(net: NetConfig, vocab_size: int) -> Captioner:

@@ -1,9 +1,14 @@
 """Caption generation from image features: greedy, sampling and beam search, batched over images.
 
 Each function computes the attention keys once per image, then runs at most ``max_len`` steps with
-finished rows masked. Nothing is read back from the device inside the step loop except, every
-``EXIT_CHECK_INTERVAL`` steps, whether every image is done. <pad> and <start> are never generated, nor
-<unk> when its ``unk_id`` is given (the vocabulary's: a caption never says "unknown word").
+finished rows masked (the batch never shrinks). Dynamic shapes (``static_shapes=False``): every
+``EXIT_CHECK_INTERVAL`` steps one host read asks whether every image is done, and the loop stops early.
+Static shapes (``True``): all ``max_len`` steps run and nothing is read back inside the loop, so every
+call has the same shapes and kernels, what a captured CUDA graph needs; the captions, scores and alphas
+are the same either way (the extra steps only add <pad>). ``None`` (``ModelConfig.static_shapes``)
+picks static on CUDA, dynamic elsewhere. <pad> and <start> are never generated, nor <unk> when its
+``unk_id`` is given (the vocabulary's: a caption never says "unknown word"). Defaults are read from their
+owners: ``DecodingConfig`` (the settings) and ``Vocabulary`` (the special-token ids).
 Call them on a decoder in eval mode.
 
 Two constraints apply to every method, on the device: ``min_len`` forbids <end> before that many
@@ -19,10 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from captioner.config import DecodeMethod, DecodingConfig, ModelConfig
+from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError, check_range
 from captioner.model.decoder import ShowAttendTellDecoder
 
-PAD_ID = 0  # Vocabulary.pad_id: fills the tokens after <end>
+PAD_ID = Vocabulary.pad_id  # fills the tokens after <end>
 EXIT_CHECK_INTERVAL = 4  # steps between the host checks for "every image is done"
 
 
@@ -30,7 +37,7 @@ EXIT_CHECK_INTERVAL = 4  # steps between the host checks for "every image is don
 class Generation:
     """Generated captions, T = the longest of them."""
 
-    tokens: Tensor  # (B, T) long: no <start>, <end> where emitted, PAD_ID after it
+    tokens: Tensor  # (B, T) long: no <start>, <end> where emitted, <pad> after it
     scores: Tensor  # (B,) sum of the tokens' log-probabilities (beam: over the length penalty)
     alphas: Tensor  # (B, T, L) attention of each returned token, 0 after the end
     lengths: Tensor  # (B,) long, the <end> token included
@@ -73,12 +80,13 @@ class Constraints:
 def greedy(
     decoder: ShowAttendTellDecoder,
     features: Tensor,
-    max_len: int,
-    start_id: int,
-    end_id: int,
-    min_len: int = 0,
-    no_repeat_ngram_size: int = 0,
+    max_len: int = DecodingConfig.max_len,
+    start_id: int = Vocabulary.start_id,
+    end_id: int = Vocabulary.end_id,
+    min_len: int = DecodingConfig.min_len,
+    no_repeat_ngram_size: int = DecodingConfig.no_repeat_ngram_size,
     unk_id: int | None = None,
+    static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Emit the most likely allowed word at each step for the features (B, L, D)."""
     return _decode(
@@ -89,6 +97,7 @@ def greedy(
         _constraints(end_id, max_len, min_len, no_repeat_ngram_size),
         lambda log_probs: log_probs.argmax(dim=-1),
         unk_id,
+        _static(static_shapes, features),
     )
 
 
@@ -96,14 +105,15 @@ def greedy(
 def sample(
     decoder: ShowAttendTellDecoder,
     features: Tensor,
-    max_len: int,
-    start_id: int,
-    end_id: int,
-    temperature: float = 1.0,
+    max_len: int = DecodingConfig.max_len,
+    start_id: int = Vocabulary.start_id,
+    end_id: int = Vocabulary.end_id,
+    temperature: float = DecodingConfig.temperature,
     generator: torch.Generator | None = None,
-    min_len: int = 0,
-    no_repeat_ngram_size: int = 0,
+    min_len: int = DecodingConfig.min_len,
+    no_repeat_ngram_size: int = DecodingConfig.no_repeat_ngram_size,
     unk_id: int | None = None,
+    static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Sample each word from softmax(logits / temperature) over the allowed words; scores use the
     untempered log-probs."""
@@ -115,7 +125,7 @@ def sample(
         probs = (log_probs / temperature).softmax(dim=-1)  # (B, V)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
 
-    return _decode(decoder, features, max_len, start_id, constraints, choose, unk_id)
+    return _decode(decoder, features, max_len, start_id, constraints, choose, unk_id, _static(static_shapes, features))
 
 
 def _constraints(end_id: int, max_len: int, min_len: int, no_repeat_ngram_size: int) -> Constraints:
@@ -126,6 +136,11 @@ def _constraints(end_id: int, max_len: int, min_len: int, no_repeat_ngram_size: 
     return Constraints(end_id, min_len, no_repeat_ngram_size)
 
 
+def _static(static_shapes: bool | None, features: Tensor) -> bool:
+    """Whether to run every step (static shapes): as asked, or when None on CUDA only."""
+    return features.is_cuda if static_shapes is None else bool(static_shapes)
+
+
 def _decode(
     decoder: ShowAttendTellDecoder,
     features: Tensor,
@@ -134,6 +149,7 @@ def _decode(
     constraints: Constraints,
     choose: Callable[[Tensor], Tensor],
     unk_id: int | None,
+    static: bool,
 ) -> Generation:
     """One caption per image, ``choose`` picking each next token (B,) from the allowed log-probs (B, V)."""
     end_id = constraints.end_id
@@ -157,7 +173,7 @@ def _decode(
         words.append(tokens)
         alphas.append(alpha.masked_fill(finished.unsqueeze(1), 0.0))
         finished = finished | (tokens == end_id)
-        if (t + 1) % EXIT_CHECK_INTERVAL == 0 and finished.all():
+        if not static and (t + 1) % EXIT_CHECK_INTERVAL == 0 and finished.all():
             break
     return _trimmed(Generation(torch.stack(words, 1), scores, torch.stack(alphas, 1), lengths))
 
@@ -166,14 +182,15 @@ def _decode(
 def beam_search(
     decoder: ShowAttendTellDecoder,
     features: Tensor,
-    max_len: int,
-    start_id: int,
-    end_id: int,
-    beam_size: int = 3,
-    length_penalty: float = 0.0,
-    min_len: int = 0,
-    no_repeat_ngram_size: int = 0,
+    max_len: int = DecodingConfig.max_len,
+    start_id: int = Vocabulary.start_id,
+    end_id: int = Vocabulary.end_id,
+    beam_size: int = DecodingConfig.beam_size,
+    length_penalty: float = DecodingConfig.length_penalty,
+    min_len: int = DecodingConfig.min_len,
+    no_repeat_ngram_size: int = DecodingConfig.no_repeat_ngram_size,
     unk_id: int | None = None,
+    static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Beam search over B images x K beams at once, returning the best caption of each image.
 
@@ -190,6 +207,7 @@ def beam_search(
     check_range("beam_size", beam_size, 1, kind=int)
     check_range("length_penalty", length_penalty, 0.0)
     constraints = _constraints(end_id, max_len, min_len, no_repeat_ngram_size)
+    static = _static(static_shapes, features)
     batch, beams, device = features.size(0), beam_size, features.device
     keys = decoder.attention.keys(features)  # (B, L, A), once per image
     state = tuple(s.unsqueeze(1).expand(-1, beams, -1) for s in decoder.init_state(features))  # (B, K, H)
@@ -225,7 +243,7 @@ def beam_search(
         parents.append(parent)
         alphas.append(alpha)
         done = best >= scores.max(dim=1).values / _penalty(max_len, length_penalty)
-        if (t + 1) % EXIT_CHECK_INTERVAL == 0 and done.all():
+        if not static and (t + 1) % EXIT_CHECK_INTERVAL == 0 and done.all():
             break
     steps = len(words)
     live, live_row = (scores / _penalty(steps, length_penalty)).max(dim=1)  # (B,)
@@ -297,7 +315,7 @@ class Rollout:
     N = B images x k samples; the samples of image b are rows b*k .. b*k + k - 1.
     """
 
-    tokens: Tensor  # (N, T) long: no <start>, <end> where emitted, PAD_ID after it
+    tokens: Tensor  # (N, T) long: no <start>, <end> where emitted, <pad> after it
     lengths: Tensor  # (N,) long, the <end> token included
     log_probs: Tensor  # (N, T) log p(w_t) (+ log alpha_t(s_t) for hard attention), 0 after the end
 
@@ -306,11 +324,12 @@ def rollout(
     decoder: ShowAttendTellDecoder,
     features: Tensor,
     samples: int,
-    max_len: int,
-    start_id: int,
-    end_id: int,
+    max_len: int = DecodingConfig.max_len,
+    start_id: int = Vocabulary.start_id,
+    end_id: int = Vocabulary.end_id,
     generator: torch.Generator | None = None,
     unk_id: int | None = None,
+    static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Rollout:
     """Sample ``samples`` captions for each image of ``features`` (B, L, D) from the decoder's policy.
 
@@ -319,10 +338,11 @@ def rollout(
     <start> (and <unk> when ``unk_id`` is given); the log-probability of each drawn word stays in the graph.
     In training mode hard attention draws a location s_t ~ alpha_t at every step as well (Xu et al. section
     4.1): its log-probability is added to the word's, so the gradient of a reward covers both choices
-    (REINFORCE on the joint action).
+    (REINFORCE on the joint action). With static shapes T is always ``max_len`` (<pad> and 0 after the end).
     """
     check_range("samples", samples, 1, kind=int)
     check_range("max_len", max_len, 1, kind=int)
+    static = _static(static_shapes, features)
     rows, device = features.size(0) * samples, features.device
     keys = decoder.attention.keys(features).repeat_interleave(samples, dim=0)  # (N, L, A)
     state = tuple(s.repeat_interleave(samples, dim=0) for s in decoder.init_state(features))  # (N, H) x 2
@@ -343,6 +363,35 @@ def rollout(
         log_probs.append(chosen.masked_fill(finished, 0.0))
         lengths += ~finished
         finished = finished | (tokens == end_id)
-        if (t + 1) % EXIT_CHECK_INTERVAL == 0 and finished.all():
+        if not static and (t + 1) % EXIT_CHECK_INTERVAL == 0 and finished.all():
             break
     return Rollout(torch.stack(words, dim=1), lengths, torch.stack(log_probs, dim=1))
+
+
+def decode(
+    decoder: ShowAttendTellDecoder,
+    features: Tensor,
+    settings: DecodingConfig,
+    generator: torch.Generator | None = None,
+    start_id: int = Vocabulary.start_id,
+    end_id: int = Vocabulary.end_id,
+    unk_id: int | None = None,
+    static_shapes: bool | None = ModelConfig.static_shapes,
+) -> Generation:
+    """Caption the features (B, L, D) as ``settings`` says (its method and that method's options)."""
+    common = dict(
+        max_len=settings.max_len,
+        start_id=start_id,
+        end_id=end_id,
+        min_len=settings.min_len,
+        no_repeat_ngram_size=settings.no_repeat_ngram_size,
+        unk_id=unk_id,
+        static_shapes=static_shapes,
+    )
+    if settings.method == DecodeMethod.greedy:
+        return greedy(decoder, features, **common)
+    if settings.method == DecodeMethod.sample:
+        return sample(decoder, features, temperature=settings.temperature, generator=generator, **common)
+    return beam_search(
+        decoder, features, beam_size=settings.beam_size, length_penalty=settings.length_penalty, **common
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -127,9 +128,9 @@ class CaptionDataModule(L.LightningDataModule):
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
-            collate_fn=collate,
-            num_workers=self.settings.num_workers,
-            persistent_workers=self.settings.num_workers > 0,
+            collate_fn=functools.partial(collate, pad_to=self.settings.pad_to),
+            num_workers=self.settings.workers,
+            persistent_workers=self.settings.workers > 0,
             pin_memory=torch.cuda.is_available(),
             generator=generator,
         )
