@@ -9,8 +9,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from captioner.bundle import net_from_bundle
 from captioner.data.vocab import Vocabulary
-from captioner.model.bundle import net_from_bundle
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import SelfAttentionStack
 from captioner.training.module import CaptionerModule

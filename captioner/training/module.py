@@ -17,6 +17,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from captioner.bundle import CHECKPOINT_KEY, bundle_layout, bundle_metadata, save_bundle
 from captioner.config import (
     ModelConfig,
     NonFinite,
@@ -32,7 +33,6 @@ from captioner.errors import CaptionerError
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.cider import CiderD, corpus_cider_d
 from captioner.evaluation.correctness import AttentionCorrectness
-from captioner.model.bundle import CHECKPOINT_KEY, bundle_layout, bundle_metadata, save_bundle
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoding import Generation, greedy, rollout
 from captioner.model.losses import CaptionLoss, SelfCriticalLoss
@@ -380,7 +380,7 @@ class CaptionerModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Checkpoints carry the bundle metadata as plain data (model config, vocabulary, image size), so
-        ``captioner.model.bundle.load_model`` reads them with ``weights_only=True``. The losses since
+        ``captioner.inference.load_model`` reads them with ``weights_only=True``. The losses since
         the last check are checked first: with model.nonfinite=stop a non-finite one stops before the write."""
         self._check_losses()
         checkpoint[CHECKPOINT_KEY] = bundle_metadata(
