@@ -77,6 +77,16 @@ ABSENT_KEY_VALUES: Mapping[str, Any] = MappingProxyType(
 )
 
 
+def is_bundle(raw: object) -> bool:
+    """Whether ``raw`` (a loaded torch file) is an inference bundle."""
+    return isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT
+
+
+def is_lightning_checkpoint(raw: object) -> bool:
+    """Whether ``raw`` (a loaded torch file) is a Lightning checkpoint."""
+    return isinstance(raw, dict) and "pytorch-lightning_version" in raw and "state_dict" in raw
+
+
 def bundle_layout(net: NetConfig) -> dict[str, Any]:
     """The network as a bundle stores it: every key, the attention mode and the scorer inside the decoder's
     section, as ``mode`` and ``attention``. ``net_from_bundle`` reads it back."""
@@ -209,7 +219,7 @@ def _state_dict_problem(model: nn.Module, state_dict: Mapping) -> str | None:
 
 def _bundle_parts(raw: object, where: str) -> tuple[dict, object]:
     """Check a loaded bundle's format, version and keys; return its metadata and state dict."""
-    if not isinstance(raw, dict) or raw.get("format") != BUNDLE_FORMAT:
+    if not is_bundle(raw):
         raise BundleError(f'{where}: not a captioner bundle (expected "format": "{BUNDLE_FORMAT}")')
     version = raw.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -318,10 +328,10 @@ def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cp
                 f"give a run folder that finished, or one of its {CHECKPOINT_DIR}/*.ckpt files"
             )
     raw = load_torch(path, what="model file", map_location=map_location)
-    if isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT:
+    if is_bundle(raw):
         where = f"bundle {path}"
         metadata, state_dict = _bundle_parts(raw, where)
-    elif isinstance(raw, dict) and "pytorch-lightning_version" in raw and "state_dict" in raw:
+    elif is_lightning_checkpoint(raw):
         where = f"checkpoint {path}"
         metadata, state_dict = _checkpoint_parts(raw, where)
     else:

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from captioner.bundle import BUNDLE_FORMAT, TrainedModel, load_trained, net_from_bundle
-from captioner.config import to_dict
+from captioner.bundle import TrainedModel, is_bundle, is_lightning_checkpoint, load_trained, net_from_bundle
+from captioner.config import Objective, to_dict
 from captioner.errors import ConfigError
 from captioner.fileio import load_torch
 from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, LAST_CHECKPOINT, VOCAB_FILE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OBJECTIVE = "cross_entropy"  # what checkpoints written before model.objective existed trained
+DEFAULT_OBJECTIVE = Objective.cross_entropy  # what checkpoints written before model.objective existed trained
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,10 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
     if ckpt_path is not None:
         ckpt = _checkpoint_file(ckpt_path)
         raw = load_torch(ckpt, "checkpoint")
-        bundle = isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT
-        if not bundle and (
-            not isinstance(raw, dict) or "state_dict" not in raw or "pytorch-lightning_version" not in raw
-        ):
+        bundle = is_bundle(raw)
+        if not bundle and not is_lightning_checkpoint(raw):
             raise ConfigError(f"ckpt_path={ckpt_path!r}: {ckpt} is not a Lightning checkpoint of this project")
-        if bundle and (objective != "scst" or scst_after_epochs > 0):  # a run that starts with cross-entropy
+        if bundle and (objective != Objective.scst or scst_after_epochs > 0):  # a run that starts with cross-entropy
             raise ConfigError(
                 f"ckpt_path={ckpt_path!r} is an inference bundle (weights for captioning, no "
                 "optimiser or training state); to resume a run give its folder or its "
@@ -96,7 +94,7 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
                 objective,
             )
     source = init or resume
-    if source is None and objective == "scst" and scst_after_epochs == 0:
+    if source is None and objective == Objective.scst and scst_after_epochs == 0:
         raise ConfigError(
             "model.objective=scst fine-tunes a trained captioner: give ckpt_path=<a cross-entropy "
             f"run folder, its checkpoint or {BUNDLE_NAME}>, or train with cross-entropy first in the same "
