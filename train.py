@@ -86,7 +86,7 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
 
     from captioner.evaluation.results import write_metrics, write_results
-    from captioner.model.bundle import BUNDLE_NAME
+    from captioner.run_files import BUNDLE_NAME
     from captioner.training.run_folder import print_config_tree
     from captioner.training.start import model_settings, resolve_start
     from captioner.training.validate import check_environment, validate_config

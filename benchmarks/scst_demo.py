@@ -21,8 +21,7 @@ from captioner.data.shapes import shapes_records
 from captioner.data.vocab import tokenize
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.cider import corpus_cider_d
-from captioner.inference import caption_files
-from captioner.model.bundle import load_model
+from captioner.inference import caption_files, load_model
 
 
 def repeats_a_bigram(words: list[str]) -> bool:

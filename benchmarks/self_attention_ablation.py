@@ -34,7 +34,8 @@ import common
 from captioner.config import ModelConfig, NetConfig, SelfAttentionConfig, from_dict
 from captioner.data.shapes import shapes_records
 from captioner.evaluation.report import evaluate_split
-from captioner.model.bundle import load_model, net_from_bundle
+from captioner.bundle import net_from_bundle
+from captioner.inference import load_model
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import GridSelfAttention
 

@@ -20,8 +20,8 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_model": "captioner.model.bundle",
-    "LoadedModel": "captioner.model.bundle",
+    "load_model": "captioner.inference",
+    "LoadedModel": "captioner.inference",
     "Captioned": "captioner.inference",
     "show_attention": "captioner.viz.notebook",
 }

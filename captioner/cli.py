@@ -32,8 +32,7 @@ from captioner.data.dataset import Skipped
 from captioner.data.images import load_rgb
 from captioner.data.readers import Record
 from captioner.errors import CaptionerError, ConfigError, check_range
-from captioner.inference import Captioned, caption_files
-from captioner.model.bundle import LoadedModel, load_model
+from captioner.inference import Captioned, LoadedModel, caption_files, load_model
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 PROGRESS_MIN_IMAGES = 64

@@ -92,10 +92,33 @@ def save_torch(obj: Any, path: str | os.PathLike) -> None:
         torch.save(obj, handle)
 
 
+def _missing_device(map_location: Any) -> str | None:
+    """Why this machine cannot hold tensors on the device ``map_location`` names; None when it can (or when
+    ``map_location`` is a mapping or a function, which torch applies itself)."""
+    if not isinstance(map_location, (str, torch.device)):
+        return None
+    try:
+        device = torch.device(map_location)
+    except RuntimeError as exc:
+        return f"map_location={str(map_location)!r} is not a torch device ({first_line(exc, first_sentence=True)})"
+    if device.type in ("cpu", "meta"):
+        return None
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps, ...
+    count = backend.device_count() if hasattr(backend, "device_count") else 0
+    if count > (device.index or 0):
+        return None
+    return (
+        f"this machine has only {count} {device.type} device(s)"
+        if count
+        else f"this machine has no {device.type} device"
+    )
+
+
 def load_torch(path: str | os.PathLike, what: str = "file", map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)`` with one clear BundleError for every way it can fail.
 
-    A file that carries pickled code (classes, functions) is refused, never executed.
+    A file that carries pickled code (classes, functions) is refused, never executed. A ``map_location``
+    naming a device this machine lacks is reported as such (torch's own error would read as a broken file).
     """
     path = Path(path)
     if not path.exists():
@@ -104,6 +127,12 @@ def load_torch(path: str | os.PathLike, what: str = "file", map_location: Any = 
         raise BundleError(f"{what} {path} is not a file")
     if path.stat().st_size == 0:
         raise BundleError(f"{what} {path} is empty")
+    missing = _missing_device(map_location)
+    if missing:
+        raise BundleError(
+            f"cannot load {what} {path} onto {str(map_location)!r}: {missing}; "
+            'load it with map_location="cpu" (and move the model to a device this machine has)'
+        )
     try:
         with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then refuses
             warnings.simplefilter("ignore", UserWarning)

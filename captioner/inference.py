@@ -1,5 +1,6 @@
-"""Batched captioning: of image files (decoded in worker processes), and of images given in memory
-(the Python API's ``model.caption``); the encoder and the decoder run once per batch."""
+"""Captioning with a trained model: ``load_model`` gives the Python API's ``LoadedModel``; batched captioning
+of image files (decoded in worker processes) and of images given in memory (``LoadedModel.caption``), the
+encoder and the decoder run once per batch. The files are read by ``captioner.bundle``."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from captioner.bundle import TrainedModel, load_trained
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.errors import check_range
-from captioner.model.bundle import LoadedModel
 
 ImageLike = str | os.PathLike | Image.Image | torch.Tensor  # a file, a PIL image or a tensor (3, H, W)
 Images = ImageLike | Sequence[ImageLike] | torch.Tensor  # one image, a list, or a batch tensor (B, 3, H, W)
@@ -63,6 +64,26 @@ class Captioned:
     def caption(self) -> str:
         """The caption as one string."""
         return " ".join(self.words)
+
+
+class LoadedModel(TrainedModel):
+    """A trained captioner ready for inference (``model`` in eval mode, ``vocab``, ``config``, ``image_size``)."""
+
+    def caption(self, images: Images, batch_size: int = 32, **decode: object) -> Captioned | list[Captioned]:
+        """Caption image files, PIL images or image tensors; see :func:`caption_images`.
+
+        One image gives one :class:`Captioned` (``.caption``, ``.score``, ``.alphas`` (T, H*W) on ``.grid``),
+        a list or a batch tensor (B, 3, H, W) a list of them. ``decode`` holds ``Captioner.generate``
+        options (method, beam_size, max_len, ...).
+        """
+        return caption_images(self, images, batch_size, **decode)
+
+
+def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedModel:
+    """Load a model to caption with: an inference bundle, a Lightning checkpoint written by training, or a
+    training run's folder (its bundle); ``captioner.bundle.load_trained`` says what is read and refused."""
+    trained = load_trained(path, map_location)
+    return LoadedModel(trained.model, trained.vocab, trained.config, trained.image_size)
 
 
 def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, **decode) -> list[Captioned]:

@@ -21,11 +21,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, net_from_bundle, save_bundle
 from captioner.config import EncoderConfig, LossConfig, NetConfig, from_dict
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary
 from captioner.fileio import save_torch
-from captioner.model.bundle import CHECKPOINT_KEY, bundle_metadata, net_from_bundle, save_bundle
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.encoder import Encoder

@@ -57,7 +57,7 @@ def test_import_captioner_is_cheap_and_names_its_api():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.stdout.strip() == "[]", proc.stderr
     assert {"load_model", "show_attention", "Captioned", "LoadedModel", "__version__"} <= set(dir(captioner))
-    assert captioner.load_model is captioner.model.bundle.load_model
+    assert captioner.load_model is captioner.inference.load_model
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         captioner.nothing  # noqa: B018
 

@@ -222,8 +222,8 @@ def test_scst_step_times_the_reward_inside_the_step(run_tiny: Callable[..., str]
 def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(
     tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from captioner.bundle import net_from_bundle, save_bundle
     from captioner.data.vocab import Vocabulary
-    from captioner.model.bundle import net_from_bundle, save_bundle
     from captioner.model.captioner import build_captioner
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))

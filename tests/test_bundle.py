@@ -10,18 +10,19 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from captioner.config import NetConfig, from_dict
-from captioner.data.vocab import Vocabulary
-from captioner.errors import BundleError, ConfigError
-from captioner.model.bundle import (
+from captioner.bundle import (
     ABSENT_KEY_VALUES,
     CHECKPOINT_KEY,
     bundle_layout,
     load_bundle,
-    load_model,
+    load_trained,
     net_from_bundle,
     save_bundle,
 )
+from captioner.config import NetConfig, from_dict
+from captioner.data.vocab import Vocabulary
+from captioner.errors import BundleError, ConfigError
+from captioner.inference import load_model
 from captioner.model.captioner import Captioner
 from conftest import CAPTIONER_NET, RUN_NET, random_images, tampered, write_run
 
@@ -147,8 +148,8 @@ def test_save_bundle_checks_what_it_writes(small_model, small_vocab, tmp_path):
 
 def test_load_model_reads_a_training_checkpoint_like_its_bundle(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", objective=None)
-    from_checkpoint = load_model(run / "checkpoints" / "last.ckpt")
-    from_bundle, from_folder = load_model(run / "bundle.pt"), load_model(run)  # a run folder means its bundle.pt
+    from_checkpoint = load_trained(run / "checkpoints" / "last.ckpt")
+    from_bundle, from_folder = load_trained(run / "bundle.pt"), load_trained(run)  # a run folder means its bundle.pt
     for loaded in (from_checkpoint, from_bundle, from_folder):
         assert loaded.image_size == 64 and loaded.vocab.itos[4:] == ["a", "red", "circle"]
         assert loaded.config == RUN_NET and not loaded.model.training
@@ -201,14 +202,35 @@ def test_load_model_refuses_a_file_it_cannot_caption_with(
     run = write_run(tmp_path / "run", objective=None)
     path = tampered(run / file, tmp_path / Path(file).name, change)
     with pytest.raises(BundleError, match=message) as info:
-        load_model(path)
+        load_trained(path)
     assert str(path) in str(info.value)
 
 
 def test_load_model_of_a_run_folder_without_a_bundle_names_what_to_give(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", objective=None, bundle=False)  # a run that has not finished
     with pytest.raises(BundleError, match=f"^{run} is a folder without bundle.pt .*one of its checkpoints/\\*.ckpt"):
-        load_model(run)
+        load_trained(run)
+
+
+@pytest.mark.parametrize(
+    ("location", "cause"),
+    [
+        ("cuda", "this machine has no cuda device"),
+        (torch.device("cuda", 1), "this machine has no cuda device"),
+        ("gpu", "map_location='gpu' is not a torch device"),
+    ],
+)
+def test_loading_onto_a_device_the_machine_lacks_says_so_not_that_the_file_is_broken(
+    location: str | torch.device, cause: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = write_run(tmp_path / "run", objective=None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same answer on a machine with a GPU
+    with pytest.raises(BundleError) as info:
+        load_model(run, map_location=location)
+    message = str(info.value)
+    assert message.startswith(f"cannot load model file {run / 'bundle.pt'} onto '{location}': {cause}")
+    assert 'map_location="cpu"' in message and "corrupt" not in message and "\n" not in message
+    assert load_model(run, map_location="cpu").model.training is False  # the file itself is fine
 
 
 def test_a_bundle_layout_round_trips_every_setting() -> None:

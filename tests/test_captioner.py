@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from captioner.bundle import load_bundle, net_from_bundle, save_bundle
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
-from captioner.model.bundle import load_bundle, net_from_bundle, save_bundle
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import SelfAttentionStack
 from conftest import CAPTIONER_NET, SMALL_IMAGE_SIZE, random_images

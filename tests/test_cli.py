@@ -30,7 +30,7 @@ from captioner import cli
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.evaluation.cococaption import java_available
-from captioner.model.bundle import load_model
+from captioner.inference import load_model
 from captioner.viz import overlay
 from conftest import ROOT, Links, run_train, tampered, write_bundle
 

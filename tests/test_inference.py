@@ -7,8 +7,7 @@ import torch
 from PIL import Image
 
 from captioner.data.dataset import Skipped
-from captioner.inference import Captioned, ImageFiles, caption_files
-from captioner.model.bundle import LoadedModel
+from captioner.inference import Captioned, ImageFiles, LoadedModel, caption_files
 from conftest import never_ending_captioner
 
 IMAGE_SIZE = 64  # resnet18: a 2x2 grid

@@ -9,10 +9,12 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from captioner.bundle import net_from_bundle
+from captioner.config import NonFinite
 from captioner.data.vocab import Vocabulary
-from captioner.model.bundle import net_from_bundle
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import SelfAttentionStack
+from captioner.training.callbacks import NonFiniteLossError, NonFiniteLossGuard, skip_flagged_step
 from captioner.training.module import CaptionerModule
 from captioner.training.validate import validate_config
 from conftest import compose_cfg
@@ -45,7 +47,6 @@ def test_unk_is_excluded_from_the_loss(vocab):
 def test_a_flagged_optimiser_step_changes_nothing(fused: bool) -> None:
     """The step of a non-finite loss leaves the parameters, Adam's moments and its step count as they were:
     fused Adam skips it on the device; an unfused one (loaded from an older checkpoint) gets no gradients."""
-    module = CaptionerModule(Vocabulary(["a"]), encoder={"name": "resnet18", "weights": None})
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4)) for _ in range(2)]
     optimizer = torch.optim.Adam(params, lr=0.1, fused=fused)
@@ -53,10 +54,9 @@ def test_a_flagged_optimiser_step_changes_nothing(fused: bool) -> None:
         optimizer.zero_grad()
         loss = sum((p**2).sum() for p in params) * scale
         loss.backward()
-        module._step_nonfinite = ~torch.isfinite(loss)  # what training_step records for the step
         before = [p.detach().clone() for p in params]
         moments = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
-        module.on_before_optimizer_step(optimizer)
+        skip_flagged_step(optimizer, ~torch.isfinite(loss))  # what the guard does with the step's flag
         optimizer.step()
         changed = [not torch.equal(b, p) for b, p in zip(before, params)]
         if scale == scale:
@@ -66,6 +66,21 @@ def test_a_flagged_optimiser_step_changes_nothing(fused: bool) -> None:
             for p, saved in zip(params, moments):
                 assert all(torch.equal(value, optimizer.state[p][key]) for key, value in saved.items())
     assert [float(optimizer.state[p]["step"]) for p in params] == [2.0, 2.0]
+
+
+def test_every_run_gets_the_guard_with_the_models_settings(vocab) -> None:
+    module = CaptionerModule(vocab, encoder=SMALL, nonfinite="skip", nonfinite_check_interval=7)
+    (guard,) = module.configure_callbacks()
+    assert isinstance(guard, NonFiniteLossGuard) and guard.action == NonFinite.skip and guard.check_interval == 7
+
+
+def test_the_stop_error_names_the_step_and_the_last_checkpoint() -> None:
+    error = NonFiniteLossError(float("inf"), "epoch 2, step 40", "runs/x/checkpoints/last.ckpt")
+    assert str(error) == (
+        "non-finite loss (inf) at epoch 2, step 40; training stopped, the last good checkpoint is "
+        "runs/x/checkpoints/last.ckpt (model.nonfinite=skip skips such batches instead)"
+    )
+    assert "no checkpoint had been saved yet" in str(NonFiniteLossError(float("nan"), "epoch 0, step 1", None))
 
 
 def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> None:

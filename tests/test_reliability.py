@@ -308,6 +308,7 @@ def test_the_loss_is_read_back_every_n_steps_not_every_step(
     tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import train
+    from captioner.training.callbacks import NonFiniteLossGuard
     from captioner.training.module import CaptionerModule
 
     in_step, host_reads, checked = [False], [], []
@@ -320,7 +321,7 @@ def test_the_loss_is_read_back_every_n_steps_not_every_step(
             return original(self, *args)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    training_step, check = CaptionerModule.training_step, CaptionerModule._check_losses
+    training_step, check = CaptionerModule.training_step, NonFiniteLossGuard.check
 
     def watched_step(self, *args):
         in_step[0] = True
@@ -329,13 +330,13 @@ def test_the_loss_is_read_back_every_n_steps_not_every_step(
         finally:
             in_step[0] = False
 
-    def counted_check(self):
-        if self._unchecked:
-            checked.append(len(self._unchecked))
-        check(self)
+    def counted_check(self, trainer):
+        if self.unchecked:
+            checked.append(len(self.unchecked))
+        check(self, trainer)
 
     monkeypatch.setattr(CaptionerModule, "training_step", watched_step)
-    monkeypatch.setattr(CaptionerModule, "_check_losses", counted_check)
+    monkeypatch.setattr(NonFiniteLossGuard, "check", counted_check)
     monkeypatch.setattr(CaptionLoss, "forward", nan_loss_at(1))
     cfg = compose_cfg(
         [

@@ -12,7 +12,7 @@ from PIL import Image
 from captioner.data.readers import Box, Record
 from captioner.errors import DataError
 from captioner.evaluation.report import evaluate_split
-from captioner.model.bundle import LoadedModel
+from captioner.inference import LoadedModel
 from conftest import never_ending_captioner
 
 GREEDY = {"method": "greedy", "max_len": 3}

@@ -69,3 +69,20 @@ def test_only_the_process_that_started_the_run_is_the_first(variable: str, monke
     assert first_process()
     monkeypatch.setenv(variable, "1")
     assert not first_process()
+
+
+@pytest.mark.parametrize("experiment", ["demo", "demo_scst"])
+def test_the_callbacks_config_names_the_run_files_and_metrics_their_owners_write(
+    experiment: str, tmp_path: Path
+) -> None:
+    """conf/callbacks (YAML, which cannot import) agrees with captioner.run_files and training.metrics."""
+    from captioner.run_files import CHECKPOINT_DIR, LAST_CHECKPOINT
+    from captioner.training.metrics import MONITORS
+
+    callbacks = compose_plain([f"experiment={experiment}"], tmp_path)["callbacks"]
+    output_dir = tmp_path / "out"
+    for name in ("model_checkpoint", "last_checkpoint"):
+        assert Path(callbacks[name]["dirpath"]) == output_dir / CHECKPOINT_DIR
+    assert callbacks["last_checkpoint"]["filename"] + ".ckpt" == LAST_CHECKPOINT
+    monitored = [node["monitor"] for node in callbacks.values() if node and node.get("monitor")]
+    assert monitored and set(monitored) <= set(MONITORS)

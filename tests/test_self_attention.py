@@ -9,7 +9,7 @@ import torch
 
 from captioner.config import NetConfig, SelfAttentionConfig, from_dict
 from captioner.errors import ConfigError
-from captioner.model.bundle import net_from_bundle
+from captioner.bundle import net_from_bundle
 from captioner.model.self_attention import (
     GridSelfAttention,
     SelfAttentionStack,

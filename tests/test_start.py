@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from captioner.bundle import net_from_bundle
 from captioner.config import to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
 from captioner.fileio import save_torch
-from captioner.model.bundle import net_from_bundle
 from captioner.training.start import model_settings, resolve_start
 from conftest import RUN_NET, write_run
 

@@ -62,8 +62,8 @@ def test_a_user_error_is_one_line_on_stderr_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
+    from captioner.bundle import net_from_bundle, save_bundle
     from captioner.data.vocab import Vocabulary
-    from captioner.model.bundle import net_from_bundle, save_bundle
     from captioner.model.captioner import build_captioner
 
     vocab = Vocabulary(["a", "circle"])

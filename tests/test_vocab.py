@@ -8,7 +8,7 @@ import nltk
 import pytest
 import torch
 
-from captioner.data.vocab import Vocabulary, tokenize
+from captioner.data.vocab import END, END_ID, PAD_ID, SPECIALS, START_ID, UNK_ID, Vocabulary, tokenize
 from captioner.errors import ConfigError, DataError
 
 CAPTIONS = ["A dog runs.", "a dog sits", "The DOG, a cat!", "a cat sleeps", "a bird"]
@@ -27,6 +27,9 @@ def test_specials_have_fixed_ids():
     assert (vocab.pad_id, vocab.start_id, vocab.end_id, vocab.unk_id) == (0, 1, 2, 3)
     assert vocab.stoi["dog"] == 4 and vocab.stoi["cat"] == 5 and len(vocab) == 6
     assert Vocabulary(vocab.itos).itos == vocab.itos  # a full id list (specials first) is accepted too
+    # the module's public names are the owner every other module imports
+    assert [vocab.stoi[token] for token in SPECIALS] == [PAD_ID, START_ID, END_ID, UNK_ID] == [0, 1, 2, 3]
+    assert (Vocabulary.pad_id, Vocabulary.end_id, Vocabulary.END) == (PAD_ID, END_ID, END)
 
 
 def test_repeated_or_special_words_are_refused():

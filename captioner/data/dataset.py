@@ -21,9 +21,7 @@ from captioner.data.images import ImageError, load_rgb
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
 from captioner.errors import check_range
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from captioner.model.encoder import IMAGENET_MEAN, IMAGENET_STD
 
 
 def build_transform(image_size: int, train: bool, augment: bool = False) -> v2.Compose:

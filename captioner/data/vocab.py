@@ -16,6 +16,11 @@ from captioner.fileio import read_json, write_json
 _TOKENIZER = RegexpTokenizer(r"[^\W_]+")  # runs of letters/digits; needs no downloaded nltk data
 _FORMAT, _VERSION = "captioner-vocab", 1
 
+# The special tokens, first in every vocabulary in this order: ids 0..3. The one place they are written.
+PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
+SPECIALS = (PAD, START, END, UNK)
+PAD_ID, START_ID, END_ID, UNK_ID = range(len(SPECIALS))
+
 
 def tokenize(text: str) -> list[str]:
     """Lower-case ``text`` and split it into words and numbers (punctuation dropped)."""
@@ -25,9 +30,8 @@ def tokenize(text: str) -> list[str]:
 class Vocabulary:
     """Word <-> id mapping; ids 0..3 are ``<pad>``, ``<start>``, ``<end>``, ``<unk>``."""
 
-    PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
-    SPECIALS = (PAD, START, END, UNK)
-    pad_id, start_id, end_id, unk_id = 0, 1, 2, 3
+    PAD, START, END, UNK, SPECIALS = PAD, START, END, UNK, SPECIALS
+    pad_id, start_id, end_id, unk_id = PAD_ID, START_ID, END_ID, UNK_ID
 
     def __init__(self, words: Sequence[str]) -> None:
         """``words`` in id order; the four specials are put first unless ``words`` starts with them."""

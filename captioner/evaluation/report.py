@@ -15,8 +15,7 @@ from captioner.evaluation.cococaption import SPICE_NOTE, coco_caption_scores, ja
 from captioner.evaluation.correctness import AttentionCorrectness
 from captioner.evaluation.results import SCALE, write_metrics, write_results
 from captioner.fileio import write_json
-from captioner.inference import caption_files
-from captioner.model.bundle import LoadedModel
+from captioner.inference import LoadedModel, caption_files
 
 RESULTS_FILE = "results.json"
 METRICS_FILE = "metrics.json"

@@ -1,6 +1,6 @@
 """The whole captioner: encoder, optional self-attention over its grid, Show, Attend and Tell decoder.
 
-``build_captioner`` builds one from a ``NetConfig``; ``captioner.model.bundle`` saves and loads it.
+``build_captioner`` builds one from a ``NetConfig``; ``captioner.bundle`` saves and loads it.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class Captioner(nn.Module):
 
 
 def build_captioner(net: NetConfig, vocab_size: int) -> Captioner:
-    """Build the Captioner of ``net`` for ``vocab_size`` words (``captioner.model.bundle.net_from_bundle``
+    """Build the Captioner of ``net`` for ``vocab_size`` words (``captioner.bundle.net_from_bundle``
     reads the ``NetConfig`` of a bundle's config)."""
     encoder = Encoder(net.encoder)
     self_attention = None

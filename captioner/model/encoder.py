@@ -25,6 +25,10 @@ from captioner.config import EncoderConfig
 from captioner.errors import ConfigError, first_line
 
 # Top-level children at which the trunk ends: global pooling, flattening, or the classifier head.
+# The input normalisation the torchvision ImageNet weights expect (per RGB channel, on [0, 1] pixels): every
+# image the encoder sees is normalised with it (``captioner.data.dataset.build_transform``).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 _HEAD_TYPES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear)
 _HEAD_NAMES = ("avgpool", "flatten", "fc", "classifier", "head", "heads")
 # Torchvision's canonical input size: every classification model accepts it.
@@ -107,8 +111,8 @@ def _cut(stages: list[tuple[str, nn.Module]], name: str, stage: str | None) -> l
 class Encoder(nn.Module):
     """A torchvision CNN cut before its global pooling; returns the grid of annotation vectors.
 
-    Inputs are float images (B, 3, H, W) normalised with the ImageNet statistics
-    (mean 0.485, 0.456, 0.406; std 0.229, 0.224, 0.225), as the torchvision weights expect.
+    Inputs are float images (B, 3, H, W) normalised with the ImageNet statistics (``IMAGENET_MEAN``,
+    ``IMAGENET_STD``), as the torchvision weights expect.
 
     ``config`` holds the settings (their defaults and ranges are ``EncoderConfig``'s):
         name: a torchvision classification model (``torchvision.models.list_models``).
@@ -135,8 +139,8 @@ class Encoder(nn.Module):
         if hasattr(model, "transform_input"):
             # Inception/GoogLeNet ports re-normalise ImageNet inputs to (x - 0.5) / 0.5 when transform_input
             # is set (pretrained weights). Kept as buffers so a bundle loaded without weights behaves the same.
-            mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
-            std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+            mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+            std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
             on = bool(model.transform_input)
             self.register_buffer("input_scale", std / 0.5 if on else torch.ones(1, 3, 1, 1))
             self.register_buffer("input_shift", (mean - 0.5) / 0.5 if on else torch.zeros(1, 3, 1, 1))

@@ -28,10 +28,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from captioner.fileio import atomic_write, new_folder
+from captioner.run_files import CONFIG_FILE, FAILED_FILE
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
-CONFIG_FILE = "config.yaml"  # the composed config, resolved
-FAILED_FILE = "FAILED"  # written by a run that failed: its one-line error
 TREE_ORDER = ("data", "model", "trainer", "callbacks", "logger", "paths")  # printed first, in this order
 
 log = logging.getLogger("train")

@@ -22,14 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from captioner.config import to_dict
+from captioner.bundle import TrainedModel, is_bundle, is_lightning_checkpoint, load_trained, net_from_bundle
+from captioner.config import Objective, to_dict
 from captioner.errors import ConfigError
 from captioner.fileio import load_torch
-from captioner.model.bundle import BUNDLE_FORMAT, LoadedModel, load_model, net_from_bundle
+from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, LAST_CHECKPOINT, VOCAB_FILE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OBJECTIVE = "cross_entropy"  # what checkpoints written before model.objective existed trained
+DEFAULT_OBJECTIVE = Objective.cross_entropy  # what checkpoints written before model.objective existed trained
 
 
 @dataclass(frozen=True)
@@ -38,20 +39,20 @@ class Start:
 
     resume: str | None = None  # the Lightning checkpoint that training resumes
     init: str | None = None  # the checkpoint or bundle whose weights a new run starts from
-    model: LoadedModel | None = None  # the model of ``init`` or ``resume``
+    model: TrainedModel | None = None  # the model of ``init`` or ``resume``
 
 
 def _checkpoint_file(path: str) -> Path:
     """``path``, or the ``checkpoints/last.ckpt`` of a run folder."""
     folder = Path(path)
-    return folder / "checkpoints" / "last.ckpt" if folder.is_dir() else folder
+    return folder / CHECKPOINT_DIR / LAST_CHECKPOINT if folder.is_dir() else folder
 
 
 def _weights_file(path: str) -> str:
     """The file a new run takes its model from: a run folder's ``bundle.pt`` (else its ``last.ckpt``)."""
     folder = Path(path)
-    if folder.is_dir() and (folder / "bundle.pt").is_file():
-        return str(folder / "bundle.pt")
+    if folder.is_dir() and (folder / BUNDLE_NAME).is_file():
+        return str(folder / BUNDLE_NAME)
     return str(_checkpoint_file(path))
 
 
@@ -68,16 +69,14 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
     if ckpt_path is not None:
         ckpt = _checkpoint_file(ckpt_path)
         raw = load_torch(ckpt, "checkpoint")
-        bundle = isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT
-        if not bundle and (
-            not isinstance(raw, dict) or "state_dict" not in raw or "pytorch-lightning_version" not in raw
-        ):
+        bundle = is_bundle(raw)
+        if not bundle and not is_lightning_checkpoint(raw):
             raise ConfigError(f"ckpt_path={ckpt_path!r}: {ckpt} is not a Lightning checkpoint of this project")
-        if bundle and (objective != "scst" or scst_after_epochs > 0):  # a run that starts with cross-entropy
+        if bundle and (objective != Objective.scst or scst_after_epochs > 0):  # a run that starts with cross-entropy
             raise ConfigError(
                 f"ckpt_path={ckpt_path!r} is an inference bundle (weights for captioning, no "
                 "optimiser or training state); to resume a run give its folder or its "
-                "checkpoints/last.ckpt, to start a new run from its weights give init_from"
+                f"{CHECKPOINT_DIR}/{LAST_CHECKPOINT}, to start a new run from its weights give init_from"
             )
         if not bundle and (raw.get("hyper_parameters") or {}).get("objective", DEFAULT_OBJECTIVE) == objective:
             resume = str(ckpt)
@@ -95,10 +94,10 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
                 objective,
             )
     source = init or resume
-    if source is None and objective == "scst" and scst_after_epochs == 0:
+    if source is None and objective == Objective.scst and scst_after_epochs == 0:
         raise ConfigError(
             "model.objective=scst fine-tunes a trained captioner: give ckpt_path=<a cross-entropy "
-            "run folder, its checkpoint or bundle.pt>, or train with cross-entropy first in the same "
+            f"run folder, its checkpoint or {BUNDLE_NAME}>, or train with cross-entropy first in the same "
             "run (model.scst.after_epochs=N)"
         )
     if source is None:
@@ -108,17 +107,17 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
         "starting from the weights of" if init else "resuming",
         source,
     )
-    return Start(resume=resume, init=init, model=load_model(source))
+    return Start(resume=resume, init=init, model=load_trained(source))
 
 
-def model_settings(model: LoadedModel, config: dict[str, Any], output_dir: Path) -> dict[str, Any]:
+def model_settings(model: TrainedModel, config: dict[str, Any], output_dir: Path) -> dict[str, Any]:
     """The config values (``"section.key"`` -> value) that make the checkpoint's ``model`` the run's.
 
     Its architecture and image size, and its vocabulary, written to ``<output_dir>/vocab.json`` for
     ``data.vocab_file``. The values that differ from ``config`` (the composed config, plain) are logged.
     """
     net = to_dict(net_from_bundle(model.config))
-    vocab_file = Path(output_dir) / "vocab.json"
+    vocab_file = Path(output_dir) / VOCAB_FILE
     model.vocab.save(vocab_file)
     settings = {f"model.{key}": value for key, value in net.items()}
     settings.update(

@@ -17,18 +17,8 @@ from typing import Any
 from captioner.config import TrainConfig, from_dict
 from captioner.data.sources import Source
 from captioner.errors import ConfigError, check_choice, check_range
+from captioner.training.metrics import MONITORS  # what CaptionerModule logs, so what a callback can monitor
 
-# What CaptionerModule logs, so what a checkpoint or early-stopping callback can monitor.
-MONITORS = (
-    "val/bleu1",
-    "val/bleu2",
-    "val/bleu3",
-    "val/bleu4",
-    "val/cider",
-    "val/loss",
-    "val/attention_correctness",
-    "train/loss",
-)
 # The optional package each logger needs, and the extra of pyproject.toml that installs it.
 LOGGER_PACKAGES: dict[str, str] = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
 

@@ -1,11 +1,12 @@
-"""The inference bundle, and the reading of the training checkpoints that carry the same metadata.
+"""The inference bundle's file format, and the reading of the training checkpoints that carry the same metadata.
 
 A bundle is one torch file holding plain data and tensors only: the model config, the vocabulary,
 the preprocessing settings (the image size the model was trained with) and the state dict. It needs
 neither the training code nor the encoder's pretrained weight file to load, and it is read with
 ``weights_only=True``, so it never runs pickled code. Training checkpoints carry the same metadata
-under ``checkpoint["captioner"]``, so ``load_model`` reads either kind of file. Plain torch: neither
-Lightning nor Hydra is needed to load a model.
+under ``checkpoint["captioner"]``, so ``load_trained`` reads either kind of file. Plain torch: neither
+Lightning nor Hydra is needed to load a model. This module only reads and writes files: captioning with
+what it loads is ``captioner.inference``'s (``load_model``), which builds on this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,13 +25,10 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
 from captioner.model.captioner import Captioner, build_captioner
-
-if TYPE_CHECKING:
-    from captioner.inference import Captioned, Images
+from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR
 
 BUNDLE_FORMAT = "captioner-bundle"
 BUNDLE_VERSION = 1
-BUNDLE_NAME = "bundle.pt"  # the bundle's file name in a training run's folder
 _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
 _BUNDLE_KEYS = ("format", "version", *_METADATA_KEYS, "state_dict")
 PREPROCESS_KEYS = ("image_size",)
@@ -77,6 +75,16 @@ ABSENT_KEY_VALUES: Mapping[str, Any] = MappingProxyType(
         ),
     }
 )
+
+
+def is_bundle(raw: object) -> bool:
+    """Whether ``raw`` (a loaded torch file) is an inference bundle."""
+    return isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT
+
+
+def is_lightning_checkpoint(raw: object) -> bool:
+    """Whether ``raw`` (a loaded torch file) is a Lightning checkpoint."""
+    return isinstance(raw, dict) and "pytorch-lightning_version" in raw and "state_dict" in raw
 
 
 def bundle_layout(net: NetConfig) -> dict[str, Any]:
@@ -179,7 +187,7 @@ def save_bundle(
 ) -> None:
     """Write an inference bundle (config, vocabulary, preprocessing, weights) atomically; plain data only.
 
-    ``preprocess`` is ``{"image_size": N}``; ``load_model`` (the ``captioner`` command) needs it,
+    ``preprocess`` is ``{"image_size": N}``; ``load_trained`` (the ``captioner`` command) needs it,
     ``load_bundle`` does not.
     """
     metadata = bundle_metadata(config, vocab, preprocess)
@@ -214,7 +222,7 @@ def _state_dict_problem(model: nn.Module, state_dict: Mapping) -> str | None:
 
 def _bundle_parts(raw: object, where: str) -> tuple[dict, object]:
     """Check a loaded bundle's format, version and keys; return its metadata and state dict."""
-    if not isinstance(raw, dict) or raw.get("format") != BUNDLE_FORMAT:
+    if not is_bundle(raw):
         raise BundleError(f'{where}: not a captioner bundle (expected "format": "{BUNDLE_FORMAT}")')
     version = raw.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -235,7 +243,7 @@ def _checkpoint_parts(raw: dict, where: str) -> tuple[dict, dict]:
     if not isinstance(metadata, dict):
         raise BundleError(
             f'{where}: has no "{CHECKPOINT_KEY}" entry (model config, vocabulary, image size); '
-            "only checkpoints written by this version of train.py can be loaded, or use its bundle.pt"
+            f"only checkpoints written by this version of train.py can be loaded, or use its {BUNDLE_NAME}"
         )
     missing = [key for key in _METADATA_KEYS if key not in metadata]
     if missing:
@@ -287,7 +295,7 @@ def load_bundle(
 
     Raises BundleError naming the file when it is not a bundle, is from a newer version, or its
     vocabulary, config or weights do not fit together. The encoder is built without pretrained
-    weights (the bundle carries them), so no weight file is needed. ``load_model`` also reads
+    weights (the bundle carries them), so no weight file is needed. ``load_trained`` also reads
     training checkpoints and returns the image size.
     """
     raw = load_torch(path, what="bundle", map_location=map_location)
@@ -297,29 +305,18 @@ def load_bundle(
 
 
 @dataclass(frozen=True)
-class LoadedModel:
-    """A captioner ready for inference, with what is needed to feed it and read its output."""
+class TrainedModel:
+    """A trained captioner as a bundle or a training checkpoint holds it, with what is needed to feed it."""
 
     model: Captioner  # in eval mode
     vocab: Vocabulary
     config: dict  # the model config, in ``bundle_layout`` (``net_from_bundle`` reads it)
     image_size: int  # images are resized to image_size x image_size, as in training
 
-    def caption(self, images: Images, batch_size: int = 32, **decode: object) -> Captioned | list[Captioned]:
-        """Caption image files, PIL images or image tensors; see :func:`captioner.inference.caption_images`.
 
-        One image gives one :class:`~captioner.inference.Captioned` (``.caption``, ``.score``, ``.alphas``
-        (T, H*W) on ``.grid``), a list or a batch tensor (B, 3, H, W) a list of them. ``decode`` holds
-        ``Captioner.generate`` options (method, beam_size, max_len, ...).
-        """
-        from captioner.inference import caption_images  # inference builds on this module
-
-        return caption_images(self, images, batch_size, **decode)
-
-
-def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedModel:
+def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> TrainedModel:
     """Load an inference bundle (``save_bundle``), a Lightning checkpoint written by training, or the
-    bundle of a training run's folder (``<run>/bundle.pt``).
+    bundle of a training run's folder (``<run>/bundle.pt``); ``captioner.inference.load_model`` captions with it.
 
     Both are read with ``weights_only=True``. Raises BundleError (one line naming the file) for a
     missing, truncated or foreign file, one carrying pickled code, a vocabulary, config or weights
@@ -331,19 +328,19 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
         if not os.path.isfile(path):
             raise BundleError(
                 f"{folder} is a folder without {BUNDLE_NAME} (a run writes it when training ends); "
-                "give a run folder that finished, or one of its checkpoints/*.ckpt files"
+                f"give a run folder that finished, or one of its {CHECKPOINT_DIR}/*.ckpt files"
             )
     raw = load_torch(path, what="model file", map_location=map_location)
-    if isinstance(raw, dict) and raw.get("format") == BUNDLE_FORMAT:
+    if is_bundle(raw):
         where = f"bundle {path}"
         metadata, state_dict = _bundle_parts(raw, where)
-    elif isinstance(raw, dict) and "pytorch-lightning_version" in raw and "state_dict" in raw:
+    elif is_lightning_checkpoint(raw):
         where = f"checkpoint {path}"
         metadata, state_dict = _checkpoint_parts(raw, where)
     else:
         raise BundleError(
             f"{path}: neither a captioner bundle nor a training checkpoint "
-            "(give the bundle.pt or a .ckpt file that train.py wrote)"
+            f"(give the {BUNDLE_NAME} or a .ckpt file that train.py wrote)"
         )
     if "preprocess" not in metadata:
         raise BundleError(
@@ -356,4 +353,4 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     except ConfigError as exc:
         raise BundleError(f"{where}: malformed preprocessing settings ({exc})") from None
     model, vocab, config = _assemble(metadata, state_dict, where, map_location)
-    return LoadedModel(model, vocab, config, image_size)
+    return TrainedModel(model, vocab, config, image_size)

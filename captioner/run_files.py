@@ -1,0 +1,15 @@
+"""The names of the files a training run keeps in its folder: written here once, imported everywhere else.
+
+``train.py`` and ``captioner.training`` write them; ``captioner.bundle.load_trained`` (a run folder means its
+bundle) and ``captioner.training.start`` (a run folder means its last checkpoint) find them by these names.
+``conf/callbacks/default.yaml`` names the checkpoint folder and file for Lightning; a test holds it to these.
+"""
+
+from __future__ import annotations
+
+BUNDLE_NAME = "bundle.pt"  # the inference bundle exported when training ends
+CHECKPOINT_DIR = "checkpoints"  # the Lightning checkpoints (callbacks.model_checkpoint.dirpath)
+LAST_CHECKPOINT = "last.ckpt"  # in CHECKPOINT_DIR: what ckpt_path=<run folder> resumes
+VOCAB_FILE = "vocab.json"  # the vocabulary of the checkpoint a run starts from (data.vocab_file)
+CONFIG_FILE = "config.yaml"  # the composed config, resolved
+FAILED_FILE = "FAILED"  # written by a run that failed: its one-line error

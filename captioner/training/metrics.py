@@ -1,0 +1,24 @@
+"""The names of the metrics training logs: ``<split>/<name>``, written here once.
+
+``CaptionerModule`` logs them, the checkpoint and early-stopping callbacks monitor them
+(``conf/callbacks``), ``training.validate`` accepts a ``monitor`` only from ``MONITORS`` and ``train.py``
+reports them.
+"""
+
+from __future__ import annotations
+
+TRAIN, VAL, TEST = "train", "val", "test"
+LOSS = "loss"  # the training objective's loss; on val and test the teacher-forced cross-entropy
+BLEU = ("bleu1", "bleu2", "bleu3", "bleu4")  # captioner.evaluation.bleu.corpus_bleu_scores's keys
+CIDER = "cider"  # CIDEr-D of the decoded captions
+CORRECTNESS = "attention_correctness"  # mean attention mass inside the named object's box
+PROGRESS = "bleu4"  # the evaluation metric shown in the progress bar
+EVALUATION = (*BLEU, CIDER, LOSS, CORRECTNESS)  # what a validation or test epoch logs (when it can)
+
+
+def metric(split: str, name: str) -> str:
+    """The logged name of metric ``name`` on ``split`` (``"val/bleu4"``)."""
+    return f"{split}/{name}"
+
+
+MONITORS = (*(metric(VAL, name) for name in EVALUATION), metric(TRAIN, LOSS))  # what a callback can monitor

@@ -1,0 +1,78 @@
+"""The training objectives: teacher-forced cross-entropy, and self-critical sequence training (SCST).
+
+Cross-entropy is the paper's masked word loss with the doubly stochastic attention term (and REINFORCE
+for hard attention): ``captioner.model.losses.CaptionLoss``. SCST samples ``scst.samples`` captions per
+image, rewards each with CIDEr-D against the image's references and subtracts a baseline (the samples'
+mean or the greedy caption's reward): ``captioner.model.losses.SelfCriticalLoss``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from captioner.config import ScstBaseline, ScstConfig
+from captioner.data.vocab import Vocabulary
+from captioner.evaluation.cider import CiderD
+from captioner.model.captioner import Captioner
+from captioner.model.decoding import greedy, rollout
+from captioner.model.losses import CaptionLoss, SelfCriticalLoss
+
+
+def cached_features(batch: dict, dtype: torch.dtype) -> torch.Tensor:
+    """Cached features (B, L, C), stored in fp16, cast on the device to the model's ``dtype``."""
+    return batch["features"].to(dtype)
+
+
+def teacher_forced(model: Captioner, batch: dict, dtype: torch.dtype) -> Any:
+    """The model's teacher-forced output on a batch of images or of cached features, with all their captions."""
+    captions, index = batch["captions"], batch["image_index"]
+    if "features" in batch:
+        return model.forward_features(cached_features(batch, dtype), captions, index)
+    return model(batch["images"], captions, index)
+
+
+def cross_entropy_terms(
+    model: Captioner, criterion: CaptionLoss, batch: dict, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The cross-entropy loss terms of a batch (``"loss"`` and its parts)."""
+    return criterion(teacher_forced(model, batch, dtype), batch["captions"])
+
+
+def self_critical_terms(
+    model: Captioner,
+    criterion: SelfCriticalLoss,
+    cider: CiderD,
+    batch: dict,
+    dtype: torch.dtype,
+    scst: ScstConfig,
+    max_len: int,
+    vocab: Vocabulary,
+) -> dict[str, torch.Tensor]:
+    """SCST loss terms of a batch: ``scst.samples`` captions of at most ``max_len`` words sampled per image,
+    scored by CIDEr-D against its references (``cider``'s rows ``batch["indices"]``)."""
+    encoded = (cached_features(batch, dtype),) if "features" in batch else model.encode(batch["images"])
+    features = model.attend_grid(*model.finish_encoding(*encoded))  # (B, L, C)
+    samples, images = scst.samples, batch["indices"]  # images: rows of the reward's corpus
+    ids = dict(max_len=max_len, start_id=vocab.start_id, end_id=vocab.end_id, unk_id=vocab.unk_id)
+    drawn = rollout(model.decoder, features, samples, **ids)
+    rewards = caption_rewards(cider, drawn.tokens, drawn.lengths, images.repeat_interleave(samples), vocab.end_id)
+    greedy_rewards = None
+    if scst.baseline == ScstBaseline.greedy:
+        model.decoder.eval()  # no dropout; hard attention takes the most likely location
+        try:
+            best = greedy(model.decoder, features.detach(), **ids)
+        finally:
+            model.decoder.train()
+        greedy_rewards = caption_rewards(cider, best.tokens, best.lengths, images, vocab.end_id)
+    return criterion(drawn.log_probs, drawn.lengths, rewards.view(-1, samples), greedy_rewards)
+
+
+def caption_rewards(
+    cider: CiderD, tokens: torch.Tensor, lengths: torch.Tensor, images: torch.Tensor, end_id: int
+) -> torch.Tensor:
+    """CIDEr-D (N,) of captions (N, T) with ``lengths`` counting a final <end>, against corpus ``images``."""
+    last = tokens.gather(1, (lengths - 1).clamp_min(0).unsqueeze(1)).squeeze(1)  # (N,)
+    words = lengths - ((last == end_id) & (lengths > 0)).long()  # (N,) without <end>
+    return cider.score_ids(tokens, words, images).float()
