@@ -31,10 +31,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import common
+from captioner.bundle import net_from_bundle
 from captioner.config import ModelConfig, NetConfig, SelfAttentionConfig, from_dict
 from captioner.data.shapes import shapes_records
 from captioner.evaluation.report import evaluate_split
-from captioner.bundle import net_from_bundle
 from captioner.inference import load_model
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import GridSelfAttention

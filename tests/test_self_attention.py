@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from captioner.bundle import net_from_bundle
 from captioner.config import NetConfig, SelfAttentionConfig, from_dict
 from captioner.errors import ConfigError
-from captioner.bundle import net_from_bundle
 from captioner.model.self_attention import (
     GridSelfAttention,
     SelfAttentionStack,
