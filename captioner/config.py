@@ -454,4 +454,5 @@ class TrainConfig(Settings):
         check_range("seed", self.seed, 0, 2**32 - 1, kind=int)
 
 
-SCHEMAS: dict[str, type] = {"train": TrainConfig, "model": ModelConfig, "data": DataConfig}  # Hydra's schema/<name>
+# The schemas of the configs: train.py stores each as <name>_schema.
+SCHEMAS: dict[str, type] = {"train": TrainConfig, "model": ModelConfig, "data": DataConfig}

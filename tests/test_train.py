@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -14,8 +15,10 @@ import yaml
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from captioner.errors import stop_reason
+from captioner.training.logs import finish_wandb
 from captioner.training.validate import validate_config
-from conftest import CONF, compose_cfg, compose_plain, error_line, run_train, tiny_overrides
+from conftest import CONF, compose_cfg, compose_plain, error_line, run_train, subprocess_env, tiny_overrides
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -50,15 +53,40 @@ def test_every_group_option_composes_and_validates(group: str, options: list[str
         validate_config(compose_plain([f"{group}={option}"], tmp_path))
 
 
-def test_a_user_error_is_one_line_on_stderr_and_exit_2(tmp_path: Path) -> None:
-    proc = run_train(["model.decoding.beam_size=0", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    assert error_line(proc) == "error: model.decoding.beam_size=0 must be >= 1"
+# ``python -c SCRIPT OUT ARGS...``: train.py with ARGS; at exit, whether torch was imported is written to OUT.
+TORCH_IMPORTED = f"""import atexit, runpy, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(str("torch" in sys.modules)))
+sys.argv[0] = {str(CONF.parent / "train.py")!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_wrong_value_stops_before_the_run_folder_the_config_tree_and_torch(sweep: bool, tmp_path: Path) -> None:
+    flag = tmp_path / "torch_imported"
+    logs = tmp_path / "logs"
+    args = ["-m"] * sweep + ["model.decoder.dropout=2", f"paths.log_dir={logs}"]
+    command = [sys.executable, "-c", TORCH_IMPORTED, str(flag), *args]
+    proc = subprocess.run(command, cwd=CONF.parent, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert error_line(proc) == "error: model.decoder.dropout=2.0 must be in [0.0, 0.99]"
+    assert flag.read_text() == "False"
+    assert "config (saved as" not in proc.stdout  # no config tree
+    if not sweep:
+        assert not logs.exists()  # no run folder, no FAILED litter
+    proc = run_train(["data.batch_size=${missing}", f"paths.log_dir={logs}"], check=False, timeout=120)
+    assert error_line(proc) == "error: data.batch_size: Interpolation key 'missing' not found"
+    assert not logs.exists() or sweep
+
+
+def test_a_missing_file_is_one_line_and_marks_the_run_folder_failed(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.ckpt"
+    proc = run_train([f"ckpt_path={missing}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
+    assert error_line(proc) == f"error: ckpt_path='{missing}' does not exist"
     (run,) = (tmp_path / "train" / "runs").iterdir()  # the failed run's folder says why it failed
-    assert (run / "FAILED").read_text() == "model.decoding.beam_size=0 must be >= 1\n"
-    assert "[ERROR] - run failed: model.decoding.beam_size=0 must be >= 1" in (run / "train.log").read_text()
-    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["decoding"]["beam_size"] == 0
-    proc = run_train([f"ckpt_path={tmp_path / 'missing.ckpt'}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    assert "does not exist" in error_line(proc)
+    assert (run / "FAILED").read_text() == f"ckpt_path='{missing}' does not exist\n"
+    assert f"[ERROR] - run failed: ckpt_path='{missing}' does not exist" in (run / "train.log").read_text()
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == str(missing)
 
 
 def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
@@ -79,26 +107,22 @@ def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_crash_or_interrupt_is_one_line_stop_reason() -> None:
-    import train
-
     assert (
-        train.stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore"))
+        stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore"))
         == "RuntimeError: CUDA out of memory. Tried to allocate"
     )
-    assert train.stop_reason(KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
-    assert train.stop_reason(SystemExit(1)) == "stopped with exit status 1"
-    assert train.stop_reason(SystemExit(0)) is None
+    assert stop_reason(KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
+    assert stop_reason(SystemExit(1)) == "stopped with exit status 1"
+    assert stop_reason(SystemExit(0)) is None
 
 
 def test_finish_wandb_closes_an_open_run_only(monkeypatch) -> None:
-    import train
-
     finished = []
     fake = types.SimpleNamespace(run=None, finish=lambda exit_code: finished.append(exit_code))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    train.finish_wandb(failed=False)
+    finish_wandb(failed=False)
     fake.run = object()
-    train.finish_wandb(failed=True)
+    finish_wandb(failed=True)
     assert finished == [1]
 
 
@@ -126,7 +150,7 @@ def test_wandb_logger_offline(tiny_shapes: Path, tmp_path: Path, monkeypatch) ->
     try:
         train.train(cfg)
     finally:
-        train.finish_wandb(failed=False)
+        finish_wandb(failed=False)
     (run,) = (Path(cfg.paths.output_dir) / "wandb").glob("offline-run-*")
     (log_file,) = run.glob("run-*.wandb")
     history = log_file.read_bytes()
