@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from omegaconf import OmegaConf
 from captioner.errors import stop_reason
 from captioner.training.logs import finish_wandb
 from captioner.training.validate import validate_config
-from conftest import CONF, compose_cfg, compose_plain, error_line, run_train, subprocess_env, tiny_overrides
+from conftest import CONF, TINY, compose_cfg, compose_plain, error_line, run_train, subprocess_env, tiny_overrides
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -60,6 +63,8 @@ atexit.register(lambda: open(out, "w").write(str("torch" in sys.modules)))
 sys.argv[0] = {str(CONF.parent / "train.py")!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+TINY_STEPS = TINY.n_train // 16  # training steps of one epoch with tiny_overrides (data.batch_size=16)
 
 
 @pytest.mark.parametrize("sweep", [False, True])
@@ -284,3 +289,45 @@ def test_ddp_with_two_cpu_processes_gives_the_single_process_bleu(tiny_shapes: P
     single_caps = json.loads((tmp_path / "single" / "val_captions.json").read_text())
     ddp_caps = json.loads((tmp_path / "ddp" / "val_captions.json").read_text())
     assert len(ddp_caps) == 24 and ddp_caps == single_caps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_run_stopped_by_a_signal_exits_non_zero_and_says_how_to_resume(
+    signum: signal.Signals, tiny_shapes: Path, tmp_path: Path
+) -> None:
+    common = [
+        *tiny_overrides(tiny_shapes, tmp_path),
+        "trainer.max_epochs=1",
+        "test=false",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+    ]
+    first, second = tmp_path / "first", tmp_path / "second"
+    last = first / "checkpoints" / "last.ckpt"
+    command = [sys.executable, str(CONF.parent / "train.py"), *common, f"hydra.run.dir={first}"]
+    proc = subprocess.Popen(
+        command, cwd=CONF.parent, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 300
+    while not last.exists():  # decoding images (no feature cache) keeps each step well over 20 ms
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    stderr = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 128 + signum  # a scheduler tells it from a finished run (0) and a user error (2)
+    (line,) = stderr.splitlines()
+    match = re.fullmatch(
+        rf"error: training stopped by {signum.name} at epoch 0, step (\d+); its last checkpoint is "
+        rf"{re.escape(str(first))}/checkpoints/last\.ckpt: resume it with (python train\.py .*)",
+        line,
+    )
+    assert match and 0 < int(match[1]) < TINY_STEPS, line
+    assert (first / "FAILED").read_text() == line.removeprefix("error: ") + "\n"
+    assert not (first / "bundle.pt").exists()
+    resume = shlex.split(match[2])[2:]  # the run's own overrides (Hydra's own left out) and ckpt_path=<its folder>
+    assert resume == [*(o for o in common if not o.startswith("hydra.")), f"ckpt_path={first}"]
+    if signum == signal.SIGINT:
+        return  # resuming is the same for both signals
+    resumed = run_train([*resume, f"hydra.run.dir={second}"])
+    assert f"Restored all states from the checkpoint at {last}" in resumed.stdout
+    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == TINY_STEPS

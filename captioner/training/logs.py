@@ -14,8 +14,9 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-# Overrides that a resumed run must not repeat: it names its own checkpoint, and gets a new folder.
-_NOT_REPEATED = ("ckpt_path=", "init_from=", "hydra.run.dir=")
+# Overrides that a resumed run must not repeat: it starts from the stopped run's checkpoint. (Hydra's own
+# overrides, such as hydra.run.dir, are not among the job's: the resumed run gets a new folder.)
+_NOT_REPEATED = ("ckpt_path=", "init_from=")
 
 
 class _NoTips(logging.Filter):
