@@ -27,6 +27,7 @@ from nltk.translate.bleu_score import sentence_bleu
 from PIL import Image
 
 from captioner import cli
+from captioner.cli.inputs import expand_inputs
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.evaluation.cococaption import java_available
@@ -141,6 +142,15 @@ def inputs(tmp_path_factory) -> tuple[Path, list[str], dict[str, str]]:
     return folder, [str(folder / name) for name in sorted(GOOD)], {str(folder / n): r for n, (_, r) in BAD.items()}
 
 
+def _before_summary(err: str, captioned: int, failed: int, skipped: int = 0) -> list[str]:
+    """The lines of ``err`` before its closing summary line, which must give these counts."""
+    *lines, last = err.splitlines()
+    assert re.fullmatch(
+        rf"summary: {captioned} captioned, {failed} failed, {skipped} skipped( \(.*\))?, \d+\.\d images/s", last
+    ), last
+    return lines
+
+
 def _one_error_line(err: str, path: object, reason: str) -> None:
     lines = err.splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -160,10 +170,15 @@ def test_caption_a_folder_of_every_kind_of_file(bundles, inputs, tmp_path, capsy
     assert [row[0] for row in rows] == good  # every good file once, in order; the text file is not an image name
     assert all(len(row[1].split()) == 3 and set(row[1].split()) <= set(SHAPE_WORDS) for row in rows)
     lines = err.splitlines()
-    assert "Traceback" not in err and len(lines) == len(bad) + 1
+    assert "Traceback" not in err and len(lines) == len(bad) + 2
     for path, reason in {**bad, missing: "file not found"}.items():
         named = [line for line in lines if line.startswith(f"error: {path}: ")]
         assert len(named) == 1 and reason in named[0], (path, lines)
+    assert re.fullmatch(
+        rf"summary: {len(good)} captioned, {len(bad) + 1} failed, 1 skipped \(files in folders that are not "
+        rf"images, e\.g\. {re.escape(str(folder / 'notes.txt'))}\), \d+\.\d images/s",
+        lines[-1],
+    )
 
 
 def test_json_lines_and_decoding_options(bundles, inputs, capsys):
@@ -207,7 +222,7 @@ def test_no_repeat_ngram_size_stops_square_square_square(method, bundles, inputs
 def test_globs_and_a_progress_bar_for_many_images(bundles, inputs, monkeypatch, capsys):
     folder = inputs[0]
     args = ["caption", str(folder / "0*.png"), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]
-    monkeypatch.setattr(cli, "PROGRESS_MIN_IMAGES", 3)
+    monkeypatch.setattr(cli.parser, "PROGRESS_MIN_IMAGES", 3)
     assert cli.main(args) == 1  # 06_empty.png matches the pattern too
     out, err = capsys.readouterr()
     assert [line.split("\t")[0] for line in out.splitlines()] == [
@@ -233,16 +248,17 @@ def test_expand_inputs(tmp_path):
     (tmp_path / "empty").mkdir()
     for name in ("a/2.jpg", "a/deep/1.PNG", "a/readme.md", "b.gif"):
         (tmp_path / name).write_bytes(b"x")
-    paths, errors = cli.expand_inputs(
+    found = expand_inputs(
         [str(tmp_path / "a"), str(tmp_path / "*.gif"), str(tmp_path / "empty"), str(tmp_path / "gone.jpg")]
     )
-    assert paths == [
+    assert found.paths == [
         str(tmp_path / "a/2.jpg"),
         str(tmp_path / "a/deep/1.PNG"),
         str(tmp_path / "b.gif"),
         str(tmp_path / "gone.jpg"),
     ]  # a named file is kept: loading it says what is wrong
-    assert [(e.path, e.reason) for e in errors] == [(str(tmp_path / "empty"), "folder holds no image files")]
+    assert [(e.path, e.reason) for e in found.errors] == [(str(tmp_path / "empty"), "folder holds no image files")]
+    assert found.skipped == [str(tmp_path / "a/readme.md")]  # counted, and named in the summary
 
 
 def test_console_script_streams_and_exit_status(bundles, inputs, tmp_path):
@@ -256,7 +272,7 @@ def test_console_script_streams_and_exit_status(bundles, inputs, tmp_path):
     )
     assert proc.returncode == 1, proc.stderr
     assert [line.split("\t")[0] for line in proc.stdout.splitlines()] == [good]
-    assert proc.stderr.splitlines() == [f"error: {missing}: file not found"]
+    assert _before_summary(proc.stderr, captioned=1, failed=1) == [f"error: {missing}: file not found"]
 
 
 def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path, monkeypatch, capsys):
@@ -285,7 +301,7 @@ def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path,
         good[2],
         str(folder / "24_wide.PNG"),
     ]
-    assert err.splitlines() == [f"error: {missing}: file not found"]
+    assert _before_summary(err, captioned=4, failed=1) == [f"error: {missing}: file not found"]
     assert cli.main(["caption", "-", "-", "--model", bundles["soft"]]) == 2
     assert "given more than once" in capsys.readouterr().err
 
@@ -595,7 +611,11 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
     [
         ([], "give exactly one dataset"),
         (["--karpathy", "split.json"], "--images is required with --karpathy and --coco-captions"),
-        (["--shapes", "nowhere"], "nowhere holds no generated shapes dataset"),
+        (
+            ["--shapes", "nowhere"],
+            "--shapes nowhere: no generated shapes dataset there (meta.json is missing); python train.py generates "
+            "it in data/shapes on first use (python train.py data.source.root=nowhere generates it there)",
+        ),
         (["--coco-captions", "captions.json", "--images", "nowhere"], "COCO captions file for 'test' not found"),
     ],
 )
@@ -659,7 +679,7 @@ def test_caption_an_image_info_file_for_the_evaluation_server(bundles, shapes, t
     stdout, err = capsys.readouterr()
     target = out / "captions_test2014_sat-soft_results.json"
     assert sorted(out.iterdir()) == [target]
-    assert err.splitlines() == [f"results: {target} (6 images)"]
+    assert _before_summary(err, captioned=6, failed=0) == [f"results: {target} (6 images)"]
     rows = json.loads(target.read_text())
     ids = [image["id"] for image in json.loads(info.read_text())["images"]]
     assert sorted(row["image_id"] for row in rows) == sorted(ids)  # every id once
