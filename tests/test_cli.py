@@ -355,6 +355,80 @@ def test_model_takes_a_run_folder(bundles, inputs, tmp_path, capsys):
     _one_error_line(capsys.readouterr().err, run, "is a folder without bundle.pt")
 
 
+# --------------------------------------------------------------------------------- output for scripts
+def test_tsv_fields_are_escaped_and_json_has_a_record_for_every_input(bundles, tmp_path, capsys):
+    odd = tmp_path / "tab\there\nnewline back\\slash.png"
+    _noise((20, 20)).save(odd)
+    missing, empty = tmp_path / "missing.png", tmp_path / "empty"
+    empty.mkdir()
+    common = ["--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0"]
+    assert cli.main(["caption", str(odd), *common]) == 0
+    out, err = capsys.readouterr()
+    (line,) = out.splitlines()  # one line for the image, two fields
+    path, caption = line.split("\t")
+    assert path == str(odd).replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+    assert path.encode().decode("unicode_escape") == str(odd) and len(caption.split()) == 3
+    _before_summary(err, captioned=1, failed=0)
+
+    assert cli.main(["caption", str(odd), str(missing), str(empty), str(tmp_path / "*.gif"), *common, "--json"]) == 1
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [row for row in rows if "error" in row] == [
+        {"path": str(empty), "error": "folder holds no image files"},
+        {"path": str(tmp_path / "*.gif"), "error": "no file matches this pattern"},
+        {"path": str(missing), "error": "file not found"},
+    ]
+    assert [row["path"] for row in rows if "caption" in row] == [str(odd)]
+    assert len(_before_summary(err, captioned=1, failed=3)) == 3  # each failure also named on stderr
+
+
+def test_empty_standard_input_is_refused_like_an_empty_folder(bundles, tmp_path, monkeypatch, capsys):
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
+    assert cli.main(["caption", "-", "--model", bundles["soft"]]) == 1
+    assert capsys.readouterr() == ("", "error: -: standard input named no image paths\n")
+    assert cli.main(["caption", str(tmp_path / "empty"), "--model", bundles["soft"]]) == 1
+    assert capsys.readouterr() == ("", f"error: {tmp_path / 'empty'}: folder holds no image files\n")
+
+
+def test_a_folder_scan_tries_files_without_a_suffix_and_counts_what_it_skips(bundles, tmp_path, capsys):
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    _noise((20, 20)).save(folder / "IMG_0001", format="JPEG")  # an image without a suffix
+    (folder / "README").write_text("not an image")
+    (folder / "notes.txt").write_text("not an image either")
+    assert cli.main(["caption", str(folder), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [str(folder / "IMG_0001")]
+    assert _before_summary(err, captioned=1, failed=0, skipped=2) == []
+    assert f"e.g. {folder / 'README'}" in err
+
+
+def test_out_without_image_info_says_what_it_is_for(bundles, inputs, tmp_path, capsys):
+    image = inputs[1][0]
+    assert cli.main(["caption", image, "--model", bundles["soft"], "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: --out goes with --image-info (the COCO image list whose results file --out receives); the "
+        "captions of IMAGE arguments are printed on stdout: redirect it to keep them (> captions.tsv)\n",
+    )
+    assert cli.main(["caption", image, "--model", bundles["soft"], "--images", "x", "--force"]) == 2
+    assert capsys.readouterr().err.startswith("error: --images, --force go with --image-info")
+    assert not (tmp_path / "x").exists()
+
+
+def test_help_does_not_import_torch():
+    script = (
+        "import sys\n"
+        "from captioner.cli import main\n"
+        "codes = [main(['--help']), main(['caption', '--help']), main(['evaluate', '--help'])]\n"
+        "print(codes, 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.stderr == "[0, 0, 0] False\n"
+    assert "a backslash, tab, newline or carriage return" in proc.stdout  # the TSV escapes, documented
+
+
 # ------------------------------------------------------------------------------------------- attend
 @pytest.fixture
 def figures(monkeypatch) -> list:
@@ -622,6 +696,26 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
 def test_evaluate_refuses_a_missing_dataset(dataset, message, bundles, tmp_path, capsys):
     assert cli.main(["evaluate", "--model", bundles["soft"], *dataset, "--out", str(tmp_path)]) == 2
     _one_error_line(capsys.readouterr().err, "", message)
+
+
+def test_instances_without_attention_correctness_say_why(bundles, shapes, tmp_path, capsys):
+    colours = str(write_bundle(tmp_path / "colours.pt", WORDS, favoured=("red", "blue", "green")))
+    annotations = shapes / "annotations"
+    dataset = [
+        *("--coco-captions", str(annotations / "captions_test.json"), "--images", str(shapes / "images" / "test")),
+        *("--instances", str(annotations / "instances_test.json"), "--no-coco", "--max-len", MAX_LEN),
+        *("--workers", "0", "--method", "greedy"),
+    ]
+    assert cli.main(["evaluate", "--model", bundles["soft"], *dataset, "--out", str(tmp_path / "shapes")]) == 0
+    out, err = capsys.readouterr()
+    assert "attention correctness" in out and err == ""  # the shape words name the boxes' categories
+    assert cli.main(["evaluate", "--model", colours, *dataset, "--out", str(tmp_path / "colours")]) == 0
+    out, err = capsys.readouterr()
+    assert "attention correctness" not in out
+    assert err == (
+        f"note: --instances {annotations / 'instances_test.json'}: no attention correctness, since no generated "
+        "caption names an object category of its 6 images with boxes\n"
+    )
 
 
 # ------------------------------------------------------------------------- COCO evaluation server
