@@ -70,18 +70,17 @@ TINY_STEPS = TINY.n_train // 16  # training steps of one epoch with tiny_overrid
 @pytest.mark.parametrize("sweep", [False, True])
 def test_a_wrong_value_stops_before_the_run_folder_the_config_tree_and_torch(sweep: bool, tmp_path: Path) -> None:
     flag = tmp_path / "torch_imported"
-    logs = tmp_path / "logs"
-    args = ["-m"] * sweep + ["model.decoder.dropout=2", f"paths.log_dir={logs}"]
-    command = [sys.executable, "-c", TORCH_IMPORTED, str(flag), *args]
-    proc = subprocess.run(command, cwd=CONF.parent, env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert error_line(proc) == "error: model.decoder.dropout=2.0 must be in [0.0, 0.99]"
-    assert flag.read_text() == "False"
-    assert "config (saved as" not in proc.stdout  # no config tree
-    if not sweep:
-        assert not logs.exists()  # no run folder, no FAILED litter
-    proc = run_train(["data.batch_size=${missing}", f"paths.log_dir={logs}"], check=False, timeout=120)
-    assert error_line(proc) == "error: data.batch_size: Interpolation key 'missing' not found"
-    assert not logs.exists() or sweep
+    logs = tmp_path / "outputs"  # paths.log_dir by default, for a run started in tmp_path
+    for override, message in [
+        ("model.decoder.dropout=2", "model.decoder.dropout=2.0 must be in [0.0, 0.99]"),
+        ("data.batch_size=${missing}", "data.batch_size: Interpolation key 'missing' not found"),
+    ]:
+        command = [sys.executable, "-c", TORCH_IMPORTED, str(flag), *["-m"] * sweep, override]
+        proc = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert error_line(proc) == f"error: {message}"
+        assert flag.read_text() == "False"
+        assert "config (saved as" not in proc.stdout  # no config tree
+        assert sweep or not logs.exists()  # no run folder, no FAILED litter (a sweep's folder is made first)
 
 
 def test_a_missing_file_is_one_line_and_marks_the_run_folder_failed(tmp_path: Path) -> None:

@@ -169,11 +169,13 @@ def _job_config(config: DictConfig) -> dict[str, Any]:
     ``paths.output_dir`` names) is taken to be the folder the run asks for.
     """
     config = copy.deepcopy(config)
-    with open_dict(config):
-        if OmegaConf.is_missing(config.hydra.runtime, "output_dir"):
-            config.hydra.runtime.output_dir = config.hydra.run.dir
-        HydraConfig.instance().set_config(config)  # resolves ${hydra:...}
-        del config["hydra"]
+    if OmegaConf.is_missing(config.hydra.runtime, "output_dir"):
+        probe = copy.deepcopy(config)
+        HydraConfig.instance().set_config(probe)  # resolves ${hydra:...} in the run folder's name
+        with open_dict(config):
+            config.hydra.runtime.output_dir = probe.hydra.run.dir
+    HydraConfig.instance().set_config(config)
+    config = OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
     return OmegaConf.to_container(config, resolve=True, enum_to_str=True)
 
 
