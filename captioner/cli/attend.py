@@ -7,12 +7,11 @@ import sys
 from pathlib import Path
 
 from captioner.cli import options
+from captioner.cli.caption import captioned
 from captioner.cli.inputs import IMAGE_SUFFIXES, expand_inputs
 from captioner.cli.output import Output
-from captioner.data.dataset import Skipped
 from captioner.data.images import load_rgb
 from captioner.errors import ConfigError
-from captioner.inference import caption_files
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,29 +36,20 @@ def run(args: argparse.Namespace) -> int:
     if single and len(found.paths) > 1:
         raise ConfigError(f"--out {out}: {len(found.paths)} images need a folder, not a .png file")
     output = Output()
-    output.skipped = found.skipped
-    output.failures(found.errors)
     entries = []
-    if found.paths:
-        loaded = options.load(args, device)
-        output.start(len(found.paths))
-        show = options.progress(args, len(found.paths))
-        for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, **decode):
-            if isinstance(result, Skipped):
-                output.failure(result)
-                continue
-            target = out if single else out / f"{len(entries):04d}_{Path(result.path).stem}.png"
-            draw_overlay(
-                load_rgb(result.path),
-                result.words,
-                result.alphas,
-                result.grid,
-                target,
-                locations=result.locations,
-                title=result.caption,
-            )
-            entries.append(GalleryEntry(image=result.path, caption=result.caption, overlay=target))
-            output.caption(result, target)
+    for result in captioned(args, found, output, decode, device):
+        target = out if single else out / f"{len(entries):04d}_{Path(result.path).stem}.png"
+        draw_overlay(
+            load_rgb(result.path),
+            result.words,
+            result.alphas,
+            result.grid,
+            target,
+            locations=result.locations,
+            title=result.caption,
+        )
+        entries.append(GalleryEntry(image=result.path, caption=result.caption, overlay=target))
+        output.caption(result, target)
     if not single and entries:
         print(f"gallery: {write_gallery(out, entries)}", file=sys.stderr)
     return output.close()

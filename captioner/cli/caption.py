@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from captioner.cli import options
-from captioner.cli.inputs import expand_inputs
+from captioner.cli.inputs import Inputs, expand_inputs
 from captioner.cli.output import Output
 from captioner.cli.parser import DEFAULT_NAME
 from captioner.data.dataset import Skipped
 from captioner.errors import ConfigError
-from captioner.inference import caption_files
+from captioner.inference import Captioned, caption_files
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,19 +43,28 @@ def run(args: argparse.Namespace) -> int:
     decode = options.decode_options(args)
     device = options.device(args.device)
     output = Output(args.json)
-    found = expand_inputs(args.inputs)
+    for result in captioned(args, expand_inputs(args.inputs), output, decode, device):
+        output.caption(result)
+    return output.close()
+
+
+def captioned(
+    args: argparse.Namespace, found: Inputs, output: Output, decode: dict, device: torch.device
+) -> Iterator[Captioned]:
+    """The captioned images of ``found`` in order; its input errors and unreadable images go to ``output`` as
+    failures, its skipped files to its summary. The model is loaded only when there is an image to caption."""
     output.skipped = found.skipped
     output.failures(found.errors)
-    if found.paths:
-        loaded = options.load(args, device)
-        output.start(len(found.paths))
-        show = options.progress(args, len(found.paths))
-        for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, **decode):
-            if isinstance(result, Skipped):
-                output.failure(result)
-            else:
-                output.caption(result)
-    return output.close()
+    if not found.paths:
+        return
+    loaded = options.load(args, device)
+    output.start(len(found.paths))
+    show = options.progress(args, len(found.paths))
+    for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, **decode):
+        if isinstance(result, Skipped):
+            output.failure(result)
+        else:
+            yield result
 
 
 def _server_flags(args: argparse.Namespace) -> dict[str, bool]:
