@@ -26,10 +26,11 @@ STDIN = "-"  # among the inputs: read image paths from standard input, one per l
 DEFAULT_NAME = "captioner"  # the algorithm name in a results file for the COCO evaluation server
 
 CAPTION_OUTPUT = """output:
-  stdout holds one line per input: PATH<TAB>CAPTION, or with --json one JSON object per line,
-  {"path", "caption", "score", "tokens"} for a captioned image and {"path", "error"} for an input that
-  failed (also named on stderr). In the tab-separated lines a backslash, tab, newline or carriage return
-  inside a field is written as \\\\, \\t, \\n or \\r, so every line has exactly two fields.
+  stdout holds one line per captioned image, PATH<TAB>CAPTION; with --json one JSON object per line,
+  {"path", "caption", "score", "tokens"} for a captioned image and {"path", "error"} for each input that
+  failed. Every failure is also one line on stderr, "error: PATH: REASON". In the tab-separated lines
+  a backslash, tab, newline or carriage return inside a field is written as \\\\, \\t, \\n or \\r,
+  so every line has exactly two fields.
   A folder is searched recursively for image files: files named like an image (.jpg, .png, ...) and files
   without a suffix that hold an image; other files are skipped and counted in the summary.
   stderr ends with one summary line: images captioned, failed, skipped, images/s.
