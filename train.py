@@ -11,99 +11,61 @@
 Everything is composed from conf/ by Hydra; this file only wires the pieces together. Every run writes
 into a new folder (its composed config printed and saved there as config.yaml), checkpoints are written
 atomically, and a user error (a config value, an override, a file) prints one line ``error: ...`` on
-stderr and exits with status 2. A run that fails says so in its folder: the error in ``train.log`` and
-in a ``FAILED`` file.
+stderr and exits with status 2; a wrong value is found before the run's folder is created
+(``training/validate.py``). A run that fails says so in its folder: the error in ``train.log`` and in a
+``FAILED`` file. A run stopped by SIGTERM or Ctrl-C says how to resume it and exits with 128 + the signal's
+number (143, 130).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import logging
 import os
+import signal
 import sys
-import typing
-import warnings
 from pathlib import Path
 from typing import NoReturn
 
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import (
-    CompactHydraException,
-    ConfigCompositionException,
-    InstantiationException,
-    MissingConfigException,
-    OverrideParseException,
-)
+from hydra.errors import CompactHydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import OmegaConfBaseException
 
 from captioner.config import SCHEMAS
-from captioner.errors import CaptionerError, ConfigError, first_line
-
-log = logging.getLogger("train")
+from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
+from captioner.training.validate import error_line, section_error
 
 
 def register_schemas() -> None:
-    """Make the settings dataclasses of ``captioner.config`` the schemas of the configs (``schema/<name>``)."""
+    """Make the settings dataclasses of ``captioner.config`` the schemas of the configs (``<name>_schema``).
+
+    Stored outside any group, so that ``python train.py --help`` lists only the groups a user selects.
+    """
     store = ConfigStore.instance()
     for name, schema in SCHEMAS.items():
-        store.store(group="schema", name=name, node=schema)
+        store.store(name=f"{name}_schema", node=schema)
 
 
 register_schemas()
 
 
-class _NoTips(logging.Filter):
-    """Drops Lightning's advertisements ("💡 Tip: ... try installing litlogger / litmodels")."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("💡 Tip:")
-
-
-def log_lightning_to_the_run_log() -> None:
-    """Send Lightning's messages where the run's own go (stdout and ``train.log``), not to stderr, without
-    its advertisements for its cloud services (printed on every run whatever the logger).
-
-    On import Lightning gives its loggers stderr handlers of their own, so stderr would mix its progress
-    messages with the errors.
-    """
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logger = logging.getLogger(name)
-        logger.handlers.clear()
-        logger.propagate = True
-    tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # rank_zero_info's logger
-    if not any(isinstance(f, _NoTips) for f in tips.filters):
-        tips.addFilter(_NoTips())
-
-
 def train(cfg: DictConfig) -> float | None:
     """Build data, model, callbacks, loggers and trainer from ``cfg``; fit; validate the best; export."""
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    # Imported here, not at the top: Hydra's own errors (an unknown key or option) are reported at once.
+    # Imported here, not at the top: a config error is reported before torch is imported.
     import lightning as L
 
     from captioner.evaluation.results import write_metrics, write_results
     from captioner.run_files import BUNDLE_NAME
+    from captioner.training.logs import route_lightning_logs, summary
     from captioner.training.run_folder import print_config_tree
     from captioner.training.start import model_settings, resolve_start
-    from captioner.training.validate import check_environment, validate_config
+    from captioner.training.validate import check_environment
 
-    log_lightning_to_the_run_log()
-    # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
-    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-    # Lightning's CombinedLoader builds torch's deprecated LeafSpec for every loader: its change to make.
-    warnings.filterwarnings(
-        "ignore",
-        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-        category=FutureWarning,
-        module=r"lightning\.pytorch\.utilities\._pytree",
-    )
+    route_lightning_logs()
     output_dir = Path(cfg.paths.output_dir)
     print_config_tree(plain, output_dir)
-    validate_config(plain)
     source = build("data.source", plain["data"]["source"])
     check_environment(plain, source)
     start = resolve_start(cfg.ckpt_path, cfg.init_from, cfg.model.objective, cfg.model.scst.after_epochs)
@@ -123,7 +85,7 @@ def train(cfg: DictConfig) -> float | None:
         module.model.load_state_dict(start.model.model.state_dict())
 
     if cfg.train:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        fit(trainer, module, datamodule, ckpt_path)
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         ckpt_path = (
             best
@@ -146,28 +108,27 @@ def train(cfg: DictConfig) -> float | None:
     return metrics.get("val/bleu4")
 
 
-def summary(metrics: dict, ckpt_path: str | None, bundle: Path, output_dir: Path) -> str:
-    """The lines a user acts on: the scores and where the files are."""
-    lines = ["", "validation BLEU (0-1, nltk corpus BLEU over all references, decoded, not teacher-forced):"]
-    lines.append("  " + "  ".join(f"BLEU-{n} {metrics.get(f'val/bleu{n}', float('nan')):.4f}" for n in range(1, 5)))
-    if "val/cider" in metrics:
-        lines.append(f"  CIDEr-D {metrics['val/cider']:.4f} (coco-caption's CIDEr on these tokens)")
-    if "val/attention_correctness" in metrics:
-        lines.append(
-            f"  attention correctness (attention mass inside the named object's box): "
-            f"{metrics['val/attention_correctness']:.3f}"
-        )
-    if "test/bleu4" in metrics:
-        lines.append(
-            "test BLEU: "
-            + "  ".join(f"BLEU-{n} {metrics[f'test/bleu{n}']:.4f}" for n in range(1, 5))
-            + f"  CIDEr-D {metrics.get('test/cider', float('nan')):.4f}"
-        )
-    lines.append(f"checkpoint:       {ckpt_path}")
-    lines.append(f"inference bundle: {bundle}")
-    lines.append(f"run folder:       {output_dir}")
-    lines.append(f"caption images:   captioner caption IMAGE... --model {bundle}")
-    return "\n".join(lines)
+def fit(trainer: object, module: object, datamodule: object, ckpt_path: str | None) -> None:
+    """``trainer.fit``; a stop by SIGTERM or Ctrl-C becomes RunStopped, whose message resumes the run."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from captioner.training.logs import stopped_message
+
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    except SystemExit as exc:  # Lightning raises SIGTERMException on SIGTERM, and exits with 1 after Ctrl-C
+        if isinstance(exc, SIGTERMException):
+            signum = signal.SIGTERM
+        elif trainer.interrupted:
+            signum = signal.SIGINT
+        else:
+            raise
+        saved = (p for cb in trainer.checkpoint_callbacks for p in (cb.last_model_path, cb.best_model_path) if p)
+        checkpoint = next((p for p in saved if Path(p).is_file()), None)
+        run = HydraConfig.get()
+        where = (trainer.current_epoch, trainer.global_step)
+        message = stopped_message(signum.name, *where, checkpoint, run.runtime.output_dir, run.overrides.task)
+        raise RunStopped(message, signum) from None
 
 
 def build_trainer(plain: dict) -> object:
@@ -192,85 +153,40 @@ def build(section: str, node: dict, **given: object) -> object:
         return instantiate(node, _partial_=True, _convert_="all")(**given)
     except InstantiationException as exc:  # the class cannot be found, or its config is malformed
         error: BaseException = exc.__cause__ or exc
-        message = " ".join(str(error).split())
+        raise section_error(section, error, " ".join(str(error).split())) from None
     except (CaptionerError, TypeError, ValueError, MisconfigurationException) as exc:
-        error, message = exc, first_line(exc)
-    ours = isinstance(error, CaptionerError)  # this project's messages start with the key they are about
-    if ours and message.startswith(f"{section}."):
-        raise error from None
-    raise ConfigError(f"{section}{'.' if ours else ': '}{message}") from None
+        raise section_error(section, exc, first_line(exc)) from None
 
 
-def one_line(exc: BaseException) -> str:
-    """A Hydra or OmegaConf error (an unknown key or option, a bad override or value) as one line, from the
-    exception's type and fields."""
-    schema = exc.object_type if dataclasses.is_dataclass(getattr(exc, "object_type", None)) else None
-    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)) and schema is not None:
-        fields = [f.name for f in dataclasses.fields(schema) if f.name != "_target_"]
-        return f"{exc.full_key} is not a known key; valid keys: {', '.join(fields)}"
-    if isinstance(exc, ValidationError) and schema is not None and exc.key in typing.get_type_hints(schema):
-        kind = typing.get_type_hints(schema)[exc.key]
-        if isinstance(kind, type) and issubclass(kind, enum.Enum):
-            return f"{exc.full_key}={exc.value!r} is not valid; choose one of: {', '.join(kind.__members__)}"
-        if kind is bool:
-            return f"{exc.full_key}={exc.value!r} must be true or false"
-        return f"{exc.full_key}={exc.value!r} must be {getattr(kind, '__name__', kind)}"
-    if isinstance(exc, OmegaConfBaseException):
-        return f"{exc.full_key}: {first_line(exc)}" if exc.full_key else first_line(exc)
-    if isinstance(exc, MissingConfigException):
-        options = f"; choose one of: {', '.join(exc.options)}" if exc.options else ""
-        return f"no config {exc.missing_cfg_file!r}{options}"
-    if isinstance(exc, OverrideParseException):
-        return f"cannot parse the override {exc.override!r}: {first_line(exc)}"
-    if isinstance(exc, ConfigCompositionException):  # Hydra raises it while handling OmegaConf's error
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, OmegaConfBaseException):
-            return one_line(cause)
-    return first_line(exc)
-
-
-def fail(message: str) -> NoReturn:
-    """Print ``error: <message>`` on stderr and exit with status 2."""
+def fail(message: str, status: int = 2) -> NoReturn:
+    """Print ``error: <message>`` on stderr and exit with ``status``."""
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def stop_reason(exc: BaseException) -> str | None:
-    """One line for an exception that ends a run (None for a clean ``SystemExit``)."""
-    if isinstance(exc, SystemExit):
-        return None if exc.code in (0, None) else f"stopped with exit status {exc.code}"
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted (KeyboardInterrupt)"
-    return first_line(exc, with_type=True)
-
-
-def finish_wandb(failed: bool) -> None:
-    """Close the W&B run that ``logger=wandb`` opened, if any, so that the next job of a sweep gets its own."""
-    wandb = sys.modules.get("wandb")
-    if wandb is not None and wandb.run is not None:
-        wandb.finish(exit_code=1 if failed else 0)
+    sys.exit(status)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    """Hydra entry point: user errors become one line on stderr and exit status 2.
+    """Hydra entry point: user errors become one line on stderr and exit status 2, a stop by a signal one
+    line and 128 + its number.
 
     Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only. A run
     that fails, whatever the reason, is marked so in its folder (``run_folder.mark_failed``).
     """
+    from captioner.training.logs import finish_wandb
     from captioner.training.run_folder import mark_failed
 
-    logging.captureWarnings(True)
     folder = HydraConfig.get().runtime.output_dir
     failure: str | None = None
+    status = 2
     try:
         return train(cfg)
     except CaptionerError as exc:
         failure = str(exc)
+    except RunStopped as exc:
+        failure, status = str(exc), exc.status
     except (CompactHydraException, OmegaConfBaseException) as exc:
-        cause = exc.__cause__
-        failure = str(cause) if isinstance(cause, CaptionerError) else one_line(exc)
-    except BaseException as exc:  # a crash or an interrupt: marked, then reported as Python reports it
+        failure = error_line(exc)
+    except BaseException as exc:  # a crash: marked, then reported as Python reports it
         failure = stop_reason(exc)
         if failure is not None:
             mark_failed(folder, failure)
@@ -278,11 +194,12 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         finish_wandb(failed=failure is not None)
     mark_failed(folder, failure)
-    fail(failure)
+    fail(failure, status)
 
 
 def cli() -> None:
-    """``python train.py``: Hydra's composition errors (before ``main`` runs) also become one line, exit 2.
+    """``python train.py``: Hydra's composition errors and a wrong value (before ``main`` runs) also become
+    one line, exit 2.
 
     Hydra prints those over several lines and exits with status 1; with ``HYDRA_FULL_ERROR=1`` it raises
     them instead, so they are caught here. A user who sets ``HYDRA_FULL_ERROR=1`` gets Hydra's full report.
@@ -293,8 +210,10 @@ def cli() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
+    except CaptionerError as exc:  # training/validate.py's ValidateConfig, before the run starts
+        fail(str(exc))
     except (CompactHydraException, OmegaConfBaseException) as exc:
-        fail(one_line(exc))
+        fail(error_line(exc))
 
 
 if __name__ == "__main__":

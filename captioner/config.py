@@ -522,4 +522,5 @@ class TrainConfig(Settings):
             )
 
 
-SCHEMAS: dict[str, type] = {"train": TrainConfig, "model": ModelConfig, "data": DataConfig}  # Hydra's schema/<name>
+# The schemas of the configs: train.py stores each as <name>_schema.
+SCHEMAS: dict[str, type] = {"train": TrainConfig, "model": ModelConfig, "data": DataConfig}

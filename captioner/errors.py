@@ -25,6 +25,18 @@ class BundleError(CaptionerError):
     """A checkpoint or inference bundle cannot be loaded safely or does not match."""
 
 
+class RunStopped(Exception):
+    """A training run stopped by a signal before it finished; the message says how to resume it.
+
+    Not a user error: ``train.py`` prints the message and exits with ``status`` (128 + the signal's
+    number, as a shell reports a process the signal ended), so a scheduler can tell it from a finished run.
+    """
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.status = 128 + signum
+
+
 def first_line(exc: BaseException, first_sentence: bool = False, with_type: bool = False) -> str:
     """The first line of ``exc``'s message, to report it in one line; the name of its type when it has none.
 
@@ -57,3 +69,12 @@ def check_range(
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
         raise ConfigError(f"{name}={value!r} must be {bounds}")
+
+
+def stop_reason(exc: BaseException) -> str | None:
+    """One line for an exception that ends a run (None for a clean ``SystemExit``)."""
+    if isinstance(exc, SystemExit):
+        return None if exc.code in (0, None) else f"stopped with exit status {exc.code}"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (KeyboardInterrupt)"
+    return first_line(exc, with_type=True)

@@ -18,8 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
 from captioner.errors import BundleError, DataError, first_line
 
 _UMASK = os.umask(0o022)  # read once, while importing (os.umask can only be read by setting it)
@@ -88,6 +86,8 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
 
 def save_torch(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` atomically (temporary file, fsync, rename)."""
+    import torch  # here, not at the top: the run folder's helpers are used before a run imports torch
+
     with atomic_write(path, "wb") as handle:
         torch.save(obj, handle)
 
@@ -120,6 +120,8 @@ def load_torch(path: str | os.PathLike, what: str = "file", map_location: Any = 
     A file that carries pickled code (classes, functions) is refused, never executed. A ``map_location``
     naming a device this machine lacks is reported as such (torch's own error would read as a broken file).
     """
+    import torch
+
     path = Path(path)
     if not path.exists():
         raise BundleError(f"{what} not found: {path}")

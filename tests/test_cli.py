@@ -27,6 +27,7 @@ from nltk.translate.bleu_score import sentence_bleu
 from PIL import Image
 
 from captioner import cli
+from captioner.cli.inputs import expand_inputs
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.evaluation.cococaption import java_available
@@ -141,6 +142,15 @@ def inputs(tmp_path_factory) -> tuple[Path, list[str], dict[str, str]]:
     return folder, [str(folder / name) for name in sorted(GOOD)], {str(folder / n): r for n, (_, r) in BAD.items()}
 
 
+def _before_summary(err: str, captioned: int, failed: int, skipped: int = 0) -> list[str]:
+    """The lines of ``err`` before its closing summary line, which must give these counts."""
+    *lines, last = err.splitlines()
+    assert re.fullmatch(
+        rf"summary: {captioned} captioned, {failed} failed, {skipped} skipped( \(.*\))?, \d+\.\d images/s", last
+    ), last
+    return lines
+
+
 def _one_error_line(err: str, path: object, reason: str) -> None:
     lines = err.splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -160,10 +170,15 @@ def test_caption_a_folder_of_every_kind_of_file(bundles, inputs, tmp_path, capsy
     assert [row[0] for row in rows] == good  # every good file once, in order; the text file is not an image name
     assert all(len(row[1].split()) == 3 and set(row[1].split()) <= set(SHAPE_WORDS) for row in rows)
     lines = err.splitlines()
-    assert "Traceback" not in err and len(lines) == len(bad) + 1
+    assert "Traceback" not in err and len(lines) == len(bad) + 2
     for path, reason in {**bad, missing: "file not found"}.items():
         named = [line for line in lines if line.startswith(f"error: {path}: ")]
         assert len(named) == 1 and reason in named[0], (path, lines)
+    assert re.fullmatch(
+        rf"summary: {len(good)} captioned, {len(bad) + 1} failed, 1 skipped \(files in folders that are not "
+        rf"images, e\.g\. {re.escape(str(folder / 'notes.txt'))}\), \d+\.\d images/s",
+        lines[-1],
+    )
 
 
 def test_json_lines_and_decoding_options(bundles, inputs, capsys):
@@ -207,7 +222,7 @@ def test_no_repeat_ngram_size_stops_square_square_square(method, bundles, inputs
 def test_globs_and_a_progress_bar_for_many_images(bundles, inputs, monkeypatch, capsys):
     folder = inputs[0]
     args = ["caption", str(folder / "0*.png"), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]
-    monkeypatch.setattr(cli, "PROGRESS_MIN_IMAGES", 3)
+    monkeypatch.setattr(cli.parser, "PROGRESS_MIN_IMAGES", 3)
     assert cli.main(args) == 1  # 06_empty.png matches the pattern too
     out, err = capsys.readouterr()
     assert [line.split("\t")[0] for line in out.splitlines()] == [
@@ -233,16 +248,17 @@ def test_expand_inputs(tmp_path):
     (tmp_path / "empty").mkdir()
     for name in ("a/2.jpg", "a/deep/1.PNG", "a/readme.md", "b.gif"):
         (tmp_path / name).write_bytes(b"x")
-    paths, errors = cli.expand_inputs(
+    found = expand_inputs(
         [str(tmp_path / "a"), str(tmp_path / "*.gif"), str(tmp_path / "empty"), str(tmp_path / "gone.jpg")]
     )
-    assert paths == [
+    assert found.paths == [
         str(tmp_path / "a/2.jpg"),
         str(tmp_path / "a/deep/1.PNG"),
         str(tmp_path / "b.gif"),
         str(tmp_path / "gone.jpg"),
     ]  # a named file is kept: loading it says what is wrong
-    assert [(e.path, e.reason) for e in errors] == [(str(tmp_path / "empty"), "folder holds no image files")]
+    assert [(e.path, e.reason) for e in found.errors] == [(str(tmp_path / "empty"), "folder holds no image files")]
+    assert found.skipped == [str(tmp_path / "a/readme.md")]  # counted, and named in the summary
 
 
 def test_console_script_streams_and_exit_status(bundles, inputs, tmp_path):
@@ -256,7 +272,7 @@ def test_console_script_streams_and_exit_status(bundles, inputs, tmp_path):
     )
     assert proc.returncode == 1, proc.stderr
     assert [line.split("\t")[0] for line in proc.stdout.splitlines()] == [good]
-    assert proc.stderr.splitlines() == [f"error: {missing}: file not found"]
+    assert _before_summary(proc.stderr, captioned=1, failed=1) == [f"error: {missing}: file not found"]
 
 
 def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path, monkeypatch, capsys):
@@ -285,7 +301,7 @@ def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path,
         good[2],
         str(folder / "24_wide.PNG"),
     ]
-    assert err.splitlines() == [f"error: {missing}: file not found"]
+    assert _before_summary(err, captioned=4, failed=1) == [f"error: {missing}: file not found"]
     assert cli.main(["caption", "-", "-", "--model", bundles["soft"]]) == 2
     assert "given more than once" in capsys.readouterr().err
 
@@ -337,6 +353,80 @@ def test_model_takes_a_run_folder(bundles, inputs, tmp_path, capsys):
     (run / "bundle.pt").unlink()
     assert cli.main(["caption", *common, "--model", str(run)]) == 2
     _one_error_line(capsys.readouterr().err, run, "is a folder without bundle.pt")
+
+
+# --------------------------------------------------------------------------------- output for scripts
+def test_tsv_fields_are_escaped_and_json_has_a_record_for_every_input(bundles, tmp_path, capsys):
+    odd = tmp_path / "tab\there\nnewline back\\slash.png"
+    _noise((20, 20)).save(odd)
+    missing, empty = tmp_path / "missing.png", tmp_path / "empty"
+    empty.mkdir()
+    common = ["--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0"]
+    assert cli.main(["caption", str(odd), *common]) == 0
+    out, err = capsys.readouterr()
+    (line,) = out.splitlines()  # one line for the image, two fields
+    path, caption = line.split("\t")
+    assert path == str(odd).replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+    assert path.encode().decode("unicode_escape") == str(odd) and len(caption.split()) == 3
+    _before_summary(err, captioned=1, failed=0)
+
+    assert cli.main(["caption", str(odd), str(missing), str(empty), str(tmp_path / "*.gif"), *common, "--json"]) == 1
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [row for row in rows if "error" in row] == [
+        {"path": str(empty), "error": "folder holds no image files"},
+        {"path": str(tmp_path / "*.gif"), "error": "no file matches this pattern"},
+        {"path": str(missing), "error": "file not found"},
+    ]
+    assert [row["path"] for row in rows if "caption" in row] == [str(odd)]
+    assert len(_before_summary(err, captioned=1, failed=3)) == 3  # each failure also named on stderr
+
+
+def test_empty_standard_input_is_refused_like_an_empty_folder(bundles, tmp_path, monkeypatch, capsys):
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
+    assert cli.main(["caption", "-", "--model", bundles["soft"]]) == 1
+    assert capsys.readouterr() == ("", "error: -: standard input named no image paths\n")
+    assert cli.main(["caption", str(tmp_path / "empty"), "--model", bundles["soft"]]) == 1
+    assert capsys.readouterr() == ("", f"error: {tmp_path / 'empty'}: folder holds no image files\n")
+
+
+def test_a_folder_scan_tries_files_without_a_suffix_and_counts_what_it_skips(bundles, tmp_path, capsys):
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    _noise((20, 20)).save(folder / "IMG_0001", format="JPEG")  # an image without a suffix
+    (folder / "README").write_text("not an image")
+    (folder / "notes.txt").write_text("not an image either")
+    assert cli.main(["caption", str(folder), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [str(folder / "IMG_0001")]
+    assert _before_summary(err, captioned=1, failed=0, skipped=2) == []
+    assert f"e.g. {folder / 'README'}" in err
+
+
+def test_out_without_image_info_says_what_it_is_for(bundles, inputs, tmp_path, capsys):
+    image = inputs[1][0]
+    assert cli.main(["caption", image, "--model", bundles["soft"], "--out", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr() == (
+        "",
+        "error: --out goes with --image-info (the COCO image list whose results file --out receives); the "
+        "captions of IMAGE arguments are printed on stdout: redirect it to keep them (> captions.tsv)\n",
+    )
+    assert cli.main(["caption", image, "--model", bundles["soft"], "--images", "x", "--force"]) == 2
+    assert capsys.readouterr().err.startswith("error: --images, --force go with --image-info")
+    assert not (tmp_path / "x").exists()
+
+
+def test_help_does_not_import_torch():
+    script = (
+        "import sys\n"
+        "from captioner.cli import main\n"
+        "codes = [main(['--help']), main(['caption', '--help']), main(['evaluate', '--help'])]\n"
+        "print(codes, 'torch' in sys.modules, file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.stderr == "[0, 0, 0] False\n"
+    assert "a backslash, tab, newline or carriage return" in proc.stdout  # the TSV escapes, documented
 
 
 # ------------------------------------------------------------------------------------------- attend
@@ -595,13 +685,37 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
     [
         ([], "give exactly one dataset"),
         (["--karpathy", "split.json"], "--images is required with --karpathy and --coco-captions"),
-        (["--shapes", "nowhere"], "nowhere holds no generated shapes dataset"),
+        (
+            ["--shapes", "nowhere"],
+            "--shapes nowhere: no generated shapes dataset there (meta.json is missing); python train.py generates "
+            "it in data/shapes on first use (python train.py data.source.root=nowhere generates it there)",
+        ),
         (["--coco-captions", "captions.json", "--images", "nowhere"], "COCO captions file for 'test' not found"),
     ],
 )
 def test_evaluate_refuses_a_missing_dataset(dataset, message, bundles, tmp_path, capsys):
     assert cli.main(["evaluate", "--model", bundles["soft"], *dataset, "--out", str(tmp_path)]) == 2
     _one_error_line(capsys.readouterr().err, "", message)
+
+
+def test_instances_without_attention_correctness_say_why(bundles, shapes, tmp_path, capsys):
+    colours = str(write_bundle(tmp_path / "colours.pt", WORDS, favoured=("red", "blue", "green")))
+    annotations = shapes / "annotations"
+    dataset = [
+        *("--coco-captions", str(annotations / "captions_test.json"), "--images", str(shapes / "images" / "test")),
+        *("--instances", str(annotations / "instances_test.json"), "--no-coco", "--max-len", MAX_LEN),
+        *("--workers", "0", "--method", "greedy"),
+    ]
+    assert cli.main(["evaluate", "--model", bundles["soft"], *dataset, "--out", str(tmp_path / "shapes")]) == 0
+    out, err = capsys.readouterr()
+    assert "attention correctness" in out and err == ""  # the shape words name the boxes' categories
+    assert cli.main(["evaluate", "--model", colours, *dataset, "--out", str(tmp_path / "colours")]) == 0
+    out, err = capsys.readouterr()
+    assert "attention correctness" not in out
+    assert err == (
+        f"note: --instances {annotations / 'instances_test.json'}: no attention correctness, since no generated "
+        "caption names an object category of its 6 images with boxes\n"
+    )
 
 
 # ------------------------------------------------------------------------- COCO evaluation server
@@ -659,7 +773,7 @@ def test_caption_an_image_info_file_for_the_evaluation_server(bundles, shapes, t
     stdout, err = capsys.readouterr()
     target = out / "captions_test2014_sat-soft_results.json"
     assert sorted(out.iterdir()) == [target]
-    assert err.splitlines() == [f"results: {target} (6 images)"]
+    assert _before_summary(err, captioned=6, failed=0) == [f"results: {target} (6 images)"]
     rows = json.loads(target.read_text())
     ids = [image["id"] for image in json.loads(info.read_text())["images"]]
     assert sorted(row["image_id"] for row in rows) == sorted(ids)  # every id once

@@ -15,7 +15,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from test_train import compose_cfg
 
-import train
+import train  # noqa: F401  registers the config schemas
 from captioner.config import (
     Attention,
     DataConfig,
@@ -26,6 +26,7 @@ from captioner.config import (
     to_dict,
 )
 from captioner.errors import ConfigError
+from captioner.training.validate import error_line
 from conftest import ROOT, compose_plain
 
 CONF = ROOT / "conf"
@@ -113,7 +114,7 @@ def test_a_misspelt_key_in_a_config_file_fails_at_composition_with_the_key(tmp_p
         pytest.raises(ConfigCompositionException) as info,
     ):
         compose(config_name="config", overrides=["model=hard"])
-    assert train.one_line(info.value).startswith(
+    assert error_line(info.value).startswith(
         "model.decoder.hiden_dim is not a known key; valid keys: embed_dim, hidden_dim"
     )
 

@@ -120,7 +120,7 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
     earlier.mkdir()
     (earlier / "metrics.json").write_text("{}")
     train = [sys.executable, str(ROOT / "train.py")]
-    invalid = "data.batch_size=${missing}"  # each run stops at once, after Hydra made its folder
+    invalid = f"ckpt_path={tmp_path / 'missing.ckpt'}"  # each run stops at once, after Hydra made its folder
     commands = [
         [*train, invalid, f"hydra.run.dir={earlier}"],
         [*train, invalid, f"hydra.run.dir={earlier}"],
@@ -129,13 +129,14 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
     procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
     for proc in procs:
         _, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 2 and stderr == "error: data.batch_size: Interpolation key 'missing' not found\n"
+        assert proc.returncode == 2 and stderr == f"error: ckpt_path='{tmp_path / 'missing.ckpt'}' does not exist\n"
     assert snapshot(earlier) == {"metrics.json": hashlib.sha256(b"{}").hexdigest()}
     folders = sorted(p.name for p in tmp_path.iterdir())
     assert folders == ["run", "run_1", "run_2", "run_3"]
     layouts = sorted(sorted(p.name for p in (tmp_path / name).iterdir()) for name in folders[1:])
     # each failed run says so in its folder (FAILED); the sweep's job folder 0 holds its own
-    assert layouts == [[".hydra", "FAILED", "train.log"], [".hydra", "FAILED", "train.log"], ["0", "multirun.yaml"]]
+    run = [".hydra", "FAILED", "config.yaml", "train.log"]
+    assert layouts == [run, run, ["0", "multirun.yaml"]]
 
 
 # ---------------------------------------------------------------------------------------------- 2. loading

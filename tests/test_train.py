@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
+import signal
+import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -14,8 +18,10 @@ import yaml
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from captioner.errors import stop_reason
+from captioner.training.logs import finish_wandb
 from captioner.training.validate import validate_config
-from conftest import CONF, compose_cfg, compose_plain, error_line, run_train, tiny_overrides
+from conftest import CONF, TINY, compose_cfg, compose_plain, error_line, run_train, subprocess_env, tiny_overrides
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -50,15 +56,41 @@ def test_every_group_option_composes_and_validates(group: str, options: list[str
         validate_config(compose_plain([f"{group}={option}"], tmp_path))
 
 
-def test_a_user_error_is_one_line_on_stderr_and_exit_2(tmp_path: Path) -> None:
-    proc = run_train(["model.decoding.beam_size=0", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    assert error_line(proc) == "error: model.decoding.beam_size=0 must be >= 1"
+# ``python -c SCRIPT OUT ARGS...``: train.py with ARGS; at exit, whether torch was imported is written to OUT.
+TORCH_IMPORTED = f"""import atexit, runpy, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(str("torch" in sys.modules)))
+sys.argv[0] = {str(CONF.parent / "train.py")!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+TINY_STEPS = TINY.n_train // 16  # training steps of one epoch with tiny_overrides (data.batch_size=16)
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_wrong_value_stops_before_the_run_folder_the_config_tree_and_torch(sweep: bool, tmp_path: Path) -> None:
+    flag = tmp_path / "torch_imported"
+    logs = tmp_path / "outputs"  # paths.log_dir by default, for a run started in tmp_path
+    for override, message in [
+        ("model.decoder.dropout=2", "model.decoder.dropout=2.0 must be in [0.0, 0.99]"),
+        ("data.batch_size=${missing}", "data.batch_size: Interpolation key 'missing' not found"),
+    ]:
+        command = [sys.executable, "-c", TORCH_IMPORTED, str(flag), *["-m"] * sweep, override]
+        proc = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert error_line(proc) == f"error: {message}"
+        assert flag.read_text() == "False"
+        assert "config (saved as" not in proc.stdout  # no config tree
+        assert sweep or not logs.exists()  # no run folder, no FAILED litter (a sweep's folder is made first)
+
+
+def test_a_missing_file_is_one_line_and_marks_the_run_folder_failed(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.ckpt"
+    proc = run_train([f"ckpt_path={missing}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
+    assert error_line(proc) == f"error: ckpt_path='{missing}' does not exist"
     (run,) = (tmp_path / "train" / "runs").iterdir()  # the failed run's folder says why it failed
-    assert (run / "FAILED").read_text() == "model.decoding.beam_size=0 must be >= 1\n"
-    assert "[ERROR] - run failed: model.decoding.beam_size=0 must be >= 1" in (run / "train.log").read_text()
-    assert yaml.safe_load((run / "config.yaml").read_text())["model"]["decoding"]["beam_size"] == 0
-    proc = run_train([f"ckpt_path={tmp_path / 'missing.ckpt'}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    assert "does not exist" in error_line(proc)
+    assert (run / "FAILED").read_text() == f"ckpt_path='{missing}' does not exist\n"
+    assert f"[ERROR] - run failed: ckpt_path='{missing}' does not exist" in (run / "train.log").read_text()
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == str(missing)
 
 
 def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
@@ -79,26 +111,22 @@ def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_crash_or_interrupt_is_one_line_stop_reason() -> None:
-    import train
-
     assert (
-        train.stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore"))
+        stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore"))
         == "RuntimeError: CUDA out of memory. Tried to allocate"
     )
-    assert train.stop_reason(KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
-    assert train.stop_reason(SystemExit(1)) == "stopped with exit status 1"
-    assert train.stop_reason(SystemExit(0)) is None
+    assert stop_reason(KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
+    assert stop_reason(SystemExit(1)) == "stopped with exit status 1"
+    assert stop_reason(SystemExit(0)) is None
 
 
 def test_finish_wandb_closes_an_open_run_only(monkeypatch) -> None:
-    import train
-
     finished = []
     fake = types.SimpleNamespace(run=None, finish=lambda exit_code: finished.append(exit_code))
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    train.finish_wandb(failed=False)
+    finish_wandb(failed=False)
     fake.run = object()
-    train.finish_wandb(failed=True)
+    finish_wandb(failed=True)
     assert finished == [1]
 
 
@@ -126,7 +154,7 @@ def test_wandb_logger_offline(tiny_shapes: Path, tmp_path: Path, monkeypatch) ->
     try:
         train.train(cfg)
     finally:
-        train.finish_wandb(failed=False)
+        finish_wandb(failed=False)
     (run,) = (Path(cfg.paths.output_dir) / "wandb").glob("offline-run-*")
     (log_file,) = run.glob("run-*.wandb")
     history = log_file.read_bytes()
@@ -260,3 +288,45 @@ def test_ddp_with_two_cpu_processes_gives_the_single_process_bleu(tiny_shapes: P
     single_caps = json.loads((tmp_path / "single" / "val_captions.json").read_text())
     ddp_caps = json.loads((tmp_path / "ddp" / "val_captions.json").read_text())
     assert len(ddp_caps) == 24 and ddp_caps == single_caps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_run_stopped_by_a_signal_exits_non_zero_and_says_how_to_resume(
+    signum: signal.Signals, tiny_shapes: Path, tmp_path: Path
+) -> None:
+    common = [
+        *tiny_overrides(tiny_shapes, tmp_path),
+        "trainer.max_epochs=1",
+        "test=false",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+    ]
+    first, second = tmp_path / "first", tmp_path / "second"
+    last = first / "checkpoints" / "last.ckpt"
+    command = [sys.executable, str(CONF.parent / "train.py"), *common, f"hydra.run.dir={first}"]
+    proc = subprocess.Popen(
+        command, cwd=CONF.parent, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 300
+    while not last.exists():  # decoding images (no feature cache) keeps each step well over 20 ms
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    stderr = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 128 + signum  # a scheduler tells it from a finished run (0) and a user error (2)
+    (line,) = stderr.splitlines()
+    match = re.fullmatch(
+        rf"error: training stopped by {signum.name} at epoch 0, step (\d+); its last checkpoint is "
+        rf"{re.escape(str(first))}/checkpoints/last\.ckpt: resume it with (python train\.py .*)",
+        line,
+    )
+    assert match and 0 < int(match[1]) < TINY_STEPS, line
+    assert (first / "FAILED").read_text() == line.removeprefix("error: ") + "\n"
+    assert not (first / "bundle.pt").exists()
+    resume = shlex.split(match[2])[2:]  # the run's own overrides (Hydra's own left out) and ckpt_path=<its folder>
+    assert resume == [*(o for o in common if not o.startswith("hydra.")), f"ckpt_path={first}"]
+    if signum == signal.SIGINT:
+        return  # resuming is the same for both signals
+    resumed = run_train([*resume, f"hydra.run.dir={second}"])
+    assert f"Restored all states from the checkpoint at {last}" in resumed.stdout
+    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == TINY_STEPS

@@ -4,6 +4,8 @@ it refers to on this machine (check_environment)."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 import train
 from captioner.data.sources import ShapesSource
 from captioner.errors import ConfigError
-from captioner.training.validate import check_environment, validate_config
+from captioner.training.validate import check_environment, error_line, section_error, validate_config
 from conftest import ROOT, compose_cfg, compose_plain
 
 
@@ -26,7 +28,7 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
     try:
         cfg = compose_cfg(overrides, tmp_path)
     except (CompactHydraException, OmegaConfBaseException) as exc:
-        return train.one_line(exc)
+        return error_line(exc)
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     with pytest.raises(ConfigError) as info:  # noqa: PT012  the checks train.py runs, in its order
         validate_config(plain)
@@ -165,3 +167,36 @@ def test_an_accelerator_this_machine_lacks_is_refused(tmp_path: Path) -> None:
         "trainer.accelerator='gpu' but this machine has no usable CUDA GPU; use trainer=cpu "
         "(or trainer.accelerator=cpu)"
     )
+
+
+def test_a_missing_weight_file_names_the_key_model_encoder_weights(tmp_path: Path, monkeypatch) -> None:
+    from captioner.data.vocab import Vocabulary
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no weight file there
+    plain = compose_plain(["model.encoder.weights=IMAGENET1K_V1"], tmp_path)
+    with pytest.raises(ConfigError) as info:
+        train.build("model", plain["model"], vocab=Vocabulary(["a"]))
+    message = str(info.value)
+    assert message.startswith("model.encoder.weights='IMAGENET1K_V1': the ImageNet weights of resnet18 are not on disk")
+    assert f"save it as {tmp_path / 'hub' / 'checkpoints' / 'resnet18-f37072fd.pth'}" in message
+
+
+def test_section_error_puts_the_section_in_front_of_a_key_only() -> None:
+    inner = ConfigError("encoder.name='x' is not a torchvision classification model")
+    assert str(section_error("model", inner, str(inner))) == f"model.{inner}"
+    named = ConfigError("data.source.n_train=0 must be >= 1")
+    assert str(section_error("data.source", named, str(named))) == str(named)
+    prose = ConfigError("the split has no images")
+    assert str(section_error("data", prose, str(prose))) == "data: the split has no images"
+    typo = TypeError("f() got an unexpected keyword argument 'size'")
+    assert str(section_error("data.source", typo, str(typo))) == f"data.source: {typo}"
+
+
+def test_help_lists_only_groups_a_user_can_select() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    names = [line.split(":")[0] for line in groups.splitlines() if ": " in line]
+    assert names == ["callbacks", "data", "debug", "experiment", "logger", "model", "paths", "trainer"]  # no schema

@@ -59,8 +59,8 @@ def _check_weight_file(name: str, weights: WeightsEnum) -> str:
     path = weight_file(weights)
     if not os.path.isfile(path):
         raise ConfigError(
-            f"pretrained weights {weights} for encoder {name} are not on disk (no downloads at run time): "
-            f"download {weights.url} and save it as {path} "
+            f"encoder.weights={weights.name!r}: the ImageNet weights of {name} are not on disk (no downloads "
+            f"at run time): download {weights.url} and save it as {path} "
             f"(that folder is $TORCH_HOME/hub/checkpoints; set TORCH_HOME to use another cache)"
         )
     return path

@@ -1,0 +1,88 @@
+"""``captioner evaluate``: decode a dataset split and score it (nltk BLEU, the coco-caption suite, attention
+correctness where the dataset has boxes)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from captioner.cli import options
+from captioner.cli.caption import server_results
+from captioner.data.readers import Record
+from captioner.errors import ConfigError, DataError
+
+
+def run(args: argparse.Namespace) -> int:
+    """Decode a dataset split; report BLEU (nltk) and the coco-caption suite; write results, metrics and the
+    scores of each image. With ``--image-info`` (images without captions) write the server's results file."""
+    from captioner.evaluation.report import METRICS_FILE, PER_IMAGE_FILE, RESULTS_FILE, evaluate_split
+
+    datasets = [name for name in ("shapes", "karpathy", "coco_captions", "image_info") if getattr(args, name)]
+    if len(datasets) != 1:
+        raise ConfigError(
+            "give exactly one dataset: --shapes ROOT, --karpathy FILE --images ROOT, "
+            "--coco-captions FILE --images DIR, or --image-info FILE --images DIR"
+        )
+    if args.instances and not args.coco_captions:
+        raise ConfigError("--instances goes with --coco-captions (the boxes of that captions file's images)")
+    if args.image_info:
+        print(
+            f"{args.image_info} lists images without captions: nothing to score; writing the results file "
+            "for the evaluation server",
+            file=sys.stderr,
+        )
+        return server_results(args, echo=False)
+    decode = options.decode_options(args)
+    device = options.device(args.device)
+    out = Path(args.out)
+    for name in (RESULTS_FILE, METRICS_FILE, PER_IMAGE_FILE):
+        options.refuse_overwrite(out / name, args)
+    records = _records(args)
+    loaded = options.load(args, device)
+    metrics, skipped = evaluate_split(
+        loaded,
+        records,
+        out,
+        args.batch_size,
+        args.workers,
+        coco=not args.no_coco,
+        progress=options.progress(args, len(records)),
+        **decode,
+    )
+    for item in skipped:
+        print(f"error: {item.path}: {item.reason}", file=sys.stderr)
+    print(metrics["table"])
+    if args.instances and "attention_correctness" not in metrics:
+        boxed = sum(1 for record in records if record.boxes)
+        print(
+            f"note: --instances {args.instances}: no attention correctness, since no generated caption names an "
+            f"object category of its {boxed} images with boxes",
+            file=sys.stderr,
+        )
+    return 1 if skipped else 0
+
+
+def _records(args: argparse.Namespace) -> list[Record]:
+    """The records of ``--split`` from the one dataset the arguments name (shapes, Karpathy or COCO)."""
+    from captioner.data import shapes, sources
+
+    if args.shapes:
+        if args.image_dir:
+            raise ConfigError("--images goes with --karpathy or --coco-captions; --shapes has its own")
+        if not (Path(args.shapes) / shapes.META).is_file():
+            raise DataError(
+                f"--shapes {args.shapes}: no generated shapes dataset there ({shapes.META} is missing); "
+                "python train.py generates it in data/shapes on first use "
+                f"(python train.py data.source.root={args.shapes} generates it there)"
+            )
+        return sources.ShapesSource(args.shapes).records(args.split)
+    if not args.image_dir:
+        raise ConfigError("--images is required with --karpathy and --coco-captions")
+    if args.karpathy:
+        source = sources.KarpathySource(args.karpathy, args.image_dir)
+    else:
+        entry = {"captions": args.coco_captions, "images": args.image_dir, "instances": args.instances}
+        source = sources.CocoSource({args.split: entry})
+    source.prepare()
+    return source.records(args.split)

@@ -1,0 +1,68 @@
+"""The options every command shares, checked: decoding and batching, the device, the model, ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from captioner import load_model
+from captioner.cli import parser
+from captioner.config import DecodingConfig, to_dict
+from captioner.errors import ConfigError, check_range
+
+if TYPE_CHECKING:
+    from captioner import LoadedModel
+
+
+def device(name: str) -> torch.device:
+    """``--device``: auto, cpu, cuda or cuda:N; ConfigError for one this machine does not have."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif chosen.type != "cpu":
+        raise ConfigError(f"--device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return chosen
+
+
+def decode_options(args: argparse.Namespace) -> dict:
+    """Check the decoding and batching options; return the ``Captioner.generate`` keywords."""
+    check_range("--batch-size", args.batch_size, 1, kind=int)
+    check_range("--workers", args.workers, 0, kind=int)
+    fields = [field.name for field in dataclasses.fields(DecodingConfig)]
+    try:  # checked where the decoding settings are defined; the messages name the flags
+        return to_dict(DecodingConfig(**{field: getattr(args, field) for field in fields}))
+    except ConfigError as exc:
+        message = str(exc)
+        for field in fields:
+            message = message.replace(field, "--" + field.replace("_", "-"))
+        raise ConfigError(message) from None
+
+
+def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
+    """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``."""
+    loaded = load_model(args.model, map_location="cpu")
+    loaded.model.to(on)
+    return loaded
+
+
+def progress(args: argparse.Namespace, images: int) -> bool:
+    """Show a progress bar for many images unless ``--no-progress``."""
+    return not args.no_progress and images >= parser.PROGRESS_MIN_IMAGES
+
+
+def refuse_overwrite(target: Path, args: argparse.Namespace) -> None:
+    """ConfigError when ``target`` exists and ``--force`` was not given."""
+    if target.exists() and not args.force:
+        raise ConfigError(f"--out {args.out}: {target} already exists; pass --force to overwrite it")

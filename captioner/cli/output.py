@@ -1,0 +1,85 @@
+"""What the captioning commands print: one row per input on stdout, errors and a summary line on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from captioner.data.dataset import Skipped
+from captioner.inference import Captioned
+
+# A tab-separated field holds no separator: these characters are written as their escapes (backslash first).
+_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def tsv_line(*fields: object) -> str:
+    """Fields joined by tabs, each with its backslashes, tabs, newlines and carriage returns escaped."""
+    return "\t".join(str(item).translate(_ESCAPES) for item in fields)
+
+
+class Output:
+    """The rows of a captioning command and the counts of its closing summary.
+
+    stdout gets one row per input: ``PATH<TAB>CAPTION[<TAB>more]`` (escaped by ``tsv_line``) or, with
+    ``as_json``, a JSON object per line, ``{"path", "error"}`` for an input that failed. Each failure is
+    also one line ``error: PATH: REASON`` on stderr. ``rows=False`` only counts the captioned images.
+    """
+
+    def __init__(self, as_json: bool = False, rows: bool = True) -> None:
+        self.as_json = as_json
+        self.rows = rows
+        self.captioned = 0
+        self.failed = 0
+        self.skipped: list[str] = []  # files of folders that are not images
+        self.images = 0  # image paths to caption
+        self.started = time.perf_counter()
+
+    def start(self, images: int) -> None:
+        """Captioning of ``images`` paths starts (the model is loaded): the clock of the images/s figure."""
+        self.images = images
+        self.started = time.perf_counter()
+
+    def caption(self, result: Captioned, *more: object, image_id: int | None = None) -> None:
+        """The row of a captioned image (``more``: further TSV fields, such as the overlay's file)."""
+        self.captioned += 1
+        if not self.rows:
+            return
+        if self.as_json:
+            row = {"image_id": image_id} if image_id is not None else {}
+            row.update(path=result.path, caption=result.caption, score=round(result.score, 4), tokens=result.words)
+            print(json.dumps(row), flush=True)
+        else:
+            print(tsv_line(result.path, result.caption, *more), flush=True)
+
+    def failure(self, failed: Skipped) -> None:
+        """An input that could not be used: one line on stderr, and its JSON record with ``as_json``."""
+        self.failed += 1
+        print(f"error: {failed.path}: {failed.reason}", file=sys.stderr, flush=True)
+        if self.as_json:
+            print(json.dumps({"path": failed.path, "error": failed.reason}), flush=True)
+
+    def failures(self, failed: Sequence[Skipped]) -> None:
+        """``failure`` for each of ``failed``."""
+        for item in failed:
+            self.failure(item)
+
+    def summary(self) -> str:
+        """The closing line: images captioned, failed, skipped (with the first skipped file), images/s."""
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        skipped = f"{len(self.skipped)} skipped"
+        if self.skipped:
+            skipped += f" (files in folders that are not images, e.g. {self.skipped[0]})"
+        rate = self.captioned / seconds
+        return f"summary: {self.captioned} captioned, {self.failed} failed, {skipped}, {rate:.1f} images/s"
+
+    def close(self) -> int:
+        """Print the summary on stderr; the exit status: 1 when an input failed or nothing was captioned.
+
+        Input that names no image at all (an empty folder, empty standard input) has its one error line
+        and no summary.
+        """
+        if self.images:
+            print(self.summary(), file=sys.stderr, flush=True)
+        return 1 if self.failed or not self.captioned else 0

@@ -1,0 +1,152 @@
+"""The arguments of every ``captioner`` sub-command. Imports no torch: ``captioner --help`` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+
+from captioner import __version__
+from captioner.config import CAPTIONING_METHOD, DecodeMethod, DecodingConfig
+
+DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a dataset.
+
+    captioner caption IMAGE_OR_FOLDER_OR_GLOB... --model bundle.pt [--beam-size 3] [--json]
+    find photos -name '*.jpg' | captioner caption - --model bundle.pt
+    captioner caption --image-info image_info_test2014.json --images test2014/ --out DIR --model bundle.pt
+    captioner attend IMAGE... --model bundle.pt --out overlay.png | --out DIR
+    captioner evaluate --model bundle.pt|last.ckpt --shapes data/shapes --split test --out DIR
+
+--model takes a training run's folder, the bundle.pt that training exports there, or one of its Lightning
+checkpoints. Images are decoded in worker processes and captioned a batch at a time; a progress bar
+shows on stderr for many. A bad input file gets one line on stderr naming it and the reason; the other
+images are still captioned and the exit status is 1. A bad argument, model file or dataset gets one line
+and exit status 2. No traceback. caption and attend end with a summary line on stderr (images captioned,
+failed, skipped, images/s); see captioner caption --help for the output formats."""
+PROGRESS_MIN_IMAGES = 64  # a progress bar on stderr from this many images
+STDIN = "-"  # among the inputs: read image paths from standard input, one per line
+DEFAULT_NAME = "captioner"  # the algorithm name in a results file for the COCO evaluation server
+
+CAPTION_OUTPUT = """output:
+  stdout holds one line per captioned image, PATH<TAB>CAPTION; with --json one JSON object per line,
+  {"path", "caption", "score", "tokens"} for a captioned image and {"path", "error"} for each input that
+  failed. Every failure is also one line on stderr, "error: PATH: REASON". In the tab-separated lines
+  a backslash, tab, newline or carriage return inside a field is written as \\\\, \\t, \\n or \\r,
+  so every line has exactly two fields.
+  A folder is searched recursively for image files: files named like an image (.jpg, .png, ...) and files
+  without a suffix that hold an image; other files are skipped and counted in the summary.
+  stderr ends with one summary line: images captioned, failed, skipped, images/s.
+  Exit status: 0 every input captioned, 1 some input failed or no image was given (an empty folder, empty
+  standard input), 2 a bad argument or model file."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default after its help (not for required options, flags, or no default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            action.required
+            or not action.option_strings
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def _common(sub: argparse.ArgumentParser) -> None:
+    """The model, decoding, batching and device options every command takes."""
+    sub.add_argument(
+        "--model",
+        required=True,
+        help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint",
+    )
+    sub.add_argument("--method", choices=list(DecodeMethod), default=CAPTIONING_METHOD, help="decoding method")
+    sub.add_argument(
+        "--beam-size", type=int, default=DecodingConfig.beam_size, help="captions kept per image by beam search"
+    )
+    sub.add_argument("--max-len", type=int, default=DecodingConfig.max_len, help="maximum words per caption")
+    sub.add_argument("--temperature", type=float, default=DecodingConfig.temperature, help="for --method sample")
+    sub.add_argument(
+        "--length-penalty", type=float, default=DecodingConfig.length_penalty, help="GNMT alpha for beam search"
+    )
+    sub.add_argument(
+        "--min-len", type=int, default=DecodingConfig.min_len, help="no <end> before this many words (0: off)"
+    )
+    sub.add_argument(
+        "--no-repeat-ngram-size",
+        type=int,
+        default=DecodingConfig.no_repeat_ngram_size,
+        help="no n-gram of this many words twice in a caption (0: off)",
+    )
+    sub.add_argument("--batch-size", type=int, default=32, help="images encoded and decoded together")
+    sub.add_argument("--workers", type=int, default=2, help="image-decoding processes; 0 decodes in this one")
+    sub.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    sub.add_argument(
+        "--no-progress",
+        action="store_true",
+        help=f"no progress bar on stderr (shown from {PROGRESS_MIN_IMAGES} images)",
+    )
+
+
+def _server(sub: argparse.ArgumentParser, images: str) -> None:
+    """The options of a COCO image list whose captions go to the evaluation server."""
+    sub.add_argument(
+        "--image-info",
+        metavar="FILE",
+        help="COCO image list (image_info_test2014.json, or a captions file such as "
+        "captions_val2014.json): caption its images and write the evaluation server's "
+        "results file captions_<split>_<name>_results.json into --out",
+    )
+    sub.add_argument("--images", dest="image_dir", metavar="DIR", help=images)
+    sub.add_argument(
+        "--name", default=DEFAULT_NAME, help="algorithm name in the results file name (letters, digits, hyphens)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every sub-command."""
+    parser = argparse.ArgumentParser(prog="captioner", description=DESCRIPTION, formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, text: str, epilog: str | None = None) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=text, epilog=epilog, formatter_class=_HelpFormatter)
+
+    inputs_help = "image files, folders (searched recursively) and globs; - reads paths from standard input"
+    caption = command(
+        "caption", "caption image files, folders and globs, or the images of a COCO image list", CAPTION_OUTPUT
+    )
+    caption.add_argument("inputs", nargs="*", metavar="IMAGE", help=inputs_help)
+    _common(caption)
+    caption.add_argument("--json", action="store_true", help="JSON lines: path, caption, score, tokens (or error)")
+    _server(caption, "folder of the --image-info images")
+    caption.add_argument("--out", metavar="DIR", help="folder for the --image-info results file")
+    caption.add_argument("--force", action="store_true", help="overwrite an existing results file")
+
+    attend = command("attend", "draw the attention map of every generated word")
+    attend.add_argument("inputs", nargs="+", metavar="IMAGE", help=inputs_help)
+    _common(attend)
+    attend.add_argument("--out", required=True, help="FILE.png for one image, or a folder (with index.html)")
+    attend.add_argument("--force", action="store_true", help="overwrite an existing --out")
+
+    evaluate = command("evaluate", "BLEU and coco-caption metrics on a dataset split")
+    _common(evaluate)
+    evaluate.add_argument(
+        "--split",
+        choices=("train", "val", "test"),
+        default="test",
+        help="split of --shapes and --karpathy (and the name of the --coco-captions one)",
+    )
+    evaluate.add_argument("--shapes", help="root of the built-in dataset (python train.py generates data/shapes)")
+    evaluate.add_argument("--karpathy", help="Karpathy split file (dataset_coco.json, dataset_flickr8k.json, ...)")
+    evaluate.add_argument("--coco-captions", help="COCO captions file (captions_val2014.json, ...)")
+    evaluate.add_argument(
+        "--instances", help="COCO instances file of --coco-captions (boxes for attention correctness)"
+    )
+    _server(evaluate, "image root (--karpathy) or folder (--coco-captions, --image-info)")
+    evaluate.add_argument("--out", required=True, help="folder for results.json, metrics.json and per_image.json")
+    evaluate.add_argument("--no-coco", action="store_true", help="skip the Java coco-caption suite")
+    evaluate.add_argument("--force", action="store_true", help="overwrite the files of an earlier --out")
+    return parser

@@ -1,0 +1,97 @@
+"""What a training run prints and where: Lightning's messages into the run's log, the closing summary, the
+resume advice of a stopped run, and the W&B run closed at the end.
+
+stdout and the run's ``train.log`` hold the run's progress (Lightning's messages and Python's warnings
+included); stderr holds only the one-line error of a run that fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+# Overrides that a resumed run must not repeat: it starts from the stopped run's checkpoint. (Hydra's own
+# overrides, such as hydra.run.dir, are not among the job's: the resumed run gets a new folder.)
+_NOT_REPEATED = ("ckpt_path=", "init_from=")
+
+
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertisements ("💡 Tip: ... try installing litlogger / litmodels")."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip:")
+
+
+def route_lightning_logs() -> None:
+    """Send Lightning's messages where the run's own go (stdout and ``train.log``), not to stderr, without
+    its advertisements for its cloud services (printed on every run whatever the logger), and silence the
+    two warnings that are not the user's to act on.
+
+    On import Lightning gives its loggers stderr handlers of their own, so stderr would mix its progress
+    messages with the errors.
+    """
+    logging.captureWarnings(True)
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+    tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # rank_zero_info's logger
+    if not any(isinstance(f, _NoTips) for f in tips.filters):
+        tips.addFilter(_NoTips())
+    # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+    # Lightning's CombinedLoader builds torch's deprecated LeafSpec for every loader: its change to make.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
+def summary(metrics: dict, ckpt_path: str | None, bundle: Path, output_dir: Path) -> str:
+    """The lines a user acts on: the scores and where the files are."""
+    lines = ["", "validation BLEU (0-1, nltk corpus BLEU over all references, decoded, not teacher-forced):"]
+    lines.append("  " + "  ".join(f"BLEU-{n} {metrics.get(f'val/bleu{n}', float('nan')):.4f}" for n in range(1, 5)))
+    if "val/cider" in metrics:
+        lines.append(f"  CIDEr-D {metrics['val/cider']:.4f} (coco-caption's CIDEr on these tokens)")
+    if "val/attention_correctness" in metrics:
+        lines.append(
+            f"  attention correctness (attention mass inside the named object's box): "
+            f"{metrics['val/attention_correctness']:.3f}"
+        )
+    if "test/bleu4" in metrics:
+        lines.append(
+            "test BLEU: "
+            + "  ".join(f"BLEU-{n} {metrics[f'test/bleu{n}']:.4f}" for n in range(1, 5))
+            + f"  CIDEr-D {metrics.get('test/cider', float('nan')):.4f}"
+        )
+    lines.append(f"checkpoint:       {ckpt_path}")
+    lines.append(f"inference bundle: {bundle}")
+    lines.append(f"run folder:       {output_dir}")
+    lines.append(f"caption images:   captioner caption IMAGE... --model {bundle}")
+    return "\n".join(lines)
+
+
+def stopped_message(
+    how: str, epoch: int, step: int, checkpoint: str | None, folder: str, overrides: Sequence[str]
+) -> str:
+    """One line for a run stopped by a signal (``how``: "SIGTERM", "SIGINT") at ``epoch`` and ``step``: the
+    command that resumes it from its ``checkpoint``, or that none was written yet."""
+    where = f"training stopped by {how} at epoch {epoch}, step {step}"
+    if not checkpoint:
+        return f"{where}, before its first checkpoint: nothing to resume, run it again"
+    kept = [o for o in overrides if not o.startswith(_NOT_REPEATED)]
+    command = shlex.join(["python", "train.py", *kept, f"ckpt_path={folder}"])
+    return f"{where}; its last checkpoint is {checkpoint}: resume it with {command}"
+
+
+def finish_wandb(failed: bool) -> None:
+    """Close the W&B run that ``logger=wandb`` opened, if any, so that the next job of a sweep gets its own."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and wandb.run is not None:
+        wandb.finish(exit_code=1 if failed else 0)

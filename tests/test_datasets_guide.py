@@ -1,0 +1,109 @@
+"""docs/datasets.md works as written: a tiny tree in its exact COCO layout goes through its exact commands."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from captioner.data.shapes import shapes_records
+from captioner.data.vocab import tokenize
+from captioner.model.encoder import weight_file
+from conftest import ROOT, compose_plain, subprocess_env
+
+GUIDE = ROOT / "docs" / "datasets.md"
+# Only what makes the run tiny: a small random-weights encoder and decoder, 64 px, one epoch, on the CPU.
+TINY_RUN = [
+    "trainer=cpu",
+    "trainer.max_epochs=1",
+    "trainer.enable_progress_bar=false",
+    "model.encoder.name=resnet18",
+    "model.encoder.weights=null",
+    "model.encoder.grid=2",
+    "model.decoder.embed_dim=16",
+    "model.decoder.hidden_dim=16",
+    "model.decoder.attention_dim=16",
+    "model.decoding.beam_size=1",
+    "data.image_size=64",
+    "data.batch_size=16",
+    "data.eval_batch_size=16",
+    "data.num_workers=0",
+    "data.min_word_count=1",
+]
+TINY_EVALUATE = ["--max-len", "4", "--workers", "0", "--method", "greedy"]
+SPLIT_SIZES = {"train": 40, "restval": 8, "val": 8, "test": 8}
+
+
+def guide_commands(start: str) -> list[str]:
+    """The lines of the guide's command blocks that start with ``start``, their comments cut off."""
+    blocks = re.findall(r"```\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith(start)]
+
+
+def write_coco_tree(tiny_shapes: Path, data: Path) -> int:
+    """The guide's layout under ``data``: data/karpathy/dataset_coco.json and JPEGs in data/coco/train2014 and
+    val2014 named as COCO names them, from the tiny shapes dataset. Returns the number of training images."""
+    records = shapes_records(tiny_shapes, "train")
+    entries, start = [], 0
+    for split, count in SPLIT_SIZES.items():
+        folder = "train2014" if split == "train" else "val2014"  # Karpathy's val, test and restval are val2014's
+        for record in records[start : start + count]:
+            name = f"COCO_{folder}_{record.image_id:012d}.jpg"
+            (data / "coco" / folder).mkdir(parents=True, exist_ok=True)
+            Image.open(record.image_path).convert("RGB").save(data / "coco" / folder / name)
+            sentences = [{"tokens": tokenize(c), "raw": c} for c in record.captions]
+            entry = {"filepath": folder, "filename": name, "cocoid": record.image_id, "imgid": len(entries)}
+            entries.append({**entry, "split": split, "sentences": sentences})
+        start += count
+    (data / "karpathy").mkdir(parents=True)
+    (data / "karpathy" / "dataset_coco.json").write_text(json.dumps({"dataset": "coco", "images": entries}))
+    return SPLIT_SIZES["train"] + SPLIT_SIZES["restval"]
+
+
+def test_the_guide_names_the_files_the_coco_recipe_reads(tmp_path: Path) -> None:
+    from torchvision.models import get_model_weights
+
+    plain = compose_plain(["experiment=coco_soft"], tmp_path)
+    encoder = plain["model"]["encoder"]
+    weights = get_model_weights(encoder["name"])[encoder["weights"]]
+    text = GUIDE.read_text()
+    assert f"`model.encoder.weights: {encoder['weights']}` (with `model.encoder.name: {encoder['name']}`)" in text
+    assert weights.url in text and f"$TORCH_HOME/hub/checkpoints/{Path(weight_file(weights)).name}" in text
+    source = plain["data"]["source"]
+    assert (
+        source["split_file"] == f"{ROOT}/data/karpathy/dataset_coco.json"
+        and source["image_root"] == f"{ROOT}/data/coco"
+    )
+    assert "`data/karpathy/dataset_coco.json`" in text and "data/coco/train2014/COCO_train2014_*.jpg" in text
+
+
+@pytest.mark.slow
+def test_a_tiny_coco_tree_goes_through_the_guide(tiny_shapes: Path, tmp_path: Path) -> None:
+    n_train = write_coco_tree(tiny_shapes, tmp_path / "data")
+    (train,) = [c for c in guide_commands("python train.py experiment=coco_soft") if "feature_cache" in c]
+    command = [sys.executable, str(ROOT / "train.py"), *shlex.split(train)[2:], *TINY_RUN]
+    env = subprocess_env()
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = (tmp_path / "outputs" / "coco_soft" / "runs").iterdir()  # where the guide says
+    assert (run / "bundle.pt").is_file()
+    (cache,) = (tmp_path / "data" / "cache" / "coco").glob("train-*")
+    features = np.load(cache / "features.npy", mmap_mode="r")  # images x grid cells x channels, float16
+    assert features.shape == (n_train, 2 * 2, 512) and features.dtype == np.float16
+
+    (evaluate,) = guide_commands("captioner evaluate --model outputs/coco_soft")
+    args = shlex.split(evaluate.replace("<run>", run.name))[1:]
+    script = "import sys; from captioner.cli import main; sys.exit(main(sys.argv[1:]))"
+    command = [sys.executable, "-c", script, *args, *TINY_EVALUATE]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "eval" / "coco_soft" / "metrics.json").read_text())
+    assert metrics["images"] == SPLIT_SIZES["test"] and 0.0 <= metrics["bleu"]["bleu4"] <= 1.0
