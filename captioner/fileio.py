@@ -95,6 +95,8 @@ def save_torch(obj: Any, path: str | os.PathLike) -> None:
 def _missing_device(map_location: Any) -> str | None:
     """Why this machine cannot hold tensors on the device ``map_location`` names; None when it can (or when
     ``map_location`` is a mapping or a function, which torch applies itself)."""
+    import torch
+
     if not isinstance(map_location, (str, torch.device)):
         return None
     try:
