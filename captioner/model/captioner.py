@@ -98,30 +98,15 @@ class Captioner(nn.Module):
         return self.decoder(self.attend_grid(features, grid), captions, image_index)
 
     @torch.no_grad()
-    def generate(
-        self,
-        images: Tensor,
-        generator: torch.Generator | None = None,
-        start_id: int = Vocabulary.start_id,
-        end_id: int = Vocabulary.end_id,
-        unk_id: int | None = None,
-        static_shapes: bool | None = ModelConfig.static_shapes,
-        **settings: Any,
-    ) -> tuple[Generation, Grid]:
+    def generate(self, images: Tensor, **options: Any) -> tuple[Generation, Grid]:
         """Caption images (B, 3, H_img, W_img) without gradients; call ``.eval()`` first.
 
-        ``settings`` are ``DecodingConfig`` fields over captioning's defaults (``DecodingConfig.captioning``:
-        beam search): ``method`` "greedy", "sample" (``temperature``, ``generator``) or "beam" (``beam_size``,
-        ``length_penalty``); every method takes ``max_len``, ``min_len`` (no <end> before that many words) and
-        ``no_repeat_ngram_size`` (no n-gram of that size twice in a caption); ConfigError names a bad one.
-        ``static_shapes``: see ``ModelConfig.static_shapes``. ``unk_id`` (the vocabulary's <unk>) is never
-        generated when given. Returns the Generation (tokens, scores, per-word alphas (B, T, L), lengths) and
+        ``options``: the keywords of ``generate_from_features`` (the decoding settings and their defaults are
+        written there once). Returns the Generation (tokens, scores, per-word alphas (B, T, L), lengths) and
         the (H, W) grid that the L attention weights of each word lie on.
         """
         features, grid = self.encode(images)  # (B, L', C')
-        return self.generate_from_features(
-            features, grid, generator, start_id, end_id, unk_id, static_shapes, **settings
-        )
+        return self.generate_from_features(features, grid, **options)
 
     @torch.no_grad()
     def generate_from_features(
@@ -135,8 +120,15 @@ class Captioner(nn.Module):
         static_shapes: bool | None = ModelConfig.static_shapes,
         **settings: Any,
     ) -> tuple[Generation, Grid]:
-        """Like ``generate`` from (cached) ``encode`` output (B, L', C') on its grid (default square); the
-        grid returned is the attention's."""
+        """Caption (cached) ``encode`` output (B, L', C') on its grid (default square) without gradients.
+
+        ``settings`` are ``DecodingConfig`` fields over captioning's defaults (``DecodingConfig.captioning``:
+        beam search): ``method`` "greedy", "sample" (``temperature``, ``generator``) or "beam" (``beam_size``,
+        ``length_penalty``); every method takes ``max_len``, ``min_len`` (no <end> before that many words) and
+        ``no_repeat_ngram_size`` (no n-gram of that size twice in a caption); ConfigError names a bad one.
+        ``static_shapes``: see ``ModelConfig.static_shapes``. ``unk_id`` (the vocabulary's <unk>) is never
+        generated when given. Returns the Generation and the grid the attention weights lie on.
+        """
         decoding = DecodingConfig.captioning(**settings)
         features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         features = self.attend_grid(features, grid)  # (B, L, C)

@@ -113,6 +113,7 @@ class CaptionerModule(L.LightningModule):
             settings.scst,
             settings.decoding.max_len,
             self.vocab,
+            settings.static_shapes,
         )
 
     def on_train_epoch_end(self) -> None:
@@ -161,6 +162,7 @@ class CaptionerModule(L.LightningModule):
             start_id=self.vocab.start_id,
             end_id=self.vocab.end_id,
             unk_id=self.vocab.unk_id,
+            static_shapes=self.settings.static_shapes,
         )
         if "features" in batch:
             return self.model.generate_from_features(objectives.cached_features(batch, self.dtype), **kwargs)

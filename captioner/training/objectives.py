@@ -49,13 +49,17 @@ def self_critical_terms(
     scst: ScstConfig,
     max_len: int,
     vocab: Vocabulary,
+    static_shapes: bool | None,
 ) -> dict[str, torch.Tensor]:
     """SCST loss terms of a batch: ``scst.samples`` captions of at most ``max_len`` words sampled per image,
-    scored by CIDEr-D against its references (``cider``'s rows ``batch["indices"]``)."""
+    scored by CIDEr-D against its references (``cider``'s rows ``batch["indices"]``); ``static_shapes`` as
+    ``ModelConfig.static_shapes`` says."""
     encoded = (cached_features(batch, dtype),) if "features" in batch else model.encode(batch["images"])
     features = model.attend_grid(*model.finish_encoding(*encoded))  # (B, L, C)
     samples, images = scst.samples, batch["indices"]  # images: rows of the reward's corpus
-    ids = dict(max_len=max_len, start_id=vocab.start_id, end_id=vocab.end_id, unk_id=vocab.unk_id)
+    ids = dict(
+        max_len=max_len, start_id=vocab.start_id, end_id=vocab.end_id, unk_id=vocab.unk_id, static_shapes=static_shapes
+    )
     drawn = rollout(model.decoder, features, samples, **ids)
     rewards = caption_rewards(cider, drawn.tokens, drawn.lengths, images.repeat_interleave(samples), vocab.end_id)
     greedy_rewards = None
