@@ -16,6 +16,7 @@ from captioner.model.self_attention import (
     clipped_offset_index,
     sinusoidal_grid_encoding,
 )
+from captioner.training.validate import error_line
 from conftest import compose_cfg
 
 GRID = (2, 3)  # H, W -> L = 6
@@ -300,10 +301,8 @@ def test_bundles_written_with_positional_true_or_false_still_load():
 
 
 def test_a_config_with_positional_true_is_refused_in_one_line_naming_the_choices(tmp_path):
-    import train
-
     with pytest.raises(Exception) as raised:
         compose_cfg(["model.self_attention.positional=true"], tmp_path)
-    assert train.one_line(raised.value) == (
+    assert error_line(raised.value) == (
         "model.self_attention.positional=True is not valid; choose one of: none, absolute, relative"
     )
