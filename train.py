@@ -57,8 +57,9 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
 
     from captioner.evaluation.results import write_metrics, write_results
-    from captioner.run_files import BUNDLE_NAME
+    from captioner.run_files import BUNDLE_NAME, METRICS_FILE, VAL_CAPTIONS_FILE
     from captioner.training.logs import route_lightning_logs, summary
+    from captioner.training.metrics import PROGRESS, VAL, metric
     from captioner.training.run_folder import print_config_tree
     from captioner.training.start import model_settings, resolve_start
     from captioner.training.validate import check_environment
@@ -98,14 +99,14 @@ def train(cfg: DictConfig) -> float | None:
             trainer.test(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)[0]
         )
     if not trainer.is_global_zero:
-        return metrics.get("val/bleu4")
+        return metrics.get(metric(VAL, PROGRESS))
 
-    write_results(output_dir / "val_captions.json", {i: " ".join(w) for i, w in module.predictions["val"].items()})
-    write_metrics(output_dir / "metrics.json", {k: float(v) for k, v in metrics.items()})
+    write_results(output_dir / VAL_CAPTIONS_FILE, {i: " ".join(w) for i, w in module.predictions[VAL].items()})
+    write_metrics(output_dir / METRICS_FILE, {k: float(v) for k, v in metrics.items()})
     bundle = output_dir / BUNDLE_NAME
     module.export_bundle(str(bundle))
     print(summary(metrics, ckpt_path, bundle, output_dir))
-    return metrics.get("val/bleu4")
+    return metrics.get(metric(VAL, PROGRESS))
 
 
 def fit(trainer: object, module: object, datamodule: object, ckpt_path: str | None) -> None:

@@ -16,7 +16,8 @@ from captioner.errors import ConfigError, DataError
 def run(args: argparse.Namespace) -> int:
     """Decode a dataset split; report BLEU (nltk) and the coco-caption suite; write results, metrics and the
     scores of each image. With ``--image-info`` (images without captions) write the server's results file."""
-    from captioner.evaluation.report import METRICS_FILE, PER_IMAGE_FILE, RESULTS_FILE, evaluate_split
+    from captioner.evaluation.report import PER_IMAGE_FILE, RESULTS_FILE, evaluate_split
+    from captioner.run_files import METRICS_FILE
 
     datasets = [name for name in ("shapes", "karpathy", "coco_captions", "image_info") if getattr(args, name)]
     if len(datasets) != 1:

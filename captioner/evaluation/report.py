@@ -16,9 +16,9 @@ from captioner.evaluation.correctness import AttentionCorrectness
 from captioner.evaluation.results import SCALE, write_metrics, write_results
 from captioner.fileio import write_json
 from captioner.inference import LoadedModel, caption_files
+from captioner.run_files import METRICS_FILE
 
 RESULTS_FILE = "results.json"
-METRICS_FILE = "metrics.json"
 PER_IMAGE_FILE = "per_image.json"
 
 

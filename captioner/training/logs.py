@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from captioner.training.metrics import BLEU, CIDER, CORRECTNESS, PROGRESS, TEST, VAL, metric
+
 # Overrides that a resumed run must not repeat: it starts from the stopped run's checkpoint. (Hydra's own
 # overrides, such as hydra.run.dir, are not among the job's: the resumed run gets a new folder.)
 _NOT_REPEATED = ("ckpt_path=", "init_from=")
@@ -56,19 +58,20 @@ def route_lightning_logs() -> None:
 def summary(metrics: dict, ckpt_path: str | None, bundle: Path, output_dir: Path) -> str:
     """The lines a user acts on: the scores and where the files are."""
     lines = ["", "validation BLEU (0-1, nltk corpus BLEU over all references, decoded, not teacher-forced):"]
-    lines.append("  " + "  ".join(f"BLEU-{n} {metrics.get(f'val/bleu{n}', float('nan')):.4f}" for n in range(1, 5)))
-    if "val/cider" in metrics:
-        lines.append(f"  CIDEr-D {metrics['val/cider']:.4f} (coco-caption's CIDEr on these tokens)")
-    if "val/attention_correctness" in metrics:
+    bleu = {split: [metrics.get(metric(split, name), float("nan")) for name in BLEU] for split in (VAL, TEST)}
+    lines.append("  " + "  ".join(f"BLEU-{n} {value:.4f}" for n, value in enumerate(bleu[VAL], 1)))
+    if metric(VAL, CIDER) in metrics:
+        lines.append(f"  CIDEr-D {metrics[metric(VAL, CIDER)]:.4f} (coco-caption's CIDEr on these tokens)")
+    if metric(VAL, CORRECTNESS) in metrics:
         lines.append(
             f"  attention correctness (attention mass inside the named object's box): "
-            f"{metrics['val/attention_correctness']:.3f}"
+            f"{metrics[metric(VAL, CORRECTNESS)]:.3f}"
         )
-    if "test/bleu4" in metrics:
+    if metric(TEST, PROGRESS) in metrics:
         lines.append(
             "test BLEU: "
-            + "  ".join(f"BLEU-{n} {metrics[f'test/bleu{n}']:.4f}" for n in range(1, 5))
-            + f"  CIDEr-D {metrics.get('test/cider', float('nan')):.4f}"
+            + "  ".join(f"BLEU-{n} {value:.4f}" for n, value in enumerate(bleu[TEST], 1))
+            + f"  CIDEr-D {metrics.get(metric(TEST, CIDER), float('nan')):.4f}"
         )
     lines.append(f"checkpoint:       {ckpt_path}")
     lines.append(f"inference bundle: {bundle}")
