@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from captioner.config import DataConfig, ModelConfig, from_dict
+from captioner.config import CAPTIONING_BATCH_SIZE, DataConfig, ModelConfig, from_dict
 from captioner.data.shapes import ShapesSpec, make_scene
 from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import Captioner
@@ -51,7 +51,6 @@ MiB = 2**20
 # Tensor methods that copy a value to the host (a device synchronisation on a GPU).
 HOST_READS = frozenset({"__bool__", "__int__", "__float__", "__index__", "item", "tolist", "numpy"})
 CAPTIONS_PER_IMAGE = 5  # COCO's and the demo's references per image
-CAPTION_BATCH = 32  # images per captioning batch: `captioner caption`'s default --batch-size
 # The experiments benchmarked: the paper's COCO recipe and the built-in demo (`python train.py`).
 EXPERIMENTS = {"soft": ("coco_soft", "demo"), "hard": ("coco_hard", "demo")}
 # Nothing can be downloaded, and timing does not depend on the weights' values.
@@ -198,7 +197,7 @@ class Setup:
     @property
     def caption_batch(self) -> int:
         """Images per captioning batch."""
-        return 2 if self.name == "tiny" else CAPTION_BATCH
+        return 2 if self.name == "tiny" else CAPTIONING_BATCH_SIZE
 
     def describe(self) -> str:
         """One line with every number of this size."""

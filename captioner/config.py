@@ -320,6 +320,7 @@ class DecodingConfig(Settings):
 # How captioning decodes by default (validation and test: DecodingConfig.method): beam search finds better
 # captions than greedy decoding, for a cost paid once per image rather than every epoch.
 CAPTIONING_METHOD = DecodeMethod.beam
+CAPTIONING_BATCH_SIZE = 32  # images encoded and decoded together (caption(), `captioner caption --batch-size`)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.bundle import TrainedModel, load_trained
+from captioner.config import CAPTIONING_BATCH_SIZE
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.errors import check_range
@@ -69,7 +70,9 @@ class Captioned:
 class LoadedModel(TrainedModel):
     """A trained captioner ready for inference (``model`` in eval mode, ``vocab``, ``config``, ``image_size``)."""
 
-    def caption(self, images: Images, batch_size: int = 32, **decode: object) -> Captioned | list[Captioned]:
+    def caption(
+        self, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, **decode: object
+    ) -> Captioned | list[Captioned]:
         """Caption image files, PIL images or image tensors; see :func:`caption_images`.
 
         One image gives one :class:`Captioned` (``.caption``, ``.score``, ``.alphas`` (T, H*W) on ``.grid``),
@@ -109,7 +112,12 @@ def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, **decode) -> list[
 
 
 def caption_files(
-    loaded: LoadedModel, paths: Sequence[str], batch_size: int = 32, workers: int = 0, progress: bool = False, **decode
+    loaded: LoadedModel,
+    paths: Sequence[str],
+    batch_size: int = CAPTIONING_BATCH_SIZE,
+    workers: int = 0,
+    progress: bool = False,
+    **decode,
 ) -> Iterator[Captioned | Skipped]:
     """Caption ``paths`` a batch at a time, yielding one result per path in input order.
 
@@ -147,7 +155,9 @@ def _one_image(images: Images) -> bool:
     return not isinstance(images, (list, tuple))
 
 
-def caption_images(loaded: LoadedModel, images: Images, batch_size: int = 32, **decode) -> Captioned | list[Captioned]:
+def caption_images(
+    loaded: LoadedModel, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, **decode
+) -> Captioned | list[Captioned]:
     """Caption image files, PIL images or image tensors, ``batch_size`` at a time, on the model's device.
 
     ``images`` is one image or a list of them (mixed kinds allowed), or a batch tensor (B, 3, H, W). A

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from captioner import __version__
-from captioner.config import CAPTIONING_METHOD, DecodeMethod, DecodingConfig
+from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_METHOD, DecodeMethod, DecodingConfig
 
 DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a dataset.
 
@@ -80,7 +80,9 @@ def _common(sub: argparse.ArgumentParser) -> None:
         default=DecodingConfig.no_repeat_ngram_size,
         help="no n-gram of this many words twice in a caption (0: off)",
     )
-    sub.add_argument("--batch-size", type=int, default=32, help="images encoded and decoded together")
+    sub.add_argument(
+        "--batch-size", type=int, default=CAPTIONING_BATCH_SIZE, help="images encoded and decoded together"
+    )
     sub.add_argument("--workers", type=int, default=2, help="image-decoding processes; 0 decodes in this one")
     sub.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     sub.add_argument(
