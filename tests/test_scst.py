@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from captioner.data.vocab import PAD_ID
 from captioner.errors import ConfigError
 from captioner.model import decoding
 from captioner.model.decoder import ShowAttendTellDecoder
-from captioner.model.decoding import PAD_ID, rollout
+from captioner.model.decoding import rollout
 from captioner.model.losses import SelfCriticalLoss
 from conftest import END, START, features_for, logged, make_decoder, run_train, tiny_overrides
 

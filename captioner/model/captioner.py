@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from captioner.config import DecodingConfig, ModelConfig, NetConfig
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import END_ID, START_ID
 from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
 from captioner.model.decoding import Generation, decode
 from captioner.model.encoder import Encoder
@@ -114,8 +114,8 @@ class Captioner(nn.Module):
         features: Tensor,
         grid: Grid | None = None,
         generator: torch.Generator | None = None,
-        start_id: int = Vocabulary.start_id,
-        end_id: int = Vocabulary.end_id,
+        start_id: int = START_ID,
+        end_id: int = END_ID,
         unk_id: int | None = None,
         static_shapes: bool | None = ModelConfig.static_shapes,
         **settings: Any,

@@ -8,7 +8,7 @@ call has the same shapes and kernels, what a captured CUDA graph needs; the capt
 are the same either way (the extra steps only add <pad>). ``None`` (``ModelConfig.static_shapes``)
 picks static on CUDA, dynamic elsewhere. <pad> and <start> are never generated, nor <unk> when its
 ``unk_id`` is given (the vocabulary's: a caption never says "unknown word"). Defaults are read from their
-owners: ``DecodingConfig`` (the settings) and ``Vocabulary`` (the special-token ids).
+owners: ``DecodingConfig`` (the settings) and ``data.vocab`` (the special-token ids).
 Call them on a decoder in eval mode.
 
 Two constraints apply to every method, on the device: ``min_len`` forbids <end> before that many
@@ -25,11 +25,10 @@ import torch
 from torch import Tensor
 
 from captioner.config import DecodeMethod, DecodingConfig, ModelConfig
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import END_ID, PAD_ID, START_ID
 from captioner.errors import ConfigError, check_range
 from captioner.model.decoder import ShowAttendTellDecoder
 
-PAD_ID = Vocabulary.pad_id  # fills the tokens after <end>
 EXIT_CHECK_INTERVAL = 4  # steps between the host checks for "every image is done"
 
 
@@ -81,8 +80,8 @@ def greedy(
     decoder: ShowAttendTellDecoder,
     features: Tensor,
     max_len: int = DecodingConfig.max_len,
-    start_id: int = Vocabulary.start_id,
-    end_id: int = Vocabulary.end_id,
+    start_id: int = START_ID,
+    end_id: int = END_ID,
     min_len: int = DecodingConfig.min_len,
     no_repeat_ngram_size: int = DecodingConfig.no_repeat_ngram_size,
     unk_id: int | None = None,
@@ -106,8 +105,8 @@ def sample(
     decoder: ShowAttendTellDecoder,
     features: Tensor,
     max_len: int = DecodingConfig.max_len,
-    start_id: int = Vocabulary.start_id,
-    end_id: int = Vocabulary.end_id,
+    start_id: int = START_ID,
+    end_id: int = END_ID,
     temperature: float = DecodingConfig.temperature,
     generator: torch.Generator | None = None,
     min_len: int = DecodingConfig.min_len,
@@ -183,8 +182,8 @@ def beam_search(
     decoder: ShowAttendTellDecoder,
     features: Tensor,
     max_len: int = DecodingConfig.max_len,
-    start_id: int = Vocabulary.start_id,
-    end_id: int = Vocabulary.end_id,
+    start_id: int = START_ID,
+    end_id: int = END_ID,
     beam_size: int = DecodingConfig.beam_size,
     length_penalty: float = DecodingConfig.length_penalty,
     min_len: int = DecodingConfig.min_len,
@@ -325,8 +324,8 @@ def rollout(
     features: Tensor,
     samples: int,
     max_len: int = DecodingConfig.max_len,
-    start_id: int = Vocabulary.start_id,
-    end_id: int = Vocabulary.end_id,
+    start_id: int = START_ID,
+    end_id: int = END_ID,
     generator: torch.Generator | None = None,
     unk_id: int | None = None,
     static_shapes: bool | None = ModelConfig.static_shapes,
@@ -373,8 +372,8 @@ def decode(
     features: Tensor,
     settings: DecodingConfig,
     generator: torch.Generator | None = None,
-    start_id: int = Vocabulary.start_id,
-    end_id: int = Vocabulary.end_id,
+    start_id: int = START_ID,
+    end_id: int = END_ID,
     unk_id: int | None = None,
     static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
