@@ -7,8 +7,8 @@ Everything here is picklable (no lambdas), so DataLoader workers can be used.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +32,15 @@ def build_transform(image_size: int, train: bool, augment: bool = False) -> v2.C
     """
     check_range("image_size", image_size, 1, kind=int)
     if train and augment:
-        steps = [v2.RandomResizedCrop((image_size, image_size), scale=(0.8, 1.0), antialias=True),
-                    v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2, hue=0.02)]
+        steps = [
+            v2.RandomResizedCrop((image_size, image_size), scale=(0.8, 1.0), antialias=True),
+            v2.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.2, hue=0.02),
+        ]
     else:
         steps = [v2.Resize((image_size, image_size), antialias=True)]
-    return v2.Compose([*steps, v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    return v2.Compose(
+        [*steps, v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    )
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,14 @@ class CaptionDataset(Dataset):
     encoder runs on) each image once. ``per_caption=True``: one item per (image, caption) pair.
     """
 
-    def __init__(self, records: Sequence[Record], vocab: Vocabulary,
-                 transform: Callable[[Image.Image], torch.Tensor],
-                 max_len: int = 20, per_caption: bool = False) -> None:
+    def __init__(
+        self,
+        records: Sequence[Record],
+        vocab: Vocabulary,
+        transform: Callable[[Image.Image], torch.Tensor],
+        max_len: int = 20,
+        per_caption: bool = False,
+    ) -> None:
         check_range("max_len", max_len, 1, kind=int)
         self.records = list(records)
         self.vocab = vocab
@@ -65,7 +73,9 @@ class CaptionDataset(Dataset):
         self.max_len = max_len
         self.items: list[tuple[int, int | None]] = (
             [(i, k) for i, r in enumerate(self.records) for k in range(len(r.captions))]
-            if per_caption else [(i, None) for i in range(len(self.records))])
+            if per_caption
+            else [(i, None) for i in range(len(self.records))]
+        )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -84,8 +94,7 @@ class CaptionDataset(Dataset):
         captions = record.captions if k is None else (record.captions[k],)
         return {
             "image": self.transform(image),  # (3, H, W)
-            "captions": [torch.tensor(self.vocab.encode(c, self.max_len), dtype=torch.long)
-                         for c in captions],
+            "captions": [torch.tensor(self.vocab.encode(c, self.max_len), dtype=torch.long) for c in captions],
             "image_id": record.image_id,
             "index": i,
         }
@@ -126,9 +135,15 @@ def collate(items: list[dict | Skipped], pad_to: int | None = None) -> dict:
 def _empty_batch(skipped: list[Skipped]) -> dict:
     """A batch with no images (every item was skipped)."""
     empty = torch.zeros(0, dtype=torch.long)
-    return {"images": torch.zeros(0, 3, 0, 0), "captions": torch.zeros(0, 0, dtype=torch.long),
-            "lengths": empty, "image_index": empty, "image_ids": empty, "indices": empty,
-            "skipped": skipped}
+    return {
+        "images": torch.zeros(0, 3, 0, 0),
+        "captions": torch.zeros(0, 0, dtype=torch.long),
+        "lengths": empty,
+        "image_index": empty,
+        "image_ids": empty,
+        "indices": empty,
+        "skipped": skipped,
+    }
 
 
 class SkipCounter:

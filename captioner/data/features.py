@@ -17,8 +17,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,8 +58,13 @@ class FeatureCache:
         return (self.folder / "index.json").is_file() and (self.folder / "features.npy").is_file()
 
     @torch.no_grad()
-    def build(self, encode: Callable[[torch.Tensor], tuple[torch.Tensor, tuple[int, int]]],
-              loader: DataLoader, device: torch.device | str, dtype: str = "float16") -> None:
+    def build(
+        self,
+        encode: Callable[[torch.Tensor], tuple[torch.Tensor, tuple[int, int]]],
+        loader: DataLoader,
+        device: torch.device | str,
+        dtype: str = "float16",
+    ) -> None:
         """Run ``encode`` over every image of ``loader`` once and store the features atomically.
 
         Images the loader could not read are recorded with their reason. Another process that finished
@@ -80,8 +86,15 @@ class FeatureCache:
         try:
             with atomic_write(tmp / "features.npy") as handle:
                 np.save(handle, np.concatenate(chunks) if chunks else np.zeros((0, 0, 0), dtype))
-            write_json(tmp / "index.json", {"image_ids": ids, "grid": list(grid), "dtype": dtype,
-                                            "skipped": [[s.path, s.reason] for s in skipped]})
+            write_json(
+                tmp / "index.json",
+                {
+                    "image_ids": ids,
+                    "grid": list(grid),
+                    "dtype": dtype,
+                    "skipped": [[s.path, s.reason] for s in skipped],
+                },
+            )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -90,8 +103,10 @@ class FeatureCache:
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
             if not self.exists():
-                raise DataError(f"{self.folder} is in the way of the feature cache and is not a complete one; "
-                                "move it away or point data.feature_cache elsewhere") from None
+                raise DataError(
+                    f"{self.folder} is in the way of the feature cache and is not a complete one; "
+                    "move it away or point data.feature_cache elsewhere"
+                ) from None
 
     def _open(self) -> None:
         index = read_json(self.folder / "index.json", "feature cache index")
@@ -129,14 +144,23 @@ class FeatureCache:
 class FeatureCaptionDataset(Dataset):
     """Like ``CaptionDataset`` but yields cached ``features`` (L, C) instead of decoding the image."""
 
-    def __init__(self, records: list[Record], vocab: Vocabulary, cache: FeatureCache, max_len: int = 20,
-                 per_caption: bool = False) -> None:
+    def __init__(
+        self,
+        records: list[Record],
+        vocab: Vocabulary,
+        cache: FeatureCache,
+        max_len: int = 20,
+        per_caption: bool = False,
+    ) -> None:
         self.records = records
         self.vocab = vocab
         self.cache = cache
         self.max_len = max_len
-        self.items = ([(i, k) for i, r in enumerate(records) for k in range(len(r.captions))]
-                      if per_caption else [(i, None) for i in range(len(records))])
+        self.items = (
+            [(i, k) for i, r in enumerate(records) for k in range(len(r.captions))]
+            if per_caption
+            else [(i, None) for i in range(len(records))]
+        )
 
     def __len__(self) -> int:
         return len(self.items)

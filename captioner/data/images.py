@@ -73,9 +73,10 @@ def to_rgb(image: Image.Image | torch.Tensor) -> Image.Image:
     image = image.detach().cpu()
     if image.is_floating_point():
         low, high = float(image.min()), float(image.max())
-        if not (0.0 <= low and high <= 1.0):
-            raise ValueError(f"a floating-point image tensor holds values in [0, 1] (not normalised), got "
-                             f"[{low:.3g}, {high:.3g}]")
+        if not (low >= 0.0 and high <= 1.0):
+            raise ValueError(
+                f"a floating-point image tensor holds values in [0, 1] (not normalised), got [{low:.3g}, {high:.3g}]"
+            )
         image = (image.double() * 255.0).round().to(torch.uint8)  # the nearest level, as for 16-bit files
     elif image.dtype != torch.uint8:
         raise ValueError(f"an image tensor is uint8 or floating point, got {image.dtype}")

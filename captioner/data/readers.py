@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
 
 from pycocotools.coco import COCO
 
@@ -43,8 +44,9 @@ class Record:
     boxes: tuple[Box, ...] = ()
 
 
-def read_coco(captions_file: str | Path, image_dir: str | Path, split: str,
-              instances_file: str | Path | None = None) -> list[Record]:
+def read_coco(
+    captions_file: str | Path, image_dir: str | Path, split: str, instances_file: str | Path | None = None
+) -> list[Record]:
     """Records of a COCO captions file (2014 or 2017 format), sorted by image id.
 
     Images without captions are left out. With ``instances_file`` each record gets the boxes of its
@@ -80,8 +82,9 @@ def read_image_info(info_file: str | Path, image_dir: str | Path) -> list[Record
     return [record for _, record in sorted(records.items())]
 
 
-def read_karpathy(split_file: str | Path, image_root: str | Path,
-                  splits: Sequence[str] = SPLITS, restval_as_train: bool = True) -> list[Record]:
+def read_karpathy(
+    split_file: str | Path, image_root: str | Path, splits: Sequence[str] = SPLITS, restval_as_train: bool = True
+) -> list[Record]:
     """Records of a Karpathy split file (``dataset_coco.json``, ``dataset_flickr8k.json``, ...).
 
     The image id is ``cocoid`` when present, else ``imgid``; the path is
@@ -102,8 +105,7 @@ def read_karpathy(split_file: str | Path, image_root: str | Path,
     return [r for _, r in sorted(records.items()) if r.split in splits and r.captions]
 
 
-def _karpathy_record(entry: Any, where: str, file: str | Path, image_root: Path,
-                     restval_as_train: bool) -> Record:
+def _karpathy_record(entry: Any, where: str, file: str | Path, image_root: Path, restval_as_train: bool) -> Record:
     """One Karpathy ``images[]`` entry as a Record (split ``restval`` when not merged into train)."""
     split = _field(entry, "split", str, where, file)
     if split not in KARPATHY_SPLITS:
@@ -117,8 +119,7 @@ def _karpathy_record(entry: Any, where: str, file: str | Path, image_root: Path,
     folder = image_root / _field(entry, "filepath", str, where, file) if "filepath" in entry else image_root
     path = folder / _field(entry, "filename", str, where, file)
     sentences = _field(entry, "sentences", list, where, file)
-    captions = tuple(_field(s, "raw", str, f"{where} sentence {k}", file).strip()
-                     for k, s in enumerate(sentences))
+    captions = tuple(_field(s, "raw", str, f"{where} sentence {k}", file).strip() for k, s in enumerate(sentences))
     return Record(str(path), image_id, captions, split)
 
 
@@ -128,8 +129,10 @@ def _read_boxes(instances_file: str | Path) -> dict[int, tuple[Box, ...]]:
     boxes = {}
     for image_id, anns in coco.imgToAnns.items():
         image = coco.imgs[image_id]
-        boxes[image_id] = tuple(coco_box(ann["bbox"], coco.cats[ann["category_id"]]["name"],
-                                     image["width"], image["height"]) for ann in anns)
+        boxes[image_id] = tuple(
+            coco_box(ann["bbox"], coco.cats[ann["category_id"]]["name"], image["width"], image["height"])
+            for ann in anns
+        )
     return boxes
 
 
@@ -158,9 +161,12 @@ def _check_captions(data: dict, path: str | Path) -> None:
     """Raise DataError unless ``data`` has the structure of a COCO captions file."""
     image_ids = _check_images(data, path, {"file_name": str})
     if "annotations" not in data:
-        _fail(path, "the file has no 'annotations': it lists images without captions (an image_info file, "
-                    "as COCO ships for its test images), so there is nothing to score against; write its "
-                    "results file for the evaluation server with --image-info FILE --images DIR --out DIR")
+        _fail(
+            path,
+            "the file has no 'annotations': it lists images without captions (an image_info file, "
+            "as COCO ships for its test images), so there is nothing to score against; write its "
+            "results file for the evaluation server with --image-info FILE --images DIR --out DIR",
+        )
     for index, ann in enumerate(_field(data, "annotations", list, "the file", path)):
         where = f"annotation {index}"
         _field(ann, "id", int, where, path)

@@ -18,10 +18,10 @@ Layout under ``root``::
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -31,8 +31,13 @@ from captioner.data.vocab import tokenize
 from captioner.errors import DataError, check_range
 from captioner.fileio import atomic_write, read_json, write_json
 
-COLOURS = {"red": (215, 48, 39), "green": (40, 160, 70), "blue": (40, 90, 215),
-           "yellow": (240, 200, 20), "purple": (135, 60, 175)}
+COLOURS = {
+    "red": (215, 48, 39),
+    "green": (40, 160, 70),
+    "blue": (40, 90, 215),
+    "yellow": (240, 200, 20),
+    "purple": (135, 60, 175),
+}
 SHAPES = ("circle", "square", "triangle")
 CELLS = ("top left", "top", "top right", "left", "center", "right", "bottom left", "bottom", "bottom right")
 META, PARTIAL = "meta.json", ".generating.json"
@@ -46,18 +51,26 @@ _INFO = {"description": "captioner built-in shapes dataset", "version": str(_VER
 _CORNER = (("in the {} corner", "at the {}", "in the {}"), ("in the {}", "at the {}"))
 _EDGE_V = (("at the {}", "near the {}", "at the {} of the image"), ("at the {}",))
 _EDGE_H = (("on the {}", "on the {} side", "on the {} of the image"), ("on the {}",))
-_MIDDLE = (("in the center", "in the middle", "in the center of the image"),
-           ("in the center", "in the middle"))
+_MIDDLE = (("in the center", "in the middle", "in the center of the image"), ("in the center", "in the middle"))
 _PHRASES = (_CORNER, _EDGE_V, _CORNER, _EDGE_H, _MIDDLE, _EDGE_H, _CORNER, _EDGE_V, _CORNER)
 
-_SINGLE = ("a {a} {p}", "there is a {a} {p}", "{p} there is a {a}", "a {a} can be seen {p}",
-           "the image shows a {a} {p}", "a picture of a {a} {p}")
+_SINGLE = (
+    "a {a} {p}",
+    "there is a {a} {p}",
+    "{p} there is a {a}",
+    "a {a} can be seen {p}",
+    "the image shows a {a} {p}",
+    "a picture of a {a} {p}",
+)
 _ALONE = ("a single {a} on a plain background", "one {a} on a light background", "a picture of one {a}")
 _PAIR = ("a {a} {pa} and a {b} {pb}", "{pa} a {a} and {pb} a {b}")
 _RELATION = ("a {a} {r} a {b}", "there is a {a} {r} a {b}", "the {a} is {r} the {b}", "a {a} sits {r} a {b}")
 _LIST2 = ("a {a} and a {b}", "two shapes, a {a} and a {b}", "a {a} and a {b} on a plain background")
-_LIST3 = ("a {a}, a {b} and a {c}", "three shapes: a {a}, a {b} and a {c}",
-          "a {a}, a {b} and a {c} on a plain background")
+_LIST3 = (
+    "a {a}, a {b} and a {c}",
+    "three shapes: a {a}, a {b} and a {c}",
+    "a {a}, a {b} and a {c} on a plain background",
+)
 
 
 @dataclass(frozen=True)
@@ -137,8 +150,12 @@ def shapes_records(root: str | Path, split: str) -> list[Record]:
     if not (root / META).is_file():
         raise DataError(f"{root} holds no generated shapes dataset ({META} is missing); run generate_shapes")
     annotations = root / "annotations"
-    return read_coco(annotations / f"captions_{split}.json", root / "images" / split, split,
-                     instances_file=annotations / f"instances_{split}.json")
+    return read_coco(
+        annotations / f"captions_{split}.json",
+        root / "images" / split,
+        split,
+        instances_file=annotations / f"instances_{split}.json",
+    )
 
 
 def make_scene(spec: ShapesSpec, split: str, index: int) -> Scene:
@@ -148,8 +165,10 @@ def make_scene(spec: ShapesSpec, split: str, index: int) -> Scene:
     cells = rng.choice(9, size=count, replace=False)
     kinds = rng.choice(len(COLOURS) * len(SHAPES), size=count, replace=False)  # distinct colour+shape
     colours = list(COLOURS)
-    shapes = tuple(Shape(colours[k // len(SHAPES)], SHAPES[k % len(SHAPES)], int(c),
-                         _place(rng, int(c), spec.image_size)) for c, k in zip(cells, kinds))
+    shapes = tuple(
+        Shape(colours[k // len(SHAPES)], SHAPES[k % len(SHAPES)], int(c), _place(rng, int(c), spec.image_size))
+        for c, k in zip(cells, kinds)
+    )
     background = tuple(int(v) for v in rng.integers(226, 240) + rng.integers(-6, 7, size=3))
     return Scene(background, shapes, describe(shapes, rng))
 
@@ -177,12 +196,22 @@ def describe(shapes: Sequence[Shape], rng: np.random.Generator) -> tuple[str, ..
         captions.append(_pick(rng, _ALONE).format(a=only.name))
     elif len(shapes) == 2:
         a, b = shapes
-        captions = [_relation(rng, a, b), _pair(rng, a, b), _single(rng, a), _single(rng, b),
-                    _pick(rng, _LIST2).format(a=a.name, b=b.name)]
+        captions = [
+            _relation(rng, a, b),
+            _pair(rng, a, b),
+            _single(rng, a),
+            _single(rng, b),
+            _pick(rng, _LIST2).format(a=a.name, b=b.name),
+        ]
     else:
         a, b, c = shapes
-        captions = [_pick(rng, _LIST3).format(a=a.name, b=b.name, c=c.name), _relation(rng, a, b),
-                    _relation(rng, c, a), _single(rng, b), _pair(rng, c, b)]
+        captions = [
+            _pick(rng, _LIST3).format(a=a.name, b=b.name, c=c.name),
+            _relation(rng, a, b),
+            _relation(rng, c, a),
+            _single(rng, b),
+            _pair(rng, c, b),
+        ]
     return tuple(captions[i] for i in rng.permutation(len(captions)))
 
 
@@ -261,6 +290,7 @@ def _write_images(folder: Path, spec: ShapesSpec, split: str, ids: range, scenes
     Threads overlap the PNG encoding and the fsync of each atomic write; the files do not depend on
     the order in which they are written.
     """
+
     def write(index: int) -> None:
         path = folder / _file_name(ids[index])
         if not path.exists():
@@ -297,12 +327,26 @@ def _coco_captions(ids: range, scenes: list[Scene], spec: ShapesSpec) -> dict:
 def _coco_instances(ids: range, scenes: list[Scene], spec: ShapesSpec) -> dict:
     """A COCO instances file: one bbox per shape, category = shape, plus a ``colour`` field."""
     pairs = [(i, shape) for i, scene in zip(ids, scenes) for shape in scene.shapes]
-    annotations = [{"id": n, "image_id": i, "category_id": SHAPES.index(shape.shape) + 1,
-                    "bbox": list(shape.box), "area": shape.box[2] * shape.box[3], "iscrowd": 0,
-                    "colour": shape.colour} for n, (i, shape) in enumerate(pairs, start=1)]
+    annotations = [
+        {
+            "id": n,
+            "image_id": i,
+            "category_id": SHAPES.index(shape.shape) + 1,
+            "bbox": list(shape.box),
+            "area": shape.box[2] * shape.box[3],
+            "iscrowd": 0,
+            "colour": shape.colour,
+        }
+        for n, (i, shape) in enumerate(pairs, start=1)
+    ]
     categories = [{"id": k + 1, "name": name, "supercategory": "shape"} for k, name in enumerate(SHAPES)]
-    return {"info": _INFO, "licenses": [], "images": _coco_images(ids, spec), "annotations": annotations,
-            "categories": categories}
+    return {
+        "info": _INFO,
+        "licenses": [],
+        "images": _coco_images(ids, spec),
+        "annotations": annotations,
+        "categories": categories,
+    }
 
 
 def _karpathy_entries(split: str, ids: range, scenes: list[Scene], first_imgid: int) -> list[dict]:
@@ -311,10 +355,20 @@ def _karpathy_entries(split: str, ids: range, scenes: list[Scene], first_imgid: 
     for k, (image_id, scene) in enumerate(zip(ids, scenes)):
         imgid = first_imgid + k
         sentids = list(range(imgid * 5, imgid * 5 + len(scene.captions)))
-        sentences = [{"tokens": tokenize(c), "raw": c, "imgid": imgid, "sentid": s}
-                     for s, c in zip(sentids, scene.captions)]
-        entries.append({"filepath": f"images/{split}", "filename": _file_name(image_id), "imgid": imgid,
-                        "cocoid": image_id, "split": split, "sentids": sentids, "sentences": sentences})
+        sentences = [
+            {"tokens": tokenize(c), "raw": c, "imgid": imgid, "sentid": s} for s, c in zip(sentids, scene.captions)
+        ]
+        entries.append(
+            {
+                "filepath": f"images/{split}",
+                "filename": _file_name(image_id),
+                "imgid": imgid,
+                "cocoid": image_id,
+                "split": split,
+                "sentids": sentids,
+                "sentences": sentences,
+            }
+        )
     return entries
 
 
@@ -328,8 +382,10 @@ def _claim(root: Path, meta: dict) -> None:
             leftover.unlink()
         return
     if root.exists() and any(root.iterdir()):
-        raise DataError(f"{root} is not empty and holds no shapes dataset ({META} is missing); "
-                        "refusing to write into it: choose an empty or new folder")
+        raise DataError(
+            f"{root} is not empty and holds no shapes dataset ({META} is missing); "
+            "refusing to write into it: choose an empty or new folder"
+        )
     write_json(root / PARTIAL, meta)
 
 
@@ -340,9 +396,12 @@ def _check_meta(path: Path, meta: dict, what: str) -> None:
         return
     params = stored.get("params") if isinstance(stored, dict) else None
     if isinstance(params, dict):
-        diff = ", ".join(f"{k}={params.get(k)!r} (asked {v!r})" for k, v in meta["params"].items()
-                         if params.get(k) != v)
+        diff = ", ".join(
+            f"{k}={params.get(k)!r} (asked {v!r})" for k, v in meta["params"].items() if params.get(k) != v
+        )
     else:
         diff = "unreadable parameters"
-    raise DataError(f"{path.parent} {what} made with different parameters ({diff or 'another version'}); "
-                    "it is never overwritten: use another root or delete it")
+    raise DataError(
+        f"{path.parent} {what} made with different parameters ({diff or 'another version'}); "
+        "it is never overwritten: use another root or delete it"
+    )

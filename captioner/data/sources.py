@@ -7,9 +7,10 @@ pick one with ``_target_`` under ``data.source``; nothing else in the project ne
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Protocol
+from typing import Protocol
 
 from captioner.data.readers import SPLITS, Record, read_coco, read_karpathy
 from captioner.data.shapes import ShapesSpec, generate_shapes, shapes_records
@@ -111,8 +112,7 @@ class KarpathySource:
     def records(self, split: str) -> list[Record]:
         """Read ``split`` (restval joins train unless ``restval_as_train`` is off)."""
         check_choice("split", split, SPLITS)
-        return read_karpathy(self.split_file, self.image_root, splits=(split,),
-                             restval_as_train=self.restval_as_train)
+        return read_karpathy(self.split_file, self.image_root, splits=(split,), restval_as_train=self.restval_as_train)
 
 
 @dataclass(init=False)
@@ -126,9 +126,15 @@ class ShapesSource:
     root: str
     spec: ShapesSpec
 
-    def __init__(self, root: str, n_train: int = ShapesSpec.n_train, n_val: int = ShapesSpec.n_val,
-                 n_test: int = ShapesSpec.n_test, image_size: int = ShapesSpec.image_size,
-                 seed: int = ShapesSpec.seed) -> None:
+    def __init__(
+        self,
+        root: str,
+        n_train: int = ShapesSpec.n_train,
+        n_val: int = ShapesSpec.n_val,
+        n_test: int = ShapesSpec.n_test,
+        image_size: int = ShapesSpec.image_size,
+        seed: int = ShapesSpec.seed,
+    ) -> None:
         self.root = root
         self.spec = ShapesSpec(n_train, n_val, n_test, image_size, seed)
 

@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 from collections import Counter
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from nltk.tokenize import RegexpTokenizer
 
@@ -89,14 +89,14 @@ class Vocabulary:
     def from_dict(cls, d: dict) -> Vocabulary:
         """Inverse of ``to_dict``; raises DataError describing what is malformed."""
         if not isinstance(d, dict) or d.get("format") != _FORMAT:
-            raise DataError(f"not a captioner vocabulary (expected \"format\": \"{_FORMAT}\")")
+            raise DataError(f'not a captioner vocabulary (expected "format": "{_FORMAT}")')
         if d.get("version") != _VERSION:
             raise DataError(f"vocabulary version {d.get('version')!r} is not supported (expected {_VERSION})")
         words = d.get("words")
         if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
-            raise DataError("vocabulary \"words\" must be a list of non-empty strings")
+            raise DataError('vocabulary "words" must be a list of non-empty strings')
         if tuple(words[:4]) != cls.SPECIALS:
-            raise DataError(f"vocabulary \"words\" must start with {', '.join(cls.SPECIALS)}")
+            raise DataError(f'vocabulary "words" must start with {", ".join(cls.SPECIALS)}')
         try:
             return cls(words)
         except ValueError as exc:
