@@ -32,7 +32,7 @@ from hydra.utils import instantiate
 from torch import Tensor
 
 import common
-from captioner.config import LossConfig
+from captioner.config import HardEstimator, LossConfig
 from captioner.model.decoder import DecoderOutput
 from captioner.model.losses import CaptionLoss
 
@@ -77,7 +77,7 @@ def estimator_loss(name: str, output: DecoderOutput, captions: Tensor, criterion
 def measure(module, batch: dict, name: str, resamples: int) -> tuple[float, float]:
     """(split-half cosine, mean norm of one resample's gradient) for estimator ``name``."""
     decoder = module.model.decoder
-    decoder.hard_estimator = "gumbel" if name == "gumbel" else "reinforce"
+    decoder.hard_estimator = HardEstimator.gumbel if name == "gumbel" else HardEstimator.reinforce
     settings = LossConfig(
         ds_lambda=0.0,
         reinforce_weight=1.0,

@@ -31,7 +31,6 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import common
-from captioner.bundle import net_from_bundle
 from captioner.config import ModelConfig, NetConfig, SelfAttentionConfig, from_dict
 from captioner.data.shapes import shapes_records
 from captioner.evaluation.report import evaluate_split
@@ -112,7 +111,7 @@ def demo_steps(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
     steps, counts = {}, {}
     for variant in VARIANTS:
         loaded = load_model(args.out / folder_name(variant) / "bundle.pt")
-        model = build_captioner(net_from_bundle(loaded.config), len(loaded.vocab))
+        model = build_captioner(loaded.config, len(loaded.vocab))
         model.encoder.eval()
         with torch.no_grad():
             features, grid = model.encode(images)  # what the feature cache holds

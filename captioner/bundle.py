@@ -1,7 +1,8 @@
 """The inference bundle's file format, and the reading of the training checkpoints that carry the same metadata.
 
-A bundle is one torch file holding plain data and tensors only: the model config, the vocabulary,
-the preprocessing settings (the image size the model was trained with) and the state dict. It needs
+A bundle is one torch file holding plain data and tensors only: the model config (``NetConfig``'s own
+serialisation), the vocabulary, the preprocessing settings (the image size the model was trained with) and
+the state dict. Bundles and checkpoints of version 1 are read through ``captioner.bundle_v1``. It needs
 neither the training code nor the encoder's pretrained weight file to load, and it is read with
 ``weights_only=True``, so it never runs pickled code. Training checkpoints carry the same metadata
 under ``checkpoint["captioner"]``, so ``load_trained`` reads either kind of file. Plain torch: neither
@@ -12,14 +13,13 @@ what it loads is ``captioner.inference``'s (``load_model``), which builds on thi
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
+from captioner.bundle_v1 import upgrade_v1
 from captioner.config import NetConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
@@ -28,53 +28,11 @@ from captioner.model.captioner import Captioner, build_captioner
 from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR
 
 BUNDLE_FORMAT = "captioner-bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2  # the format written; 1 (captioner.bundle_v1's model config) is read too
 _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
 _BUNDLE_KEYS = ("format", "version", *_METADATA_KEYS, "state_dict")
 PREPROCESS_KEYS = ("image_size",)
 CHECKPOINT_KEY = "captioner"  # where a training checkpoint keeps the bundle metadata
-
-# What a key left out of a bundle's model config means: part of the bundle format, fixed for good. These are
-# the values the modules' constructors defaulted to when bundles were first written (a frozen resnet101 read
-# at its last stage, no feature norm, the paper's 512-wide decoder with dropout 0.5 and soft additive
-# attention), NOT the current defaults, which live in captioner.config and may change without changing what
-# an old bundle holds. An absent or null ``self_attention`` means no blocks; a ``self_attention`` mapping
-# reads its left-out keys here. ``save_bundle`` writes every key, so only hand-written and old configs rely
-# on this table; a setting added to NetConfig later gets the entry that rebuilds the bundles written before.
-ABSENT_KEY_VALUES: Mapping[str, Any] = MappingProxyType(
-    {
-        "encoder": MappingProxyType(
-            {
-                "name": "resnet101",
-                "weights": None,
-                "stage": None,
-                "grid": None,
-                "trainable_stages": 0,
-                "channels_last": False,
-            }
-        ),
-        "feature_norm": False,
-        "self_attention": MappingProxyType({"blocks": 1, "heads": 1, "positional": "none", "max_distance": 4}),
-        "decoder": MappingProxyType(
-            {
-                "embed_dim": 512,
-                "hidden_dim": 512,
-                "attention_dim": 512,
-                "attention_heads": 1,
-                "gate": "scalar",
-                "deep_output": True,
-                "dropout": 0.5,
-                "hard_expectation_prob": 0.5,
-                "hard_inference": "argmax",
-                "hard_estimator": "reinforce",
-                "gumbel_tau": 1.0,
-                "gumbel_tau_min": 0.5,
-                "mode": "soft",
-                "attention": "additive",
-            }
-        ),
-    }
-)
 
 
 def is_bundle(raw: object) -> bool:
@@ -87,58 +45,15 @@ def is_lightning_checkpoint(raw: object) -> bool:
     return isinstance(raw, dict) and "pytorch-lightning_version" in raw and "state_dict" in raw
 
 
-def bundle_layout(net: NetConfig) -> dict[str, Any]:
-    """The network as a bundle stores it: every key, the attention mode and the scorer inside the decoder's
-    section, as ``mode`` and ``attention``. ``net_from_bundle`` reads it back."""
-    plain = to_dict(net)
-    return {
-        "encoder": plain["encoder"],
-        "feature_norm": plain["feature_norm"],
-        "self_attention": plain["self_attention"],
-        "decoder": {**plain["decoder"], "mode": plain["attention"], "attention": plain["scorer"]},
-    }
+def read_net(config: object, version: int) -> NetConfig:
+    """The ``NetConfig`` of the model config of a bundle (or a training checkpoint) of format ``version``.
 
-
-def net_from_bundle(config: Mapping[str, Any]) -> NetConfig:
-    """The ``NetConfig`` of a bundle's (or a training checkpoint's) model config, in ``bundle_layout``.
-
-    A key the config leaves out takes its value from ``ABSENT_KEY_VALUES``. ConfigError names an unknown
-    key or a bad value.
+    Version 2 stores ``NetConfig``'s serialisation (``to_dict``); version 1 its own layout, which
+    ``upgrade_v1`` turns into it. ConfigError names an unknown key or a bad value as ``model.<key>``.
     """
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"model config must be a mapping, got {type(config).__name__}")
-    unknown = [key for key in config if key not in ABSENT_KEY_VALUES]
-    if unknown:
-        raise ConfigError(f"unknown model config key {unknown[0]!r}; valid keys: {', '.join(ABSENT_KEY_VALUES)}")
-    for key in ("encoder", "self_attention", "decoder"):
-        if config.get(key) is not None and not isinstance(config[key], Mapping):
-            raise ConfigError(f"model config {key!r} must be a mapping, got {type(config[key]).__name__}")
-    absent = ABSENT_KEY_VALUES
-    decoder = {**absent["decoder"], **(config.get("decoder") or {})}
-    self_attention = config.get("self_attention")
-    if self_attention is not None and isinstance(self_attention.get("positional"), bool):
-        # bundles written before relative positions: positional true/false
-        self_attention = {**self_attention, "positional": "absolute" if self_attention["positional"] else "none"}
-    net = {
-        "attention": decoder.pop("mode"),
-        "scorer": decoder.pop("attention"),
-        "encoder": {**absent["encoder"], **(config.get("encoder") or {})},
-        "feature_norm": config.get("feature_norm", absent["feature_norm"]),
-        "self_attention": {"blocks": 0} if self_attention is None else {**absent["self_attention"], **self_attention},
-        "decoder": decoder,
-    }
-    return from_dict(NetConfig, net, "model")
-
-
-def _plain(value: object, where: str = "config") -> object:
-    """A copy of ``value`` made of dicts, lists, str, int, float, bool and None (OmegaConf containers too)."""
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(key): _plain(item, f"{where}.{key}") for key, item in value.items()}
-    if isinstance(value, Sequence):
-        return [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
-    raise ConfigError(f"{where} is a {type(value).__name__}; a bundle config holds plain data only")
+    if version == 1 and isinstance(config, Mapping):
+        config = upgrade_v1(config)
+    return from_dict(NetConfig, config, "model")
 
 
 def _check_preprocess(preprocess: object) -> dict:
@@ -154,15 +69,20 @@ def _check_preprocess(preprocess: object) -> dict:
     return {"image_size": preprocess["image_size"]}
 
 
-def bundle_metadata(config: Mapping, vocab: Vocabulary, preprocess: Mapping | None = None) -> dict:
-    """The plain-data part of a bundle: model config, vocabulary, its fingerprint and ``preprocess``.
+def bundle_metadata(net: NetConfig, vocab: Vocabulary, preprocess: Mapping | None = None) -> dict:
+    """The plain-data part of a bundle: format version, model config, vocabulary, its fingerprint and
+    ``preprocess``.
 
     ``preprocess`` is ``{"image_size": N}``, the square input size the model was trained with (left
     out when None). Training checkpoints store this dict under ``checkpoint["captioner"]``.
-    Raises ConfigError for an invalid config or preprocess.
+    Raises ConfigError for an invalid preprocess.
     """
-    net_from_bundle(config)
-    metadata = {"config": _plain(config), "vocab": vocab.to_dict(), "vocab_fingerprint": vocab.fingerprint()}
+    metadata = {
+        "version": BUNDLE_VERSION,
+        "config": to_dict(net),
+        "vocab": vocab.to_dict(),
+        "vocab_fingerprint": vocab.fingerprint(),
+    }
     if preprocess is not None:
         metadata["preprocess"] = _check_preprocess(preprocess)
     return metadata
@@ -183,14 +103,15 @@ def _embedding_mismatch(model: nn.Module, state_dict: Mapping, vocab_size: int) 
 
 
 def save_bundle(
-    path: str | os.PathLike, model: Captioner, vocab: Vocabulary, config: Mapping, preprocess: Mapping | None = None
+    path: str | os.PathLike, model: Captioner, vocab: Vocabulary, net: NetConfig, preprocess: Mapping | None = None
 ) -> None:
-    """Write an inference bundle (config, vocabulary, preprocessing, weights) atomically; plain data only.
+    """Write an inference bundle (the network's settings ``net``, vocabulary, preprocessing, weights) atomically;
+    plain data only.
 
     ``preprocess`` is ``{"image_size": N}``; ``load_trained`` (the ``captioner`` command) needs it,
     ``load_bundle`` does not.
     """
-    metadata = bundle_metadata(config, vocab, preprocess)
+    metadata = bundle_metadata(net, vocab, preprocess)
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) and module.num_embeddings != len(vocab):
             raise BundleError(
@@ -198,7 +119,7 @@ def save_bundle(
                 f"{name} weights have {module.num_embeddings} rows"
             )
     state_dict = {key: value.detach().cpu() for key, value in _plain_names(model.state_dict()).items()}
-    save_torch({"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, **metadata, "state_dict": state_dict}, path)
+    save_torch({"format": BUNDLE_FORMAT, **metadata, "state_dict": state_dict}, path)
 
 
 def _state_dict_problem(model: nn.Module, state_dict: Mapping) -> str | None:
@@ -220,17 +141,21 @@ def _state_dict_problem(model: nn.Module, state_dict: Mapping) -> str | None:
     return "; ".join(problems) or None
 
 
-def _bundle_parts(raw: object, where: str) -> tuple[dict, object]:
-    """Check a loaded bundle's format, version and keys; return its metadata and state dict."""
-    if not is_bundle(raw):
-        raise BundleError(f'{where}: not a captioner bundle (expected "format": "{BUNDLE_FORMAT}")')
-    version = raw.get("version")
+def _check_version(version: object, where: str) -> None:
+    """BundleError unless ``version`` is a format version this module reads."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise BundleError(f"{where}: invalid bundle version {version!r}")
     if version > BUNDLE_VERSION:
         raise BundleError(
             f"{where}: bundle version {version} is newer than this captioner reads ({BUNDLE_VERSION}); upgrade it"
         )
+
+
+def _bundle_parts(raw: object, where: str) -> tuple[dict, object]:
+    """Check a loaded bundle's format, version and keys; return its metadata and state dict."""
+    if not is_bundle(raw):
+        raise BundleError(f'{where}: not a captioner bundle (expected "format": "{BUNDLE_FORMAT}")')
+    _check_version(raw.get("version"), where)
     missing = [key for key in _BUNDLE_KEYS if key not in raw]
     if missing:
         raise BundleError(f"{where}: not a complete bundle (missing {', '.join(missing)})")
@@ -248,6 +173,7 @@ def _checkpoint_parts(raw: dict, where: str) -> tuple[dict, dict]:
     missing = [key for key in _METADATA_KEYS if key not in metadata]
     if missing:
         raise BundleError(f'{where}: its "{CHECKPOINT_KEY}" entry is incomplete (missing {", ".join(missing)})')
+    _check_version(metadata.get("version", 1), where)  # checkpoints of version 1 did not write it
     state_dict = raw["state_dict"]
     if not isinstance(state_dict, dict):
         raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
@@ -259,7 +185,7 @@ def _checkpoint_parts(raw: dict, where: str) -> tuple[dict, dict]:
 
 def _assemble(
     metadata: dict, state_dict: object, where: str, map_location: str | torch.device
-) -> tuple[Captioner, Vocabulary, dict]:
+) -> tuple[Captioner, Vocabulary, NetConfig]:
     """Build the model of ``metadata`` and load ``state_dict`` into it, checking that they fit."""
     try:
         vocab = Vocabulary.from_dict(metadata["vocab"])
@@ -270,13 +196,12 @@ def _assemble(
             f"{where}: vocabulary fingerprint {metadata['vocab_fingerprint']!r} does not match "
             f"its words ({vocab.fingerprint()!r}): the vocabulary was altered"
         )
-    config = metadata["config"]
     if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
         raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
     try:
-        net = net_from_bundle(config)
-        net.encoder.weights = None  # the bundle holds the weights
-        model = build_captioner(net, len(vocab))
+        net = read_net(metadata["config"], metadata.get("version", 1))
+        without_weights = replace(net, encoder=replace(net.encoder, weights=None))  # the bundle holds them
+        model = build_captioner(without_weights, len(vocab))
     except (ConfigError, TypeError, ValueError) as exc:
         raise BundleError(f"{where}: its config does not build a model ({exc})") from None
     problem = _embedding_mismatch(model, state_dict, len(vocab)) or _state_dict_problem(model, state_dict)
@@ -285,13 +210,13 @@ def _assemble(
     if isinstance(map_location, (str, torch.device)):
         model.to(map_location)
     model.load_state_dict(state_dict)
-    return model.eval(), vocab, config
+    return model.eval(), vocab, net
 
 
 def load_bundle(
     path: str | os.PathLike, map_location: str | torch.device = "cpu"
-) -> tuple[Captioner, Vocabulary, dict]:
-    """Load a bundle written by ``save_bundle``: the model (in eval mode), its vocabulary and config.
+) -> tuple[Captioner, Vocabulary, NetConfig]:
+    """Load a bundle written by ``save_bundle``: the model (in eval mode), its vocabulary and network settings.
 
     Raises BundleError naming the file when it is not a bundle, is from a newer version, or its
     vocabulary, config or weights do not fit together. The encoder is built without pretrained
@@ -310,7 +235,7 @@ class TrainedModel:
 
     model: Captioner  # in eval mode
     vocab: Vocabulary
-    config: dict  # the model config, in ``bundle_layout`` (``net_from_bundle`` reads it)
+    config: NetConfig  # the network's settings
     image_size: int  # images are resized to image_size x image_size, as in training
 
 

@@ -227,6 +227,10 @@ class NetConfig(Settings):
                 "scorer=multihead works with soft attention only: hard attention samples one "
                 "annotation vector a_i, which multihead's projected context is not"
             )
+        if self.decoder.attention_heads != 1 and self.scorer != Scorer.multihead:
+            raise ConfigError(
+                f"decoder.attention_heads={self.decoder.attention_heads} needs scorer=multihead (got {self.scorer})"
+            )
 
 
 @dataclass

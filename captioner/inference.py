@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.bundle import TrainedModel, load_trained
-from captioner.config import CAPTIONING_BATCH_SIZE
+from captioner.config import CAPTIONING_BATCH_SIZE, Attention, HardInference
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.errors import check_range
@@ -98,7 +98,7 @@ def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, **decode) -> list[
     )
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
     # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
-    argmax = model.decoder.mode == "hard" and model.decoder.hard_inference == "argmax"
+    argmax = model.decoder.mode == Attention.hard and model.decoder.hard_inference == HardInference.argmax
     results = []
     for row in range(tokens.size(0)):
         words = vocab.decode(tokens[row].tolist())

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, fields
 from html.parser import HTMLParser
 from pathlib import Path
@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, net_from_bundle, save_bundle
+from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, read_net, save_bundle
 from captioner.config import EncoderConfig, LossConfig, NetConfig, from_dict
 from captioner.data.shapes import ShapesSpec, generate_shapes
 from captioner.data.vocab import Vocabulary
@@ -181,7 +181,7 @@ def small_vocab() -> Vocabulary:
 def small_model(small_vocab: Vocabulary) -> Captioner:
     """A ``CAPTIONER_NET`` captioner in eval mode whose self-attention gate is open (tests must not change it)."""
     torch.manual_seed(0)
-    captioner = build_captioner(net_from_bundle(CAPTIONER_NET), len(small_vocab)).eval()
+    captioner = build_captioner(net_v1(CAPTIONER_NET), len(small_vocab)).eval()
     with torch.no_grad():
         captioner.self_attention.blocks[0].gamma.fill_(0.5)
     return captioner
@@ -195,7 +195,7 @@ def never_ending_captioner(
     torch.manual_seed(0)
     vocab = Vocabulary(words)
     config = {**SMALL_NET, "decoder": {**SMALL_NET["decoder"], "mode": mode}}
-    model = build_captioner(net_from_bundle(config), len(vocab)).eval()
+    model = build_captioner(net_v1(config), len(vocab)).eval()
     with torch.no_grad():
         model.decoder.classifier.bias[vocab.end_id] = -1e4
         for word in favoured:
@@ -206,7 +206,7 @@ def never_ending_captioner(
 def write_bundle(path: Path, words: Sequence[str], mode: str = "soft", favoured: Sequence[str] = ()) -> Path:
     """The bundle of ``never_ending_captioner`` at ``path`` (for SMALL_IMAGE_SIZE images); returns ``path``."""
     model, vocab, config = never_ending_captioner(words, mode, favoured)
-    save_bundle(path, model, vocab, config, preprocess={"image_size": SMALL_IMAGE_SIZE})
+    save_bundle(path, model, vocab, net_v1(config), preprocess={"image_size": SMALL_IMAGE_SIZE})
     return path
 
 
@@ -222,7 +222,7 @@ def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
     """A run folder as train.py leaves it: checkpoints/last.ckpt (written with ``objective``; None: before
     model.objective existed) and bundle.pt, for a tiny ``RUN_NET`` model trained on 64 px images."""
     vocab = Vocabulary(["a", "red", "circle"])
-    model = build_captioner(net_from_bundle(RUN_NET), len(vocab))
+    model = build_captioner(net_v1(RUN_NET), len(vocab))
     hyper = {} if objective is None else {"objective": objective}
     (folder / "checkpoints").mkdir(parents=True)
     save_torch(
@@ -231,12 +231,12 @@ def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
             "epoch": 3,
             "hyper_parameters": hyper,
             "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-            CHECKPOINT_KEY: bundle_metadata(RUN_NET, vocab, {"image_size": 64}),
+            CHECKPOINT_KEY: bundle_metadata(net_v1(RUN_NET), vocab, {"image_size": 64}),
         },
         folder / "checkpoints" / "last.ckpt",
     )
     if bundle:
-        save_bundle(folder / "bundle.pt", model, vocab, RUN_NET, {"image_size": 64})
+        save_bundle(folder / "bundle.pt", model, vocab, net_v1(RUN_NET), {"image_size": 64})
     return folder
 
 
@@ -244,6 +244,12 @@ def make_encoder(name: str, **options: Any) -> Encoder:
     """The Encoder of torchvision model ``name`` (random weights), frozen and read at its last stage unless
     ``options`` (other EncoderConfig fields) say otherwise."""
     return Encoder(EncoderConfig(name, **{"stage": None, "trainable_stages": 0, **options}))
+
+
+def net_v1(config: Mapping[str, Any]) -> NetConfig:
+    """The NetConfig of ``config`` written in version 1 of the bundle format (``captioner.bundle_v1``), the layout
+    of ``CAPTIONER_NET``, ``SMALL_NET`` and ``RUN_NET``: what a key left out means is fixed there for good."""
+    return read_net(config, 1)
 
 
 def net_config(**options: Any) -> NetConfig:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, write_run
+from conftest import ROOT, net_v1, write_run
 
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = (
@@ -222,7 +222,7 @@ def test_scst_step_times_the_reward_inside_the_step(run_tiny: Callable[..., str]
 def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(
     tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from captioner.bundle import net_from_bundle, save_bundle
+    from captioner.bundle import save_bundle
     from captioner.data.vocab import Vocabulary
     from captioner.model.captioner import build_captioner
 
@@ -235,8 +235,9 @@ def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(
         "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8},
     }
     vocab = Vocabulary(["a", "red", "circle"])
-    model = build_captioner(net_from_bundle(config), len(vocab))
-    save_bundle(tmp_path / "random.pt", model, vocab, config, {"image_size": 64})
+    net = net_v1(config)
+    model = build_captioner(net, len(vocab))
+    save_bundle(tmp_path / "random.pt", model, vocab, net, {"image_size": 64})
     demo.main([str(tmp_path / "random.pt"), "--data", str(tiny_shapes)])
     sys.modules.pop("scst_demo")
     lines = capsys.readouterr().out.splitlines()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -10,28 +11,21 @@ from types import MappingProxyType
 import pytest
 import torch
 
-from captioner.bundle import (
-    ABSENT_KEY_VALUES,
-    CHECKPOINT_KEY,
-    bundle_layout,
-    load_bundle,
-    load_trained,
-    net_from_bundle,
-    save_bundle,
-)
-from captioner.config import NetConfig, from_dict
+from captioner.bundle import BUNDLE_VERSION, CHECKPOINT_KEY, load_bundle, load_trained, read_net, save_bundle
+from captioner.bundle_v1 import ABSENT_KEY_VALUES, upgrade_v1
+from captioner.config import NetConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
 from captioner.inference import load_model
 from captioner.model.captioner import Captioner
-from conftest import CAPTIONER_NET, RUN_NET, random_images, tampered, write_run
+from conftest import CAPTIONER_NET, RUN_NET, net_v1, random_images, tampered, write_run
 
 
 @pytest.fixture(scope="module")
 def bundle(small_model, small_vocab, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("bundle") / "model.pt"
     config = {**CAPTIONER_NET, "encoder": {**CAPTIONER_NET["encoder"], "weights": "DEFAULT"}}
-    save_bundle(path, small_model, small_vocab, config)
+    save_bundle(path, small_model, small_vocab, net_v1(config))
     return path
 
 
@@ -39,7 +33,7 @@ def test_bundle_round_trip_generates_identically(small_model, small_vocab, bundl
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no pretrained weight file anywhere
     loaded, loaded_vocab, config = load_bundle(bundle)
     assert loaded_vocab == small_vocab and not loaded.training
-    assert config["encoder"]["weights"] == "DEFAULT" and config["decoder"] == CAPTIONER_NET["decoder"]
+    assert config.encoder.weights == "DEFAULT" and config.decoder == net_v1(CAPTIONER_NET).decoder
     expected_state = small_model.state_dict()
     assert all(torch.equal(value, expected_state[key]) for key, value in loaded.state_dict().items())
     images = random_images(2)
@@ -63,14 +57,14 @@ def test_bundle_of_a_compiled_decoder_loads(small_model, small_vocab, tmp_path):
     parts = small_model.encoder, _Compiled(small_model.decoder), small_model.self_attention
     wrapped = Captioner(*parts, feature_norm=small_model.feature_norm is not None)
     assert "decoder._orig_mod.embedding.weight" in wrapped.state_dict()
-    save_bundle(tmp_path / "compiled.pt", wrapped, small_vocab, CAPTIONER_NET)
+    save_bundle(tmp_path / "compiled.pt", wrapped, small_vocab, net_v1(CAPTIONER_NET))
     loaded, _, _ = load_bundle(tmp_path / "compiled.pt")
     assert torch.equal(loaded.decoder.embedding.weight, small_model.decoder.embedding.weight)
 
 
 def test_bundle_holds_plain_data_only(bundle, small_vocab):
     raw = torch.load(bundle, weights_only=True)
-    assert raw["format"] == "captioner-bundle" and raw["version"] == 1
+    assert raw["format"] == "captioner-bundle" and raw["version"] == BUNDLE_VERSION == 2
     assert raw["vocab"] == small_vocab.to_dict() and raw["vocab_fingerprint"] == small_vocab.fingerprint()
     assert all(isinstance(v, torch.Tensor) for v in raw["state_dict"].values())
 
@@ -89,12 +83,15 @@ def _drop(raw: dict, key: str) -> None:
     [
         (lambda raw: raw.update(format="captioner-checkpoint"), "not a captioner bundle"),
         (lambda raw: _drop(raw, "state_dict"), r"not a complete bundle \(missing state_dict\)"),
-        (lambda raw: raw.update(version=2), "bundle version 2 is newer than this captioner reads"),
+        (lambda raw: raw.update(version=3), "bundle version 3 is newer than this captioner reads"),
         (lambda raw: raw.update(vocab={"words": ["a"]}), "malformed vocabulary"),
         (lambda raw: raw.update(vocab_fingerprint="0123456789abcdef"), "fingerprint '0123456789abcdef' does not match"),
         (_bigger_vocab, "the vocabulary has 12 words but the decoder.embedding weights have 11 rows"),
         (lambda raw: raw["config"]["encoder"].update(name="resnet7"), "config does not build a model.*'resnet7'"),
-        (lambda raw: raw["config"].update(trainer={}), "config does not build a model.*'trainer'"),
+        (
+            lambda raw: raw["config"].update(trainer={}),
+            "config does not build a model.*model.trainer is not a known key",
+        ),
         (lambda raw: raw["config"]["decoder"].update(embed_dim="16"), "config does not build a model"),
         (lambda raw: raw["config"]["decoder"].update(hidden_dim=32), r"shape mismatch \(saved vs model\): decoder"),
         (lambda raw: raw["config"].update(self_attention=None), r"unexpected: self_attention.blocks.0"),
@@ -134,16 +131,18 @@ def test_load_bundle_refuses_a_pickled_class(tmp_path):
 
 def test_save_bundle_checks_what_it_writes(small_model, small_vocab, tmp_path):
     with pytest.raises(BundleError, match="the vocabulary has 5 words but the decoder.embedding weights have 11"):
-        save_bundle(tmp_path / "a.pt", small_model, Vocabulary(["a"]), CAPTIONER_NET)
+        save_bundle(tmp_path / "a.pt", small_model, Vocabulary(["a"]), net_v1(CAPTIONER_NET))
     with pytest.raises(ConfigError, match="model.decoder.embed_dim=<object object at 0x[0-9a-f]+> must be a int"):
-        save_bundle(tmp_path / "b.pt", small_model, small_vocab, {**CAPTIONER_NET, "decoder": {"embed_dim": object()}})
+        save_bundle(
+            tmp_path / "b.pt", small_model, small_vocab, net_v1({**CAPTIONER_NET, "decoder": {"embed_dim": object()}})
+        )
     with pytest.raises(ConfigError, match="unknown model config key 'data'"):
-        save_bundle(tmp_path / "c.pt", small_model, small_vocab, {**CAPTIONER_NET, "data": {}})
+        save_bundle(tmp_path / "c.pt", small_model, small_vocab, net_v1({**CAPTIONER_NET, "data": {}}))
     assert not any(tmp_path.iterdir())  # nothing written, not even a temporary file
-    # any mapping (e.g. an OmegaConf DictConfig) is stored as plain dicts and lists
-    config = {**CAPTIONER_NET, "decoder": MappingProxyType(CAPTIONER_NET["decoder"])}
-    save_bundle(tmp_path / "d.pt", small_model, small_vocab, config)
-    assert torch.load(tmp_path / "d.pt", weights_only=True)["config"] == CAPTIONER_NET
+    # the network's settings are stored as NetConfig serialises them: plain dicts, enums as their names
+    net = net_v1({**CAPTIONER_NET, "decoder": MappingProxyType(CAPTIONER_NET["decoder"])})
+    save_bundle(tmp_path / "d.pt", small_model, small_vocab, net)
+    assert torch.load(tmp_path / "d.pt", weights_only=True)["config"] == to_dict(net_v1(CAPTIONER_NET))
 
 
 def test_load_model_reads_a_training_checkpoint_like_its_bundle(tmp_path: Path) -> None:
@@ -152,7 +151,7 @@ def test_load_model_reads_a_training_checkpoint_like_its_bundle(tmp_path: Path) 
     from_bundle, from_folder = load_trained(run / "bundle.pt"), load_trained(run)  # a run folder means its bundle.pt
     for loaded in (from_checkpoint, from_bundle, from_folder):
         assert loaded.image_size == 64 and loaded.vocab.itos[4:] == ["a", "red", "circle"]
-        assert loaded.config == RUN_NET and not loaded.model.training
+        assert loaded.config == net_v1(RUN_NET) and not loaded.model.training
     weights = from_bundle.model.state_dict()
     assert all(torch.equal(value, weights[key]) for key, value in from_checkpoint.model.state_dict().items())
     images = random_images(2, size=64)
@@ -233,32 +232,38 @@ def test_loading_onto_a_device_the_machine_lacks_says_so_not_that_the_file_is_br
     assert load_model(run, map_location="cpu").model.training is False  # the file itself is fine
 
 
-def test_a_bundle_layout_round_trips_every_setting() -> None:
+def test_the_stored_config_round_trips_every_setting() -> None:
     net = from_dict(NetConfig, {"attention": "hard", "scorer": "dot", "self_attention": {"blocks": 2}})
-    assert net_from_bundle(bundle_layout(net)) == net
+    assert read_net(to_dict(net), BUNDLE_VERSION) == net
 
 
-def test_the_absent_key_table_names_every_key_of_the_layout() -> None:
-    """A setting added to NetConfig needs its fixed meaning in old bundles (where it is absent) decided."""
-    layout = bundle_layout(NetConfig())
-    assert ABSENT_KEY_VALUES.keys() == layout.keys()
+def test_a_version_1_config_upgrades_to_every_key_of_the_current_one() -> None:
+    """A setting added to NetConfig needs its meaning in old bundles (where it is absent) decided in upgrade_v1."""
+    upgraded = upgrade_v1({})
+    current = to_dict(NetConfig())
+    assert upgraded.keys() == current.keys()
     for section in ("encoder", "self_attention", "decoder"):
-        assert ABSENT_KEY_VALUES[section].keys() == layout[section].keys(), section
+        assert upgraded[section].keys() == current[section].keys(), section
 
 
-def test_keys_a_bundle_leaves_out_take_the_absent_key_table_not_the_current_defaults() -> None:
-    read = bundle_layout(net_from_bundle({"self_attention": {}}))
-    table = {
-        key: dict(value) if isinstance(value, MappingProxyType) else value for key, value in ABSENT_KEY_VALUES.items()
+def test_keys_a_version_1_config_leaves_out_take_the_absent_key_table_not_the_current_defaults() -> None:
+    read = to_dict(net_v1({"self_attention": {}}))
+    decoder = dict(ABSENT_KEY_VALUES["decoder"])
+    assert read == {
+        "attention": decoder.pop("mode"),
+        "scorer": decoder.pop("attention"),
+        "encoder": dict(ABSENT_KEY_VALUES["encoder"]),
+        "feature_norm": ABSENT_KEY_VALUES["feature_norm"],
+        "self_attention": dict(ABSENT_KEY_VALUES["self_attention"]),
+        "decoder": decoder,
     }
-    assert read == table
     assert (read["encoder"]["name"], read["decoder"]["hidden_dim"], read["decoder"]["dropout"]) == (
         "resnet101",
         512,
         0.5,
     )
     partial = {"encoder": {"name": "resnet18"}, "self_attention": {"heads": 2}, "decoder": {"mode": "hard"}}
-    net = net_from_bundle(partial)
+    net = net_v1(partial)
     assert (net.attention, net.scorer, net.self_attention.blocks, net.feature_norm) == ("hard", "additive", 1, False)
     assert (net.encoder.name, net.encoder.stage, net.encoder.trainable_stages, net.decoder.hidden_dim) == (
         "resnet18",
@@ -267,4 +272,66 @@ def test_keys_a_bundle_leaves_out_take_the_absent_key_table_not_the_current_defa
         512,
     )
     for none in ({}, {"self_attention": None}):  # no self_attention section: no blocks
-        assert net_from_bundle(none).self_attention.blocks == 0
+        assert net_v1(none).self_attention.blocks == 0
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_a_version_1_bundle_loads_with_its_settings_and_weights() -> None:
+    """``fixtures/bundle_v1.pt`` was written by save_bundle at version 1, with the logits its model gave for
+    seeded images and fixed captions (``fixtures/bundle_v1.json``)."""
+    raw = torch.load(FIXTURES / "bundle_v1.pt", weights_only=True)
+    assert raw["version"] == 1 and raw["config"]["decoder"]["mode"] == "hard"
+    loaded = load_trained(FIXTURES / "bundle_v1.pt")
+    expected = from_dict(
+        NetConfig,
+        {
+            "attention": "hard",
+            "scorer": "dot",
+            "encoder": {"name": "resnet18", "stage": "layer1", "grid": 2, "trainable_stages": 1},
+            "self_attention": {"blocks": 1, "heads": 2, "positional": "relative", "max_distance": 1},
+            "decoder": {
+                "embed_dim": 8,
+                "hidden_dim": 8,
+                "attention_dim": 8,
+                "dropout": 0.0,
+                "gate": "vector",
+                "hard_inference": "expectation",
+            },
+        },
+    )
+    assert loaded.config == expected and loaded.image_size == 32 and loaded.vocab.itos[4:] == ["a", "red", "circle"]
+    recorded = json.loads((FIXTURES / "bundle_v1.json").read_text())
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(recorded["images_seed"]))
+    with torch.no_grad():
+        logits = loaded.model(images, torch.tensor(recorded["captions"])).logits
+    torch.testing.assert_close(logits.flatten(), torch.tensor(recorded["logits"]), atol=1e-5, rtol=0)
+
+
+def test_a_version_1_checkpoint_loads_like_its_bundle(tmp_path: Path) -> None:
+    """Training checkpoints of version 1 carry the same metadata without a version."""
+    raw = torch.load(FIXTURES / "bundle_v1.pt", weights_only=True)
+    metadata = {key: raw[key] for key in ("config", "vocab", "vocab_fingerprint", "preprocess")}
+    checkpoint = {
+        "pytorch-lightning_version": "2.6.0",
+        "state_dict": {f"model.{k}": v for k, v in raw["state_dict"].items()},
+        CHECKPOINT_KEY: metadata,
+    }
+    torch.save(checkpoint, tmp_path / "last.ckpt")
+    from_checkpoint, from_bundle = load_trained(tmp_path / "last.ckpt"), load_trained(FIXTURES / "bundle_v1.pt")
+    assert from_checkpoint.config == from_bundle.config and from_checkpoint.config.attention == "hard"
+    weights = from_bundle.model.state_dict()
+    assert all(torch.equal(value, weights[key]) for key, value in from_checkpoint.model.state_dict().items())
+
+
+def test_a_checkpoint_says_its_version_and_stores_the_config_as_netconfig_serialises_it(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", objective=None)
+    metadata = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)[CHECKPOINT_KEY]
+    assert metadata["version"] == BUNDLE_VERSION and metadata["config"] == to_dict(net_v1(RUN_NET))
+    metadata["version"] = 3
+    torch.save(
+        {"pytorch-lightning_version": "2.6.0", "state_dict": {}, CHECKPOINT_KEY: metadata}, tmp_path / "new.ckpt"
+    )
+    with pytest.raises(BundleError, match="bundle version 3 is newer than this captioner reads"):
+        load_trained(tmp_path / "new.ckpt")

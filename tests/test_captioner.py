@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from captioner.bundle import load_bundle, net_from_bundle, save_bundle
+from captioner.bundle import load_bundle, save_bundle
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import SelfAttentionStack
-from conftest import CAPTIONER_NET, SMALL_IMAGE_SIZE, random_images
+from conftest import CAPTIONER_NET, SMALL_IMAGE_SIZE, net_v1, random_images
 
 
 def _captions(n: int, length: int = 6, vocab_size: int = 11) -> torch.Tensor:
@@ -24,18 +24,11 @@ def test_build_captioner_wires_the_parts(small_model, small_vocab):
     assert isinstance(small_model.self_attention, SelfAttentionStack)
     assert small_model.self_attention.blocks[0].dim == small_model.encoder.out_channels == 512
     assert small_model.decoder.embedding.num_embeddings == len(small_vocab) == 11
-    plain = build_captioner(net_from_bundle({**CAPTIONER_NET, "self_attention": {"blocks": 0}}), len(small_vocab))
+    plain = build_captioner(net_v1({**CAPTIONER_NET, "self_attention": {"blocks": 0}}), len(small_vocab))
     assert plain.self_attention is None
+    assert build_captioner(net_v1({**CAPTIONER_NET, "self_attention": None}), len(small_vocab)).self_attention is None
     assert (
-        build_captioner(net_from_bundle({**CAPTIONER_NET, "self_attention": None}), len(small_vocab)).self_attention
-        is None
-    )
-    assert (
-        len(
-            build_captioner(
-                net_from_bundle({**CAPTIONER_NET, "self_attention": {}}), len(small_vocab)
-            ).self_attention.blocks
-        )
+        len(build_captioner(net_v1({**CAPTIONER_NET, "self_attention": {}}), len(small_vocab)).self_attention.blocks)
         == 1
     )
 
@@ -64,7 +57,7 @@ def test_build_captioner_wires_the_parts(small_model, small_vocab):
 )
 def test_a_bundle_config_with_unknown_keys_is_refused(config, message):
     with pytest.raises(ConfigError, match=message):
-        net_from_bundle(config)
+        net_v1(config)
 
 
 def test_encoder_runs_once_per_image(small_model):
@@ -112,7 +105,7 @@ def test_a_partly_trained_encoder_caches_its_frozen_stages_and_trains_the_rest(s
         "decoder": {"embed_dim": 16, "hidden_dim": 16, "attention_dim": 16, "dropout": 0.0},
     }
     torch.manual_seed(0)
-    model = build_captioner(net_from_bundle(config), len(small_vocab)).train()
+    model = build_captioner(net_v1(config), len(small_vocab)).train()
     images, captions, index = random_images(2), _captions(4), torch.tensor([0, 1, 1, 0])
     features, grid = model.encode(images)  # layer1's output: 64 channels on a 24x24 map at 96 px
     assert features.shape == (2, 24 * 24, 64) and grid == (24, 24) and not features.requires_grad
@@ -186,14 +179,14 @@ def test_feature_norm_standardises_each_channel_in_training_and_travels_in_the_b
         "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8},
     }
     vocab = Vocabulary(["a", "b"])
-    model = build_captioner(net_from_bundle(config), len(vocab)).train()
+    model = build_captioner(net_v1(config), len(vocab)).train()
     features = torch.randn(4, 9, 512) * 7.0 + 3.0  # (B, L, C) far from unit scale
     normed = model.attend_grid(features)
     assert torch.allclose(normed.mean(dim=(0, 1)), torch.zeros(512), atol=1e-5)
     assert torch.allclose(normed.std(dim=(0, 1), unbiased=False), torch.ones(512), atol=1e-3)
-    save_bundle(tmp_path / "b.pt", model, vocab, config)
+    save_bundle(tmp_path / "b.pt", model, vocab, net_v1(config))
     loaded, _, _ = load_bundle(tmp_path / "b.pt")
     assert torch.equal(loaded.feature_norm.running_mean, model.feature_norm.running_mean)
     assert torch.allclose(loaded.attend_grid(features), model.eval().attend_grid(features))
     with pytest.raises(ConfigError, match="feature_norm='yes' must be true or false"):
-        net_from_bundle({**config, "feature_norm": "yes"})
+        net_v1({**config, "feature_norm": "yes"})

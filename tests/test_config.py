@@ -130,6 +130,7 @@ def test_a_misspelt_key_in_a_config_file_fails_at_composition_with_the_key(tmp_p
         ({"scst": {"samples": 1}}, "model.scst.samples=1: baseline=mean compares each sample"),
         ({"decoding": {"min_len": 20}}, "model.decoding.min_len=20 must be < max_len=20"),
         ({"attention": "hard", "scorer": "multihead"}, "model.scorer=multihead works with soft attention only"),
+        ({"decoder": {"attention_heads": 2}}, "model.decoder.attention_heads=2 needs scorer=multihead (got additive)"),
         ({"optimizer": {"lr": 0}}, "model.optimizer.lr=0.0 must be >= 1e-12"),
         ({"nonfinite_check_interval": 0}, "model.nonfinite_check_interval=0 must be >= 1"),
     ],

@@ -9,7 +9,6 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from captioner.bundle import net_from_bundle
 from captioner.config import NonFinite
 from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import build_captioner
@@ -34,7 +33,7 @@ def test_self_attention_blocks_are_built_only_when_asked(vocab, self_attention, 
     stack = module.model.self_attention
     assert (0 if stack is None else len(stack.blocks)) == blocks
     assert stack is None or isinstance(stack, SelfAttentionStack)
-    rebuilt = build_captioner(net_from_bundle(module.net_config), len(vocab)).self_attention  # what the bundle rebuilds
+    rebuilt = build_captioner(module.net, len(vocab)).self_attention  # what the bundle rebuilds
     assert (0 if rebuilt is None else len(rebuilt.blocks)) == blocks
 
 

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from captioner.bundle import net_from_bundle
 from captioner.config import NetConfig, SelfAttentionConfig, from_dict
 from captioner.errors import ConfigError
 from captioner.model.self_attention import (
@@ -17,7 +16,7 @@ from captioner.model.self_attention import (
     sinusoidal_grid_encoding,
 )
 from captioner.training.validate import error_line
-from conftest import compose_cfg
+from conftest import compose_cfg, net_v1
 
 GRID = (2, 3)  # H, W -> L = 6
 
@@ -296,8 +295,8 @@ def test_positional_settings():
 
 def test_bundles_written_with_positional_true_or_false_still_load():
     for old, new in ((True, "absolute"), (False, "none")):
-        assert net_from_bundle({"self_attention": {"blocks": 1, "positional": old}}).self_attention.positional == new
-    assert net_from_bundle({"self_attention": {"positional": "relative"}}).self_attention.max_distance == 4
+        assert net_v1({"self_attention": {"blocks": 1, "positional": old}}).self_attention.positional == new
+    assert net_v1({"self_attention": {"positional": "relative"}}).self_attention.max_distance == 4
 
 
 def test_a_config_with_positional_true_is_refused_in_one_line_naming_the_choices(tmp_path):

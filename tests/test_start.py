@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from captioner.bundle import net_from_bundle
 from captioner.config import to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
 from captioner.fileio import save_torch
 from captioner.training.start import model_settings, resolve_start
-from conftest import RUN_NET, write_run
+from conftest import RUN_NET, net_v1, write_run
 
 
 @pytest.mark.parametrize(
@@ -39,7 +38,7 @@ def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_anot
     assert start.resume == str(ce / "checkpoints" / "last.ckpt") and start.init is None
     start = resolve_start(str(ce), None, "scst", 0)  # a cross-entropy run: SCST starts from its selected model
     assert start.resume is None and start.init == str(ce / "bundle.pt")
-    assert start.model.config["decoder"]["mode"] == "hard" and start.model.vocab.itos[4:] == ["a", "red", "circle"]
+    assert start.model.config.attention == "hard" and start.model.vocab.itos[4:] == ["a", "red", "circle"]
     start = resolve_start(str(ce / "checkpoints" / "last.ckpt"), None, "scst", 0)  # a checkpoint file: that one
     assert start.init == str(ce / "checkpoints" / "last.ckpt")
     assert resolve_start(str(ce / "bundle.pt"), None, "scst", 0).init == str(ce / "bundle.pt")  # a bundle too
@@ -76,9 +75,7 @@ def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
         "data": {"image_size": 96},
     }
     settings = model_settings(start.model, config, tmp_path / "out")
-    net = to_dict(
-        net_from_bundle(RUN_NET)
-    )  # every field: what RUN_NET leaves out is the bundle format's ABSENT_KEY_VALUES
+    net = to_dict(net_v1(RUN_NET))  # every field: what RUN_NET leaves out is the bundle format's ABSENT_KEY_VALUES
     assert settings == {
         **{f"model.{key}": value for key, value in net.items()},
         "data.image_size": 64,
@@ -92,7 +89,7 @@ def test_model_settings_say_which_values_of_the_config_the_checkpoint_changes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     start = resolve_start(None, str(write_run(tmp_path / "ce", None)), "cross_entropy", 0)
-    config = {"model": to_dict(net_from_bundle(RUN_NET)), "data": {"image_size": 96, "vocab_file": None}}
+    config = {"model": to_dict(net_v1(RUN_NET)), "data": {"image_size": 96, "vocab_file": None}}
     with caplog.at_level(logging.INFO, logger="captioner.training.start"):
         model_settings(start.model, config, tmp_path / "out")
     assert "from the checkpoint, not the config: data.image_size, data.vocab_file" in caplog.text

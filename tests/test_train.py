@@ -21,7 +21,17 @@ from omegaconf import OmegaConf
 from captioner.errors import stop_reason
 from captioner.training.logs import finish_wandb
 from captioner.training.validate import validate_config
-from conftest import CONF, TINY, compose_cfg, compose_plain, error_line, run_train, subprocess_env, tiny_overrides
+from conftest import (
+    CONF,
+    TINY,
+    compose_cfg,
+    compose_plain,
+    error_line,
+    net_v1,
+    run_train,
+    subprocess_env,
+    tiny_overrides,
+)
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
@@ -37,7 +47,7 @@ def test_every_experiment_composes_validates_and_instantiates(experiment: str, t
 
     vocab = Vocabulary([f"w{i}" for i in range(20)])
     module = instantiate(cfg.model, vocab=vocab, _convert_="all")
-    assert module.net_config["decoder"]["mode"] == cfg.model.attention
+    assert module.net.attention == cfg.model.attention
     if cfg.trainer.accelerator == "cpu":
         assert instantiate(cfg.trainer).max_epochs == cfg.trainer.max_epochs
 
@@ -94,14 +104,15 @@ def test_a_missing_file_is_one_line_and_marks_the_run_folder_failed(tmp_path: Pa
 
 
 def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
-    from captioner.bundle import net_from_bundle, save_bundle
+    from captioner.bundle import save_bundle
     from captioner.data.vocab import Vocabulary
     from captioner.model.captioner import build_captioner
 
     vocab = Vocabulary(["a", "circle"])
     config = {"encoder": {"name": "resnet18"}, "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8}}
-    model = build_captioner(net_from_bundle(config), len(vocab))
-    save_bundle(tmp_path / "bundle.pt", model, vocab, config, {"image_size": 64})
+    net = net_v1(config)
+    model = build_captioner(net, len(vocab))
+    save_bundle(tmp_path / "bundle.pt", model, vocab, net, {"image_size": 64})
     proc = run_train([f"ckpt_path={tmp_path / 'bundle.pt'}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
     assert error_line(proc) == (
         f"error: ckpt_path='{tmp_path / 'bundle.pt'}' is an inference bundle (weights for captioning, no "

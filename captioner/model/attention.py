@@ -130,18 +130,22 @@ class MeanAttention(Attention):
         return keys.new_zeros(keys.size(0), h.size(1), keys.size(1))  # (B, K, L): equal scores, uniform weights
 
 
-def build_attention(kind: str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int) -> Attention:
-    """Build the scorer ``kind`` (a ``Scorer``); only "multihead" takes ``heads`` > 1."""
-    check_choice("attention", kind, list(Scorer))
-    check_range("attention_heads", heads, 1, kind=int)
-    if kind == "multihead":
+def build_attention(kind: Scorer | str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int) -> Attention:
+    """Build the scorer ``kind`` (a ``Scorer`` or its name); only ``Scorer.multihead`` takes ``heads`` > 1.
+
+    ConfigError names the settings as a config sets them (``scorer``, ``decoder.attention_heads``).
+    """
+    check_choice("scorer", kind, list(Scorer))
+    kind = Scorer(kind)
+    check_range("decoder.attention_heads", heads, 1, kind=int)
+    if kind == Scorer.multihead:
         return MultiHeadAttention(feature_dim, hidden_dim, attention_dim, heads)
     if heads != 1:
-        raise ConfigError(f"attention_heads={heads} needs attention='multihead' (got {kind!r})")
-    if kind == "additive":
+        raise ConfigError(f"decoder.attention_heads={heads} needs scorer=multihead (got scorer={kind})")
+    if kind == Scorer.additive:
         return AdditiveAttention(feature_dim, hidden_dim, attention_dim)
-    if kind == "bilinear":
+    if kind == Scorer.bilinear:
         return BilinearAttention(feature_dim, hidden_dim)
-    if kind == "mean":
+    if kind == Scorer.mean:
         return MeanAttention()
-    return DotAttention(feature_dim, hidden_dim, attention_dim, scaled=kind == "scaled_dot")
+    return DotAttention(feature_dim, hidden_dim, attention_dim, scaled=kind == Scorer.scaled_dot)

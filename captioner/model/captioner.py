@@ -136,7 +136,7 @@ class Captioner(nn.Module):
 
 
 def build_captioner(net: NetConfig, vocab_size: int) -> Captioner:
-    """Build the Captioner of ``net`` for ``vocab_size`` words (``captioner.bundle.net_from_bundle``
+    """Build the Captioner of ``net`` for ``vocab_size`` words (``captioner.bundle.read_net``
     reads the ``NetConfig`` of a bundle's config)."""
     encoder = Encoder(net.encoder)
     self_attention = None

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Categorical
 
-from captioner.config import NetConfig
+from captioner.config import Attention, Gate, HardEstimator, HardInference, NetConfig
 from captioner.model.attention import build_attention
 
 State = tuple[Tensor, Tensor]
@@ -48,19 +48,19 @@ class ShowAttendTellDecoder(nn.Module):
         super().__init__()
         settings = config.decoder
         embed_dim, hidden_dim = settings.embed_dim, settings.hidden_dim
-        self.mode = config.attention.value
+        self.mode = config.attention
         self.hard_expectation_prob = settings.hard_expectation_prob
-        self.hard_inference = settings.hard_inference.value
-        self.hard_estimator = settings.hard_estimator.value
+        self.hard_inference = settings.hard_inference
+        self.hard_estimator = settings.hard_estimator
         self.gumbel_tau_start, self.gumbel_tau_min = settings.gumbel_tau, settings.gumbel_tau_min
         self.gumbel_tau = settings.gumbel_tau  # annealed by ``anneal`` during training
         self.embedding = nn.Embedding(vocab_size, embed_dim)  # E
         self.attention = build_attention(
-            config.scorer.value, feature_dim, hidden_dim, settings.attention_dim, settings.attention_heads
+            config.scorer, feature_dim, hidden_dim, settings.attention_dim, settings.attention_heads
         )
         self.init_h = nn.Linear(feature_dim, hidden_dim)  # f_init,h
         self.init_c = nn.Linear(feature_dim, hidden_dim)  # f_init,c
-        gates = {"scalar": 1, "vector": feature_dim}
+        gates = {Gate.scalar: 1, Gate.vector: feature_dim}
         self.f_beta = nn.Linear(hidden_dim, gates[settings.gate]) if settings.gate in gates else None
         self.lstm = nn.LSTMCell(embed_dim + feature_dim, hidden_dim)
         self.dropout = nn.Dropout(settings.dropout)
@@ -106,7 +106,7 @@ class ShowAttendTellDecoder(nn.Module):
         """
         keys = self.attention.keys(features)  # (B, L, A), once per image
         state = self.init_state(features)  # (B, H) x 2
-        sampling = self.mode == "hard" and self.training
+        sampling = self.mode == Attention.hard and self.training
         expect = None
         if sampling:  # per image, as the paper says: the expected context instead of a sampled location
             expect = torch.rand(features.size(0), device=features.device) < self.hard_expectation_prob  # (B,)
@@ -122,7 +122,7 @@ class ShowAttendTellDecoder(nn.Module):
         logits, alphas, log_probs, entropies = zip(*steps)
         output = DecoderOutput(torch.stack(logits, dim=1), torch.stack(alphas, dim=1))  # (N, T, V), (N, T, L)
         if sampling:
-            if self.hard_estimator == "reinforce":
+            if self.hard_estimator == HardEstimator.reinforce:
                 output.location_log_probs = torch.stack(log_probs, dim=1)  # (N, T)
             output.entropy = torch.stack(entropies, dim=1)  # (N, T)
             output.sampled = ~expect
@@ -154,14 +154,14 @@ class ShowAttendTellDecoder(nn.Module):
         With the Gumbel estimator log p(s_t) is None: the straight-through one-hot carries the gradient.
         """
         context, alpha = self.attention(keys, features, h)  # eq. 4-5; soft: expected context (section 4.2)
-        if self.mode == "soft" or (not self.training and self.hard_inference == "expectation"):
+        if self.mode == Attention.soft or (not self.training and self.hard_inference == HardInference.expectation):
             return context, alpha, None, None
         # each row's image, broadcast against the location indices (B,) or (B, K)
         images = torch.arange(features.size(0), device=features.device).view(-1, *[1] * (h.dim() - 2))
         if not self.training:  # hard attention at inference: the most likely location
             return features[images, alpha.argmax(dim=-1)], alpha, None, None
         locations = Categorical(probs=alpha, validate_args=False)
-        if self.hard_estimator == "gumbel":
+        if self.hard_estimator == HardEstimator.gumbel:
             z, log_prob = self._gumbel_location(alpha, features), None  # (B, [K,] D)
         else:
             s = locations.sample()  # (B, [K]): s_t ~ Multinoulli_L(alpha_t) (section 4.1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captioner.config import LossConfig, ScstBaseline
+from captioner.config import LossConfig, ReinforceReward, ScstBaseline
 from captioner.errors import check_choice
 from captioner.model.decoder import DecoderOutput
 
@@ -43,7 +43,7 @@ class CaptionLoss(nn.Module):
         self.unk_id = unk_id
         self.ds_lambda = config.ds_lambda
         self.reinforce_weight = config.reinforce_weight
-        self.reinforce_reward = config.reinforce_reward.value
+        self.reinforce_reward = config.reinforce_reward
         self.entropy_weight = config.entropy_weight
         self.baseline_decay = config.baseline_decay
         self.register_buffer("baseline", torch.zeros(BASELINE_SLOTS))
@@ -84,7 +84,7 @@ class CaptionLoss(nn.Module):
         """Per-step rewards r (N, T) (0 on pad steps) and the baseline slot (N, T) of each step."""
         log_lik = -nll.detach() * mask  # (N, T): log p(y_t | ...) on real steps
         steps = torch.arange(nll.size(1), device=nll.device).expand_as(nll)  # (N, T)
-        if self.reinforce_reward == "word":
+        if self.reinforce_reward == ReinforceReward.word:
             return log_lik, steps.clamp(max=BASELINE_SLOTS - 1)
         suffix = log_lik.flip(1).cumsum(1).flip(1)  # (N, T): sum_{t' >= t} log p(y_t')
         remaining = mask.flip(1).cumsum(1).flip(1).long()  # (N, T): real steps from t on
@@ -124,10 +124,10 @@ class SelfCriticalLoss(nn.Module):
     the sampled tokens and divided by their number.
     """
 
-    def __init__(self, baseline: str) -> None:
+    def __init__(self, baseline: ScstBaseline | str) -> None:
         super().__init__()
-        check_choice("baseline", baseline, list(ScstBaseline))
-        self.baseline = baseline
+        check_choice("scst.baseline", baseline, list(ScstBaseline))
+        self.baseline = ScstBaseline(baseline)
 
     def forward(
         self, log_probs: Tensor, lengths: Tensor, rewards: Tensor, greedy_rewards: Tensor | None = None
@@ -141,7 +141,7 @@ class SelfCriticalLoss(nn.Module):
         (the samples' mean reward) and, for the greedy baseline, "greedy_reward" (the greedy captions').
         """
         batch, samples = rewards.shape
-        if self.baseline == "greedy":
+        if self.baseline == ScstBaseline.greedy:
             if greedy_rewards is None:
                 raise ValueError("the greedy baseline needs the greedy captions' rewards")
             baseline = greedy_rewards.unsqueeze(1).expand(batch, samples)  # (B, k)
@@ -153,6 +153,6 @@ class SelfCriticalLoss(nn.Module):
         mask = torch.arange(log_probs.size(1), device=log_probs.device) < lengths.unsqueeze(1)  # (B*k, T)
         loss = -(advantage * log_probs * mask).sum() / mask.sum().clamp_min(1)
         terms = {"loss": loss, "reward": rewards.mean()}
-        if self.baseline == "greedy":
+        if self.baseline == ScstBaseline.greedy:
             terms["greedy_reward"] = greedy_rewards.mean()
         return terms

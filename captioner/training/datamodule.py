@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from captioner.config import DataConfig, from_dict
+from captioner.config import DataConfig, from_dict, to_dict
 from captioner.data.dataset import CaptionDataset, build_transform, collate
 from captioner.data.features import FeatureCache, FeatureCaptionDataset, cache_key
 from captioner.data.readers import SPLITS, Box, Record
@@ -99,7 +99,7 @@ class CaptionDataModule(L.LightningDataModule):
         if self._frozen_fingerprint is None:  # hashing the frozen weights takes seconds for a large CNN: once
             self._frozen_fingerprint = encoder.frozen_fingerprint()
         key = cache_key(
-            {**module.net_config["encoder"], "frozen_weights": self._frozen_fingerprint},
+            {**to_dict(module.net.encoder), "frozen_weights": self._frozen_fingerprint},
             self.settings.image_size,
             self.splits[split],
             self.settings.feature_dtype.value,

@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from captioner.bundle import CHECKPOINT_KEY, bundle_layout, bundle_metadata, save_bundle
+from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
 from captioner.config import ModelConfig, Objective, from_dict, to_dict
 from captioner.data.dataset import SkipCounter
 from captioner.data.vocab import Vocabulary
@@ -45,8 +45,8 @@ class CaptionerModule(L.LightningModule):
         self.settings = from_dict(ModelConfig, {k: v for k, v in settings.items() if k != "_target_"}, "model")
         self.save_hyperparameters(to_dict(self.settings))  # every setting, as plain data (weights_only loads it)
         self.vocab = vocab
-        self.net_config = bundle_layout(self.settings.net())
-        self.model: Captioner = build_captioner(self.settings.net(), len(vocab))
+        self.net = self.settings.net()  # what the bundle stores
+        self.model: Captioner = build_captioner(self.net, len(vocab))
         self.criterion = CaptionLoss(self.settings.loss, vocab.pad_id, vocab.unk_id)
         self.self_critical = SelfCriticalLoss(self.settings.scst.baseline)
         self.cider: CiderD | None = None  # the SCST reward: CIDEr-D against the training references
@@ -215,7 +215,7 @@ class CaptionerModule(L.LightningModule):
             path,
             self.model,
             self.vocab,
-            self.net_config,
+            self.net,
             preprocess={"image_size": self.trainer.datamodule.settings.image_size},
         )
 
@@ -223,5 +223,5 @@ class CaptionerModule(L.LightningModule):
         """Checkpoints carry the bundle metadata as plain data (model config, vocabulary, image size), so
         ``captioner.bundle.load_trained`` reads them with ``weights_only=True``."""
         checkpoint[CHECKPOINT_KEY] = bundle_metadata(
-            self.net_config, self.vocab, {"image_size": self.trainer.datamodule.settings.image_size}
+            self.net, self.vocab, {"image_size": self.trainer.datamodule.settings.image_size}
         )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from captioner.bundle import TrainedModel, is_bundle, is_lightning_checkpoint, load_trained, net_from_bundle
+from captioner.bundle import TrainedModel, is_bundle, is_lightning_checkpoint, load_trained
 from captioner.config import Objective, to_dict
 from captioner.errors import ConfigError
 from captioner.fileio import load_torch
@@ -116,7 +116,7 @@ def model_settings(model: TrainedModel, config: dict[str, Any], output_dir: Path
     Its architecture and image size, and its vocabulary, written to ``<output_dir>/vocab.json`` for
     ``data.vocab_file``. The values that differ from ``config`` (the composed config, plain) are logged.
     """
-    net = to_dict(net_from_bundle(model.config))
+    net = to_dict(model.config)
     vocab_file = Path(output_dir) / VOCAB_FILE
     model.vocab.save(vocab_file)
     settings = {f"model.{key}": value for key, value in net.items()}
