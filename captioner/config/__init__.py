@@ -1,0 +1,76 @@
+"""Every setting of the model, its training and its data: one typed dataclass per concern.
+
+Each field is written once, with its default, its comment and its valid range (checked in ``__post_init__``);
+choices are ``StrEnum``s. One module per concern: ``network`` (what a bundle stores), ``decoding``, ``model``
+(the ``model`` group: the network and its training), ``data`` (the ``data`` group), ``train`` (the whole
+config); ``settings`` is what they are built with (``from_dict``, which names the key of a bad value:
+``model.decoder.dropout=1.5 must be ...``, and ``to_dict``). The Hydra configs in ``conf/`` use these
+classes as their schemas (``SCHEMAS``), so a misspelt key fails when the config is composed.
+
+The network's defaults are those of the built-in demo (``python train.py``); its recipe (SCST, epochs) is
+``conf/experiment/demo.yaml``, and ``conf/experiment/coco_*`` set the paper's.
+"""
+
+from captioner.config.data import MAX_AUTO_WORKERS, DataConfig, FeatureDtype
+from captioner.config.decoding import CAPTIONING_BATCH_SIZE, CAPTIONING_METHOD, DecodeMethod, DecodingConfig
+from captioner.config.model import (
+    LossConfig,
+    ModelConfig,
+    NonFinite,
+    Objective,
+    OptimizerConfig,
+    ReinforceReward,
+    Schedule,
+    SchedulerConfig,
+    ScstBaseline,
+    ScstConfig,
+)
+from captioner.config.network import (
+    Attention,
+    DecoderConfig,
+    EncoderConfig,
+    Gate,
+    HardEstimator,
+    HardInference,
+    NetConfig,
+    Positional,
+    Scorer,
+    SelfAttentionConfig,
+)
+from captioner.config.settings import Settings, from_dict, to_dict
+from captioner.config.train import SCHEMAS, TrainConfig
+
+__all__ = [
+    "CAPTIONING_BATCH_SIZE",
+    "CAPTIONING_METHOD",
+    "MAX_AUTO_WORKERS",
+    "SCHEMAS",
+    "Attention",
+    "DataConfig",
+    "DecodeMethod",
+    "DecoderConfig",
+    "DecodingConfig",
+    "EncoderConfig",
+    "FeatureDtype",
+    "Gate",
+    "HardEstimator",
+    "HardInference",
+    "LossConfig",
+    "ModelConfig",
+    "NetConfig",
+    "NonFinite",
+    "Objective",
+    "OptimizerConfig",
+    "Positional",
+    "ReinforceReward",
+    "Schedule",
+    "SchedulerConfig",
+    "Scorer",
+    "ScstBaseline",
+    "ScstConfig",
+    "SelfAttentionConfig",
+    "Settings",
+    "TrainConfig",
+    "from_dict",
+    "to_dict",
+]

@@ -1,0 +1,73 @@
+"""The ``data`` config group: the dataset source, batching and preprocessing."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from captioner.config.settings import Settings
+from captioner.errors import check_range
+
+MAX_AUTO_WORKERS = 8  # DataConfig.num_workers=None uses at most this many loader workers
+
+
+class FeatureDtype(enum.StrEnum):
+    """The dtype the feature cache stores grids in."""
+
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+@dataclass
+class DataConfig(Settings):
+    """The ``data`` config group: the dataset source, batching and preprocessing (``CaptionDataModule``)."""
+
+    _target_: str = "captioner.training.datamodule.CaptionDataModule"
+    source: Any = None  # the dataset: a ``_target_`` mapping of captioner.data.sources (built by Hydra)
+    image_size: int = 224  # images are resized to image_size x image_size
+    batch_size: int = 32  # training images (or captions with per_caption) per step and process
+    eval_batch_size: int | None = 64  # validation/test images per step; None: batch_size
+    # DataLoader worker processes; None: one per CPU this process may use, less one for the main process,
+    # at most MAX_AUTO_WORKERS (``workers``)
+    num_workers: int | None = None
+    min_word_count: int = 5  # words seen fewer times in the training captions become <unk>
+    max_vocab: int | None = 10000  # keep at most this many words (most frequent first); None: all
+    max_len: int = 20  # longer training captions are cut to this many words
+    per_caption: bool = False  # one item per (image, caption); the CNN then runs once per caption
+    augment: bool = False  # mild colour jitter / crop; never flips (captions say left and right)
+    feature_cache: str | None = None  # a folder: cache the encoder's frozen stages' output there
+    feature_dtype: FeatureDtype = FeatureDtype.float16  # the cache's dtype
+    vocab_file: str | None = None  # load this vocabulary JSON instead of building one from the captions
+    # Training captions padded to this many tokens (<start> and <end> included, so max_len + 2 holds every
+    # caption) instead of the batch's longest: every step has the same shapes, what a captured CUDA graph
+    # needs; the loss is unchanged (pad steps are masked). None: the batch's longest (fewer steps on a CPU).
+    pad_to: int | None = None
+    # Where the recipe that trains on this dataset is: the demo's recipe (``demo``) on any dataset but the
+    # built-in shapes (``recipe: null``) stops at once, naming it.
+    recipe: str | None = "experiment=coco_soft"
+
+    def check(self) -> None:
+        check_range("image_size", self.image_size, 32, kind=int)
+        check_range("batch_size", self.batch_size, 1, kind=int)
+        if self.eval_batch_size is not None:
+            check_range("eval_batch_size", self.eval_batch_size, 1, kind=int)
+        if self.num_workers is not None:
+            check_range("num_workers", self.num_workers, 0, kind=int)
+        check_range("min_word_count", self.min_word_count, 1, kind=int)
+        if self.max_vocab is not None:
+            check_range("max_vocab", self.max_vocab, 4, kind=int)
+        check_range("max_len", self.max_len, 1, kind=int)
+        if self.pad_to is not None:
+            check_range("pad_to", self.pad_to, self.max_len + 2, kind=int)
+
+    @property
+    def workers(self) -> int:
+        """``num_workers``, or when None the CPUs this process may use less one (the main process), at most
+        ``MAX_AUTO_WORKERS``."""
+        if self.num_workers is not None:
+            return self.num_workers
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(0, min(cpus - 1, MAX_AUTO_WORKERS))

@@ -1,0 +1,63 @@
+"""How captions are decoded: validation's and test's settings, and captioning's."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from captioner.config.settings import Settings, from_dict
+from captioner.errors import ConfigError, check_range
+
+
+class DecodeMethod(enum.StrEnum):
+    """How validation, test and the CLI turn a model into captions."""
+
+    greedy = "greedy"
+    beam = "beam"
+    sample = "sample"
+
+
+@dataclass
+class DecodingConfig(Settings):
+    """How captions are decoded: these defaults are validation's and test's (``model.decoding``);
+    captioning (``Captioner.generate``, ``caption()``, the CLI's flags) starts from ``captioning()``, the
+    same settings with ``CAPTIONING_METHOD``. ``captioner.model.decoding`` reads its defaults here."""
+
+    # greedy for validation and test (one decode per epoch, fast); captioning: CAPTIONING_METHOD
+    method: DecodeMethod = DecodeMethod.greedy
+    beam_size: int = 3
+    max_len: int = 20  # words at most, <end> excluded
+    length_penalty: float = 0.0  # beam: score / length ** length_penalty
+    temperature: float = 1.0  # sample: softmax(logits / temperature)
+    min_len: int = 0  # no <end> before this many words (0: off)
+    no_repeat_ngram_size: int = 0  # no n-gram of this many words twice in a caption (0: off)
+
+    @classmethod
+    def captioning(cls, **settings: Any) -> DecodingConfig:
+        """Captioning's settings: ``method=CAPTIONING_METHOD``, then ``settings`` (field names) over them.
+
+        TypeError for a name that is no field (as for any unknown keyword), ConfigError naming a bad value.
+        """
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = [name for name in settings if name not in fields]
+        if unknown:
+            raise TypeError(f"unknown decoding option {unknown[0]!r}; the options are: {', '.join(fields)}")
+        return from_dict(cls, {"method": CAPTIONING_METHOD, **settings})
+
+    def check(self) -> None:
+        check_range("beam_size", self.beam_size, 1, kind=int)
+        check_range("max_len", self.max_len, 1, kind=int)
+        check_range("length_penalty", self.length_penalty, 0.0)
+        check_range("temperature", self.temperature, 1e-6)
+        check_range("min_len", self.min_len, 0, kind=int)
+        check_range("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, kind=int)
+        if self.min_len >= self.max_len:
+            raise ConfigError(f"min_len={self.min_len} must be < max_len={self.max_len}")
+
+
+# How captioning decodes by default (validation and test: DecodingConfig.method): beam search finds better
+# captions than greedy decoding, for a cost paid once per image rather than every epoch.
+CAPTIONING_METHOD = DecodeMethod.beam
+CAPTIONING_BATCH_SIZE = 32  # images encoded and decoded together (caption(), `captioner caption --batch-size`)

@@ -1,0 +1,156 @@
+"""The ``model`` config group: the network and how it is trained and evaluated."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+
+from captioner.config.decoding import DecodingConfig
+from captioner.config.network import NetConfig
+from captioner.config.settings import Settings
+from captioner.errors import ConfigError, check_range
+
+
+class ReinforceReward(enum.StrEnum):
+    """The per-step reward of REINFORCE."""
+
+    word = "word"  # log p of word t
+    suffix = "suffix"  # log p of words t..end
+
+
+class Schedule(enum.StrEnum):
+    """The learning-rate schedule after warm-up."""
+
+    cosine = "cosine"
+    step = "step"
+    none = "none"
+
+
+class NonFinite(enum.StrEnum):
+    """What a NaN/inf training loss does (its optimiser step is skipped either way)."""
+
+    stop = "stop"  # raise, naming the last good checkpoint
+    skip = "skip"  # warn and go on
+
+
+class Objective(enum.StrEnum):
+    """What training optimises."""
+
+    cross_entropy = "cross_entropy"
+    scst = "scst"  # self-critical sequence training of a trained model (Rennie et al. 2017)
+
+
+class ScstBaseline(enum.StrEnum):
+    """The baseline of self-critical training."""
+
+    mean = "mean"  # the mean reward of the image's other samples
+    greedy = "greedy"  # the reward of the image's greedy caption (Rennie et al.)
+
+
+@dataclass
+class LossConfig(Settings):
+    """The training loss of cross-entropy training (eq. 14; eq. 12 for hard attention)."""
+
+    # Doubly stochastic regularisation (eq. 14). It pulls every cell's attention summed over the words
+    # towards 1, so with fewer words than cells (the demo: ~10 words, 144 cells) it spreads each word's
+    # attention out; the demo turns it off, the COCO recipes keep the paper's 1.
+    ds_lambda: float = 0.0
+    # REINFORCE (hard attention): a per-step reward with a baseline per step that starts at the first
+    # batch's mean; the weight keeps its gradient on the attention of the order of the cross-entropy's.
+    reinforce_reward: ReinforceReward = ReinforceReward.word
+    reinforce_weight: float = 0.1
+    entropy_weight: float = 0.002  # bonus on the entropy of the sampled locations' distribution
+    baseline_decay: float = 0.9  # moving average of the baseline
+
+    def check(self) -> None:
+        for name in ("ds_lambda", "reinforce_weight", "entropy_weight"):
+            check_range(name, getattr(self, name), 0.0)
+        check_range("baseline_decay", self.baseline_decay, 0.0, 1.0)
+
+
+@dataclass
+class OptimizerConfig(Settings):
+    """Adam (fused where the device has it)."""
+
+    lr: float = 0.002  # the decoder (and self-attention)
+    encoder_lr: float = 0.002  # the encoder's trained stages (the COCO recipes: 1e-4 for pretrained weights)
+    weight_decay: float = 0.0
+
+    def check(self) -> None:
+        check_range("lr", self.lr, 1e-12)
+        check_range("encoder_lr", self.encoder_lr, 0.0)
+        check_range("weight_decay", self.weight_decay, 0.0)
+
+
+@dataclass
+class SchedulerConfig(Settings):
+    """Linear warm-up, then the learning-rate schedule (stepped every optimiser step)."""
+
+    name: Schedule = Schedule.cosine
+    warmup_steps: int = 50
+    step_size: int = 10  # step: epochs between decays
+    gamma: float = 0.5  # step: the decay factor
+
+    def check(self) -> None:
+        check_range("warmup_steps", self.warmup_steps, 0, kind=int)
+        check_range("step_size", self.step_size, 1, kind=int)
+        check_range("gamma", self.gamma, 0.0, 1.0)
+
+
+@dataclass
+class ScstConfig(Settings):
+    """Self-critical sequence training (objective=scst): CIDEr-D of sampled captions as the reward."""
+
+    samples: int = 5  # captions sampled per image, all images and samples at once
+    baseline: ScstBaseline = ScstBaseline.mean
+    # Cross-entropy epochs before self-critical training starts, in the same run (SCST improves a model
+    # trained with cross-entropy); 0: self-critical from the first step, of the model of ckpt_path/init_from.
+    after_epochs: int = 5
+    # after_epochs > 0: when SCST takes over, the learning-rate schedule starts again (warm-up excepted) from
+    # the optimizer's rates times this.
+    lr_scale: float = 0.1
+
+    def check(self) -> None:
+        check_range("samples", self.samples, 1, kind=int)
+        check_range("after_epochs", self.after_epochs, 0, kind=int)
+        check_range("lr_scale", self.lr_scale, 1e-6)
+        if self.baseline == ScstBaseline.mean and self.samples < 2:
+            raise ConfigError(
+                f"samples={self.samples}: baseline=mean compares each sample with the image's "
+                "other samples, so it needs samples >= 2"
+            )
+
+
+@dataclass
+class ModelConfig(NetConfig):
+    """The ``model`` config group: the network and how it is trained and evaluated."""
+
+    _target_: str = "captioner.training.module.CaptionerModule"
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    decoding: DecodingConfig = field(default_factory=DecodingConfig)
+    compile: bool = False  # torch.compile the decoder
+    # Decoding (captions and SCST samples) runs all max_len steps with finished captions masked, no early exit
+    # and no host read inside the loop: the same shapes on every call, what a captured CUDA graph needs, for
+    # the same captions. None: on CUDA only; on a CPU stopping once every caption has ended is cheaper
+    # (demo-size decoder, ~10-word captions of max_len 20: static takes 1.55-2.1x the time of greedy and
+    # beam 3/5 at batch 125 and 1).
+    static_shapes: bool | None = None
+    nonfinite: NonFinite = NonFinite.stop
+    # Training steps between host reads of the losses (also before every checkpoint and at each epoch
+    # end); 1 reads every step, a GPU stall each time.
+    nonfinite_check_interval: int = 50
+    # Only an experiment switches to SCST: the demo's (cross-entropy for scst.after_epochs epochs, then SCST),
+    # demo_scst and coco_scst (which fine-tune a cross-entropy run's model).
+    objective: Objective = Objective.cross_entropy
+    scst: ScstConfig = field(default_factory=ScstConfig)
+
+    def check(self) -> None:
+        super().check()
+        check_range("nonfinite_check_interval", self.nonfinite_check_interval, 1, kind=int)
+
+    def net(self) -> NetConfig:
+        """The network part (what a bundle stores)."""
+        return NetConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(NetConfig)})
