@@ -22,32 +22,20 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from captioner.config import SCHEMAS
 from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
+from captioner.training.schemas import register_schemas
 from captioner.training.validate import error_line, section_error
-
-
-def register_schemas() -> None:
-    """Make the settings dataclasses of ``captioner.config`` the schemas of the configs (``<name>_schema``).
-
-    Stored outside any group, so that ``python train.py --help`` lists only the groups a user selects.
-    """
-    store = ConfigStore.instance()
-    for name, schema in SCHEMAS.items():
-        store.store(name=f"{name}_schema", node=schema)
-
-
-register_schemas()
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -58,11 +46,13 @@ def train(cfg: DictConfig) -> float | None:
 
     from captioner.evaluation.results import write_metrics, write_results
     from captioner.run_files import BUNDLE_NAME, METRICS_FILE, VAL_CAPTIONS_FILE
+    from captioner.training.datamodule import CaptionDataModule
     from captioner.training.logs import route_lightning_logs, summary
     from captioner.training.metrics import PROGRESS, VAL, metric
+    from captioner.training.module import CaptionerModule
     from captioner.training.run_folder import print_config_tree
     from captioner.training.start import model_settings, resolve_start
-    from captioner.training.validate import check_environment
+    from captioner.training.validate import check_environment, validate_config
 
     route_lightning_logs()
     output_dir = Path(cfg.paths.output_dir)
@@ -70,22 +60,25 @@ def train(cfg: DictConfig) -> float | None:
     source = build("data.source", plain["data"]["source"])
     check_environment(plain, source)
     start = resolve_start(cfg.ckpt_path, cfg.init_from, cfg.model.objective, cfg.model.scst.after_epochs)
-    ckpt_path = start.resume
-    L.seed_everything(cfg.seed, workers=True)
     if start.model is not None:  # the model of the checkpoint, not of the config
         with open_dict(cfg):
-            for key, value in model_settings(start.model, plain, output_dir).items():
+            for key, value in model_settings(start, plain, output_dir).items():
                 OmegaConf.update(cfg, key, value, merge=True)  # full sections: a replacement
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         print_config_tree(plain, output_dir)  # the config that runs
+    settings = validate_config(plain)  # the typed config, from here on
+    ckpt_path = start.resume
+    L.seed_everything(settings.seed, workers=True)
     trainer = build_trainer(plain)  # before any data work: Lightning checks its arguments as it builds
-    datamodule = build("data", {k: v for k, v in plain["data"].items() if k != "source"}, source=source)
-    datamodule.setup("fit")
-    module = build("model", plain["model"], vocab=datamodule.vocab)
+    with building("data"):
+        datamodule = CaptionDataModule(source, settings.data)
+        datamodule.setup("fit")
+    with building("model"):
+        module = CaptionerModule(datamodule.vocab, settings.model)
     if start.init is not None:
         module.model.load_state_dict(start.model.model.state_dict())
 
-    if cfg.train:
+    if settings.train:
         fit(trainer, module, datamodule, ckpt_path)
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         ckpt_path = (
@@ -94,7 +87,7 @@ def train(cfg: DictConfig) -> float | None:
             or None
         )
     metrics = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)[0]
-    if cfg.test:
+    if settings.test:
         metrics.update(
             trainer.test(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)[0]
         )
@@ -144,14 +137,22 @@ def build_trainer(plain: dict) -> object:
 
 
 def build(section: str, node: dict, **given: object) -> object:
-    """``hydra.utils.instantiate`` the plain config ``node`` and call it with ``given``; an argument its class
-    refuses (Lightning's own checks of its trainer, callbacks and loggers included) becomes one ConfigError
-    naming ``section``."""
+    """``hydra.utils.instantiate`` the plain config ``node`` (a ``_target_`` and its arguments) and call it with
+    ``given``; errors as ``building(section)`` reports them."""
     from hydra.utils import instantiate
+
+    with building(section):
+        return instantiate(node, _partial_=True, _convert_="all")(**given)
+
+
+@contextmanager
+def building(section: str) -> Iterator[None]:
+    """An argument the object of config ``section`` refuses as it is built (Lightning's own checks of its
+    trainer, callbacks and loggers included) becomes one ConfigError naming ``section``."""
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     try:
-        return instantiate(node, _partial_=True, _convert_="all")(**given)
+        yield
     except InstantiationException as exc:  # the class cannot be found, or its config is malformed
         error: BaseException = exc.__cause__ or exc
         raise section_error(section, error, " ".join(str(error).split())) from None
@@ -205,6 +206,7 @@ def cli() -> None:
     Hydra prints those over several lines and exits with status 1; with ``HYDRA_FULL_ERROR=1`` it raises
     them instead, so they are caught here. A user who sets ``HYDRA_FULL_ERROR=1`` gets Hydra's full report.
     """
+    register_schemas()  # before main() composes conf/ with them
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         main()
         return

@@ -4,7 +4,7 @@ the model and batches they train, timing, memory, load, FLOP counting, the devic
 The scripts are plain Python, run from the repository root as ``python benchmarks/<script>.py``; each
 prints Markdown tables whose rows carry their configuration. A size is an experiment of ``conf/``
 (``demo``, what ``python train.py`` trains, and ``coco_soft``/``coco_hard``, the paper's recipe), composed
-with Hydra's compose API as ``train.py`` composes it and built with ``hydra.utils.instantiate`` into the
+with Hydra's compose API as ``train.py`` composes it, parsed once into its ``TrainConfig`` and built into the
 same ``CaptionerModule`` (model, loss) training builds. Only what a benchmark cannot have is overridden:
 random encoder weights (nothing is downloaded; timing does not depend on the values), and under
 ``--quick`` a smaller COCO training batch.
@@ -37,15 +37,14 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from captioner.config import CAPTIONING_BATCH_SIZE, DataConfig, ModelConfig, from_dict
+from captioner.config import CAPTIONING_BATCH_SIZE, DataConfig, ModelConfig, TrainConfig, from_dict
 from captioner.data.shapes import ShapesSpec, make_scene
 from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import Captioner
 from captioner.model.decoder import DecoderOutput
+from captioner.training.schemas import register_schemas
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import train  # noqa: E402, F401 (registers the config schemas, as `python train.py` does)
 
 MiB = 2**20
 # Tensor methods that copy a value to the host (a device synchronisation on a GPU).
@@ -127,6 +126,7 @@ def compose_config(experiment: str | None, overrides: Sequence[str] = ()) -> dic
     ``conf/`` by Hydra's compose API, resolved as if started from the repository root; plain data, without
     the ``hydra`` node."""
     chosen = [f"experiment={experiment}"] if experiment else []
+    register_schemas()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*chosen, *overrides], return_hydra_config=True)
     cfg.hydra.runtime.cwd = str(ROOT)  # paths.root_dir
@@ -137,12 +137,11 @@ def compose_config(experiment: str | None, overrides: Sequence[str] = ()) -> dic
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
-def vocabulary(cfg: dict[str, Any]) -> Vocabulary:
-    """The vocabulary the config's data gives: for the built-in shapes, the words of its training captions
+def vocabulary(data: DataConfig) -> Vocabulary:
+    """The vocabulary the ``data`` settings give: for the built-in shapes, the words of its training captions
     (generated, no image drawn) as the data module counts them; for a real dataset ``data.max_vocab`` words
     (COCO's Karpathy train reaches 10,000), named ``w4``, ``w5``, ..."""
-    data = data_settings(cfg)
-    spec = getattr(instantiate(cfg["data"]["source"]), "spec", None)  # ShapesSource's generator parameters
+    spec = getattr(instantiate(data.source), "spec", None)  # ShapesSource's generator parameters
     if spec is not None:
         return shapes_vocabulary(spec, data.min_word_count, data.max_vocab)
     first = len(Vocabulary.SPECIALS)
@@ -156,28 +155,24 @@ def shapes_vocabulary(spec: ShapesSpec, min_count: int, max_size: int | None) ->
     return Vocabulary.build(captions, min_count=min_count, max_size=max_size)
 
 
-def data_settings(cfg: dict[str, Any]) -> DataConfig:
-    """The ``data`` section as its dataclass (the source left out: it is built by Hydra)."""
-    return from_dict(DataConfig, {k: v for k, v in cfg["data"].items() if k != "source"}, "data")
-
-
 @dataclass(frozen=True, eq=False)
 class Setup:
     """One benchmarked size: an experiment of ``conf/`` composed with the benchmark's overrides."""
 
     name: str  # the experiment, or "tiny"
     cfg: dict[str, Any]  # the composed config (plain)
+    settings: TrainConfig  # ``cfg`` parsed
     vocab: Vocabulary
 
     @property
     def model(self) -> ModelConfig:
-        """The ``model`` section as its dataclass."""
-        return from_dict(ModelConfig, {k: v for k, v in self.cfg["model"].items() if k != "_target_"}, "model")
+        """The ``model`` section."""
+        return self.settings.model
 
     @property
     def data(self) -> DataConfig:
-        """The ``data`` section as its dataclass."""
-        return data_settings(self.cfg)
+        """The ``data`` section."""
+        return self.settings.data
 
     @property
     def batch(self) -> int:
@@ -223,7 +218,8 @@ def setup(experiment: str, args: argparse.Namespace, attention: str = "soft", ov
     elif args.quick and experiment.startswith("coco"):
         extra.append(f"data.batch_size={QUICK_BATCH}")
     cfg = compose_config(experiment, [*extra, *overrides])
-    return Setup("tiny" if args.tiny else experiment, cfg, vocabulary(cfg))
+    settings = from_dict(TrainConfig, cfg)
+    return Setup("tiny" if args.tiny else experiment, cfg, settings, vocabulary(settings.data))
 
 
 def setups(args: argparse.Namespace, attention: str = "soft") -> list[Setup]:
@@ -235,8 +231,10 @@ def setups(args: argparse.Namespace, attention: str = "soft") -> list[Setup]:
 
 def build_module(size: Setup, args: argparse.Namespace) -> nn.Module:
     """The ``CaptionerModule`` of ``size`` (its captioner, loss and settings) on the device, built from the
-    ``model`` section with ``hydra.utils.instantiate`` as ``train.py`` builds it."""
-    return instantiate(size.cfg["model"], vocab=size.vocab, _convert_="all").to(args.device)
+    ``model`` section as ``train.py`` builds it."""
+    from captioner.training.module import CaptionerModule
+
+    return CaptionerModule(size.vocab, size.model).to(args.device)
 
 
 def grid_shape(size: Setup) -> tuple[int, int, int]:

@@ -15,6 +15,7 @@ needed" = step rate / rate of one worker, rounded up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import tempfile
 import time
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -83,10 +83,9 @@ class GeneratedSource:
 
 
 def datamodule(size: common.Setup, source: GeneratedSource, workers: int) -> CaptionDataModule:
-    """The experiment's data module (its ``data`` section, built with ``hydra.utils.instantiate`` as
-    ``train.py`` builds it) over ``source``, with ``workers`` loader processes and no feature cache."""
-    settings = {**size.cfg["data"], "source": None, "num_workers": workers, "feature_cache": None}
-    module = instantiate(settings, source=source, _convert_="all")
+    """The experiment's data module (its ``data`` section, as ``train.py`` builds it) over ``source``, with
+    ``workers`` loader processes and no feature cache."""
+    module = CaptionDataModule(source, dataclasses.replace(size.data, num_workers=workers, feature_cache=None))
     module.setup("fit")
     return module
 

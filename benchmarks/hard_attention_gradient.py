@@ -32,9 +32,11 @@ from hydra.utils import instantiate
 from torch import Tensor
 
 import common
-from captioner.config import HardEstimator, LossConfig
+from captioner.config import HardEstimator, LossConfig, TrainConfig, from_dict
 from captioner.model.decoder import DecoderOutput
 from captioner.model.losses import CaptionLoss
+from captioner.training.datamodule import CaptionDataModule
+from captioner.training.module import CaptionerModule
 
 ESTIMATORS = ("sequence", "word", "suffix", "gumbel")
 
@@ -43,9 +45,10 @@ def demo_batch(overrides: list[str]) -> tuple[object, dict]:
     """The CaptionerModule and the first training batch of the demo, built as ``train.py`` builds them,
     with the batch's grid features computed once under ``batch["features"]``."""
     cfg = common.compose_config("demo", ["model=hard", *overrides, "data.feature_cache=null"])
-    datamodule = instantiate(cfg["data"], _convert_="all")
+    settings = from_dict(TrainConfig, cfg)
+    datamodule = CaptionDataModule(instantiate(cfg["data"]["source"]), settings.data)
     datamodule.setup("fit")
-    module = instantiate(cfg["model"], vocab=datamodule.vocab, _convert_="all")
+    module = CaptionerModule(datamodule.vocab, settings.model)
     batch = next(iter(datamodule.train_dataloader()))
     module.model.encoder.eval()
     with torch.no_grad():

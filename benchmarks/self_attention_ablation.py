@@ -37,6 +37,7 @@ from captioner.evaluation.report import evaluate_split
 from captioner.inference import load_model
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import GridSelfAttention
+from captioner.training.schemas import register_schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 # name -> model.self_attention overrides
@@ -133,10 +134,7 @@ def demo_steps(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
 
 def coco_net(self_attention: dict) -> NetConfig:
     """The network of ``experiment=coco_soft`` (random weights) with these self-attention settings."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    import train  # noqa: F401  registers the config schemas that conf/ composes with, as running it does
-
+    register_schemas()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["experiment=coco_soft", "model.encoder.weights=null"])
     model = OmegaConf.to_container(cfg.model, resolve=False)

@@ -30,6 +30,7 @@ from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.encoder import Encoder
 from captioner.model.losses import CaptionLoss
+from captioner.training.schemas import register_schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -93,7 +94,7 @@ def snapshot(folder: Path) -> dict[str, str]:
 # ------------------------------------------------------------------------------------ composed configs
 def compose_cfg(overrides: list[str], tmp_path: Path) -> DictConfig:
     """Compose conf/config.yaml as train.py would, with the run's folder at ``tmp_path/out``."""
-    import train  # noqa: F401  registers the config schemas (captioner.config) with Hydra, as running it does
+    register_schemas()
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)

@@ -15,7 +15,6 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from test_train import compose_cfg
 
-import train  # noqa: F401  registers the config schemas
 from captioner.config import (
     Attention,
     DataConfig,
@@ -26,6 +25,7 @@ from captioner.config import (
     to_dict,
 )
 from captioner.errors import ConfigError
+from captioner.training.schemas import register_schemas
 from captioner.training.validate import error_line
 from conftest import ROOT, compose_plain
 
@@ -109,6 +109,7 @@ def test_a_misspelt_key_in_a_config_file_fails_at_composition_with_the_key(tmp_p
     shutil.copytree(CONF, conf)
     hard = conf / "model" / "hard.yaml"
     hard.write_text(hard.read_text() + "decoder:\n  hiden_dim: 64\n")
+    register_schemas()
     with (
         initialize_config_dir(config_dir=str(conf), version_base="1.3"),
         pytest.raises(ConfigCompositionException) as info,

@@ -11,12 +11,12 @@ import pytest
 import torch
 from PIL import Image
 
-from captioner.config import MAX_AUTO_WORKERS, DataConfig
+from captioner.config import MAX_AUTO_WORKERS, DataConfig, ModelConfig, from_dict
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Box, Record
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError, DataError
-from captioner.training.datamodule import CaptionDataModule
+from captioner.training.datamodule import CaptionDataModule, loader_workers
 from captioner.training.module import CaptionerModule
 
 SIZE = 32
@@ -62,7 +62,7 @@ def source(tmp_path: Path) -> ListSource:
 
 def _datamodule(source: ListSource, **options: object) -> CaptionDataModule:
     settings = {"image_size": SIZE, "batch_size": 2, "num_workers": 0, "min_word_count": 1, **options}
-    return CaptionDataModule(source, **settings)
+    return CaptionDataModule(source, from_dict(DataConfig, settings, "data"))
 
 
 def test_setup_reads_each_split_once_and_builds_the_vocabulary_from_training_captions(source: ListSource) -> None:
@@ -141,8 +141,8 @@ def test_pad_to_gives_every_batch_the_same_caption_length(source: ListSource) ->
 @pytest.mark.parametrize("cpus,workers", [(1, 0), (2, 1), (6, 5), (64, MAX_AUTO_WORKERS)])
 def test_the_number_of_workers_defaults_from_the_cpus_this_process_may_use(monkeypatch, cpus, workers) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    assert DataConfig().num_workers is None and DataConfig().workers == workers
-    assert DataConfig(num_workers=3).workers == 3
+    assert DataConfig().num_workers is None and loader_workers(DataConfig().num_workers) == workers
+    assert loader_workers(DataConfig(num_workers=3).num_workers) == 3
 
 
 def test_moving_a_batch_to_the_device_keeps_the_skipped_images(source: ListSource) -> None:
@@ -165,7 +165,10 @@ def test_the_feature_cache_is_built_once_and_the_loaders_yield_features(source: 
     datamodule = _datamodule(source, feature_cache=str(tmp_path / "cache"), feature_dtype="float32")
     datamodule.setup("fit")
     torch.manual_seed(0)
-    module = CaptionerModule(datamodule.vocab, encoder={"name": "resnet18", "stage": "layer2", "trainable_stages": 1})
+    module = CaptionerModule(
+        datamodule.vocab,
+        from_dict(ModelConfig, dict(encoder={"name": "resnet18", "stage": "layer2", "trainable_stages": 1})),
+    )
     _attach(datamodule, module)
     batches = list(datamodule.train_dataloader())
     assert "images" not in batches[0] and batches[0]["features"].shape == (2, 64, 64)  # layer1: 8x8 map, 64 channels
@@ -187,7 +190,10 @@ def test_the_frozen_weights_are_hashed_once_for_all_the_splits(
 ) -> None:
     datamodule = _datamodule(source, feature_cache=str(tmp_path / "cache"), feature_dtype="float32")
     datamodule.setup("fit")
-    module = CaptionerModule(datamodule.vocab, encoder={"name": "resnet18", "stage": "layer2", "trainable_stages": 1})
+    module = CaptionerModule(
+        datamodule.vocab,
+        from_dict(ModelConfig, dict(encoder={"name": "resnet18", "stage": "layer2", "trainable_stages": 1})),
+    )
     _attach(datamodule, module)
     hashed = []
     fingerprint = module.model.encoder.frozen_fingerprint
@@ -201,7 +207,12 @@ def test_the_frozen_weights_are_hashed_once_for_all_the_splits(
 def test_a_feature_cache_of_an_encoder_trained_whole_is_refused(source: ListSource, tmp_path: Path) -> None:
     datamodule = _datamodule(source, feature_cache=str(tmp_path / "cache"))
     datamodule.setup("fit")
-    _attach(datamodule, CaptionerModule(datamodule.vocab, encoder={"name": "resnet18", "trainable_stages": -1}))
+    _attach(
+        datamodule,
+        CaptionerModule(
+            datamodule.vocab, from_dict(ModelConfig, dict(encoder={"name": "resnet18", "trainable_stages": -1}))
+        ),
+    )
     with pytest.raises(DataError, match="model.encoder.trainable_stages=-1 trains all of them: freeze some"):
         datamodule.train_dataloader()
     assert not (tmp_path / "cache").exists()

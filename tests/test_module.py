@@ -6,10 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from captioner.config import NonFinite
+from captioner.config import ModelConfig, NonFinite, from_dict
 from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import SelfAttentionStack
@@ -29,7 +28,7 @@ def vocab() -> Vocabulary:
 
 @pytest.mark.parametrize(("self_attention", "blocks"), [(None, 0), ({"blocks": 0}, 0), ({}, 0), ({"blocks": 2}, 2)])
 def test_self_attention_blocks_are_built_only_when_asked(vocab, self_attention, blocks):
-    module = CaptionerModule(vocab, encoder=SMALL, self_attention=self_attention)
+    module = CaptionerModule(vocab, from_dict(ModelConfig, dict(encoder=SMALL, self_attention=self_attention)))
     stack = module.model.self_attention
     assert (0 if stack is None else len(stack.blocks)) == blocks
     assert stack is None or isinstance(stack, SelfAttentionStack)
@@ -38,7 +37,7 @@ def test_self_attention_blocks_are_built_only_when_asked(vocab, self_attention, 
 
 
 def test_unk_is_excluded_from_the_loss(vocab):
-    module = CaptionerModule(vocab, encoder=SMALL)
+    module = CaptionerModule(vocab, from_dict(ModelConfig, dict(encoder=SMALL)))
     assert module.criterion.unk_id == vocab.unk_id and module.criterion.pad_id == vocab.pad_id
 
 
@@ -68,7 +67,9 @@ def test_a_flagged_optimiser_step_changes_nothing(fused: bool) -> None:
 
 
 def test_every_run_gets_the_guard_with_the_models_settings(vocab) -> None:
-    module = CaptionerModule(vocab, encoder=SMALL, nonfinite="skip", nonfinite_check_interval=7)
+    module = CaptionerModule(
+        vocab, from_dict(ModelConfig, dict(encoder=SMALL, nonfinite="skip", nonfinite_check_interval=7))
+    )
     (guard,) = module.configure_callbacks()
     assert isinstance(guard, NonFiniteLossGuard) and guard.action == NonFinite.skip and guard.check_interval == 7
 
@@ -92,9 +93,9 @@ def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> N
         ],
         tmp_path,
     )
-    validate_config(OmegaConf.to_container(cfg, resolve=True))
+    settings = validate_config(OmegaConf.to_container(cfg, resolve=True))
     torch.manual_seed(0)
-    module = instantiate(cfg.model, vocab=Vocabulary([f"w{i}" for i in range(20)]), _convert_="all").eval()
+    module = CaptionerModule(Vocabulary([f"w{i}" for i in range(20)]), settings.model).eval()
     features, _ = module.model.encode(torch.randn(16, 3, 96, 96))  # what the demo's feature cache holds
     generation, _ = module.generate({"features": features})
     for row in range(16):
@@ -125,7 +126,9 @@ def test_scst_after_cross_entropy_epochs_starts_its_schedule_again_at_the_lower_
     """objective=scst with scst.after_epochs=2 of 4: warm-up and cosine to ~0 over the cross-entropy epochs,
     then the cosine again from lr * lr_scale over the SCST epochs."""
     settings = dict(encoder=SMALL, optimizer={"lr": 0.01}, scheduler={"warmup_steps": 5})
-    module = CaptionerModule(vocab, objective="scst", scst={"after_epochs": 2, "lr_scale": 0.1}, **settings)
+    module = CaptionerModule(
+        vocab, from_dict(ModelConfig, dict(objective="scst", scst={"after_epochs": 2, "lr_scale": 0.1}, **settings))
+    )
     rates = _learning_rates(module, epochs=4, steps_per_epoch=10)
     assert rates[0] == pytest.approx(1e-5) and rates[5] == pytest.approx(0.01)  # warm-up from 1e-3 x lr
     assert rates[19] < 1e-3 and all(a >= b for a, b in zip(rates[5:20], rates[6:20]))  # cosine, CE phase
@@ -133,7 +136,9 @@ def test_scst_after_cross_entropy_epochs_starts_its_schedule_again_at_the_lower_
     assert rates[39] < 1e-4 and all(a >= b for a, b in zip(rates[20:], rates[21:]))
     # a cross-entropy run's single schedule, for comparison: one cosine over the whole run
     single = _learning_rates(
-        CaptionerModule(vocab, objective="cross_entropy", **settings), epochs=4, steps_per_epoch=10
+        CaptionerModule(vocab, from_dict(ModelConfig, dict(objective="cross_entropy", **settings))),
+        epochs=4,
+        steps_per_epoch=10,
     )
     assert single[:5] == pytest.approx(rates[:5]) and single[20] == pytest.approx(
         0.01 * 0.5 * (1 + math.cos(math.pi * 15 / 35))
@@ -141,9 +146,11 @@ def test_scst_after_cross_entropy_epochs_starts_its_schedule_again_at_the_lower_
 
 
 def test_scst_takes_over_after_the_cross_entropy_epochs(vocab):
-    module = CaptionerModule(vocab, encoder=SMALL, objective="scst", scst={"after_epochs": 2})
+    module = CaptionerModule(
+        vocab, from_dict(ModelConfig, dict(encoder=SMALL, objective="scst", scst={"after_epochs": 2}))
+    )
     module.trainer = SimpleNamespace(current_epoch=1)
     assert not module.scst_epoch
     module.trainer.current_epoch = 2
     assert module.scst_epoch
-    assert not CaptionerModule(vocab, encoder=SMALL, objective="cross_entropy").scst_epoch
+    assert not CaptionerModule(vocab, from_dict(ModelConfig, dict(encoder=SMALL, objective="cross_entropy"))).scst_epoch

@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
 
+from captioner.config import ModelConfig, from_dict
 from captioner.data.vocab import Vocabulary
 from captioner.training.module import CaptionerModule
 from conftest import ROOT, subprocess_env
@@ -72,12 +73,17 @@ def train_steps(devices: int = 1, **trainer_options) -> dict:
     torch.manual_seed(0)
     module = CaptionerModule(
         Vocabulary(WORDS),
-        encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
-        decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0},
-        objective="cross_entropy",
-        optimizer={"lr": 0.01},
-        scheduler={"name": "none"},
-        nonfinite="skip",
+        from_dict(
+            ModelConfig,
+            dict(
+                encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
+                decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0},
+                objective="cross_entropy",
+                optimizer={"lr": 0.01},
+                scheduler={"name": "none"},
+                nonfinite="skip",
+            ),
+        ),
     )
     channels = module.model.encoder.out_channels
     batches = [_batch(channels, nan=step == NAN_STEP) for step in range(STEPS)]

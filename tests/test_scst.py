@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from captioner.config import ModelConfig, from_dict
 from captioner.data.vocab import PAD_ID
 from captioner.errors import ConfigError
 from captioner.model import decoding
@@ -144,12 +145,17 @@ def test_self_critical_training_raises_the_greedy_captions_cider(attention: str)
     torch.manual_seed(0)
     module = CaptionerModule(
         vocab,
-        attention=attention,
-        encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
-        feature_norm=True,
-        decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0},
-        decoding={"max_len": 6},
-        objective="scst",
+        from_dict(
+            ModelConfig,
+            dict(
+                attention=attention,
+                encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
+                feature_norm=True,
+                decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0},
+                decoding={"max_len": 6},
+                objective="scst",
+            ),
+        ),
     )
     module.cider = CiderD(references, words=vocab.itos)
     features = torch.randn(8, 4, module.model.encoder.out_channels)

@@ -74,12 +74,14 @@ def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
         "model": {"attention": "soft", "scorer": "additive", "decoder": {"embed_dim": 128}},
         "data": {"image_size": 96},
     }
-    settings = model_settings(start.model, config, tmp_path / "out")
+    settings = model_settings(start, config, tmp_path / "out")
     net = to_dict(net_v1(RUN_NET))  # every field: what RUN_NET leaves out is the bundle format's ABSENT_KEY_VALUES
     assert settings == {
         **{f"model.{key}": value for key, value in net.items()},
         "data.image_size": 64,
         "data.vocab_file": str(tmp_path / "out" / "vocab.json"),
+        "ckpt_path": None,  # a cross-entropy run's ckpt_path starts an SCST run as init_from: the config says so
+        "init_from": str(tmp_path / "ce" / "bundle.pt"),
     }
     assert (net["attention"], net["scorer"], net["self_attention"]["blocks"]) == ("hard", "dot", 1)
     assert Vocabulary.load(tmp_path / "out" / "vocab.json") == start.model.vocab
@@ -91,5 +93,5 @@ def test_model_settings_say_which_values_of_the_config_the_checkpoint_changes(
     start = resolve_start(None, str(write_run(tmp_path / "ce", None)), "cross_entropy", 0)
     config = {"model": to_dict(net_v1(RUN_NET)), "data": {"image_size": 96, "vocab_file": None}}
     with caplog.at_level(logging.INFO, logger="captioner.training.start"):
-        model_settings(start.model, config, tmp_path / "out")
+        model_settings(start, config, tmp_path / "out")
     assert "from the checkpoint, not the config: data.image_size, data.vocab_file" in caplog.text

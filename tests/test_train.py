@@ -40,13 +40,15 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 def test_every_experiment_composes_validates_and_instantiates(experiment: str, tmp_path: Path) -> None:
     # The ImageNet weight file cannot be downloaded here; the offline message is tested in test_encoder.
     cfg = compose_cfg([f"experiment={experiment}", "model.encoder.weights=null"], tmp_path)
-    validate_config(OmegaConf.to_container(cfg, resolve=True))
-    datamodule = instantiate(cfg.data, _convert_="all")
-    assert datamodule.settings.batch_size == cfg.data.batch_size
+    settings = validate_config(OmegaConf.to_container(cfg, resolve=True))
     from captioner.data.vocab import Vocabulary
+    from captioner.training.datamodule import CaptionDataModule
+    from captioner.training.module import CaptionerModule
 
+    datamodule = CaptionDataModule(instantiate(cfg.data.source), settings.data)
+    assert datamodule.settings.batch_size == cfg.data.batch_size
     vocab = Vocabulary([f"w{i}" for i in range(20)])
-    module = instantiate(cfg.model, vocab=vocab, _convert_="all")
+    module = CaptionerModule(vocab, settings.model)
     assert module.net.attention == cfg.model.attention
     if cfg.trainer.accelerator == "cpu":
         assert instantiate(cfg.trainer).max_epochs == cfg.trainer.max_epochs

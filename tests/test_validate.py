@@ -171,11 +171,12 @@ def test_an_accelerator_this_machine_lacks_is_refused(tmp_path: Path) -> None:
 
 def test_a_missing_weight_file_names_the_key_model_encoder_weights(tmp_path: Path, monkeypatch) -> None:
     from captioner.data.vocab import Vocabulary
+    from captioner.training.module import CaptionerModule
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no weight file there
     plain = compose_plain(["model.encoder.weights=IMAGENET1K_V1"], tmp_path)
-    with pytest.raises(ConfigError) as info:
-        train.build("model", plain["model"], vocab=Vocabulary(["a"]))
+    with pytest.raises(ConfigError) as info, train.building("model"):
+        CaptionerModule(Vocabulary(["a"]), validate_config(plain).model)
     message = str(info.value)
     assert message.startswith("model.encoder.weights='IMAGENET1K_V1': the ImageNet weights of resnet18 are not on disk")
     assert f"save it as {tmp_path / 'hub' / 'checkpoints' / 'resnet18-f37072fd.pth'}" in message

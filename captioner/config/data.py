@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,13 +24,12 @@ class FeatureDtype(enum.StrEnum):
 class DataConfig(Settings):
     """The ``data`` config group: the dataset source, batching and preprocessing (``CaptionDataModule``)."""
 
-    _target_: str = "captioner.training.datamodule.CaptionDataModule"
-    source: Any = None  # the dataset: a ``_target_`` mapping of captioner.data.sources (built by Hydra)
+    source: Any = None  # the dataset: a ``_target_`` mapping of captioner.data.sources (train.py builds it)
     image_size: int = 224  # images are resized to image_size x image_size
     batch_size: int = 32  # training images (or captions with per_caption) per step and process
     eval_batch_size: int | None = 64  # validation/test images per step; None: batch_size
     # DataLoader worker processes; None: one per CPU this process may use, less one for the main process,
-    # at most MAX_AUTO_WORKERS (``workers``)
+    # at most MAX_AUTO_WORKERS (``training.datamodule.loader_workers``)
     num_workers: int | None = None
     min_word_count: int = 5  # words seen fewer times in the training captions become <unk>
     max_vocab: int | None = 10000  # keep at most this many words (most frequent first); None: all
@@ -62,12 +60,3 @@ class DataConfig(Settings):
         check_range("max_len", self.max_len, 1, kind=int)
         if self.pad_to is not None:
             check_range("pad_to", self.pad_to, self.max_len + 2, kind=int)
-
-    @property
-    def workers(self) -> int:
-        """``num_workers``, or when None the CPUs this process may use less one (the main process), at most
-        ``MAX_AUTO_WORKERS``."""
-        if self.num_workers is not None:
-            return self.num_workers
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return max(0, min(cpus - 1, MAX_AUTO_WORKERS))

@@ -126,7 +126,6 @@ class ScstConfig(Settings):
 class ModelConfig(NetConfig):
     """The ``model`` config group: the network and how it is trained and evaluated."""
 
-    _target_: str = "captioner.training.module.CaptionerModule"
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -72,9 +72,7 @@ def from_dict(cls: type[T], values: Mapping[str, Any] | T, where: str = "") -> T
     fields = [f.name for f in dataclasses.fields(cls)]
     unknown = [key for key in values if key not in fields]
     if unknown:
-        raise ConfigError(
-            f"{prefix}{unknown[0]} is not a known key; valid keys: {', '.join(f for f in fields if f != '_target_')}"
-        )
+        raise ConfigError(f"{prefix}{unknown[0]} is not a known key; valid keys: {', '.join(fields)}")
     kwargs = {key: _convert(hints[key], value, f"{prefix}{key}") for key, value in values.items()}
     try:
         return cls(**kwargs)

@@ -40,5 +40,5 @@ class TrainConfig(Settings):
             )
 
 
-# The schemas of the configs: train.py stores each as <name>_schema.
+# The schemas of the configs: captioner.training.schemas stores each as <name>_schema.
 SCHEMAS: dict[str, type] = {"train": TrainConfig, "model": ModelConfig, "data": DataConfig}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from captioner.config import DataConfig, from_dict, to_dict
+from captioner.config import MAX_AUTO_WORKERS, DataConfig, to_dict
 from captioner.data.dataset import CaptionDataset, build_transform, collate
 from captioner.data.features import FeatureCache, FeatureCaptionDataset, cache_key
 from captioner.data.readers import SPLITS, Box, Record
@@ -31,11 +32,11 @@ class CaptionDataModule(L.LightningDataModule):
     yield ``features`` instead of ``images``; the model runs the stages it trains on them.
     """
 
-    def __init__(self, source: Source, **settings: Any) -> None:
-        """``settings``: the ``data`` config's keys other than ``source`` (``captioner.config.DataConfig``'s
-        fields); ConfigError names a bad one."""
+    def __init__(self, source: Source, settings: DataConfig) -> None:
+        """Batches of the dataset ``source`` (built from ``settings.source``) as ``settings`` (the ``data``
+        config, typed) say."""
         super().__init__()
-        self.settings = from_dict(DataConfig, {k: v for k, v in settings.items() if k != "_target_"}, "data")
+        self.settings = settings
         self.source = source
         self.eval_batch_size = self.settings.eval_batch_size or self.settings.batch_size
         self.vocab: Vocabulary | None = None
@@ -124,13 +125,14 @@ class CaptionDataModule(L.LightningDataModule):
     def _loader(
         self, dataset: Dataset, batch_size: int, shuffle: bool, generator: torch.Generator | None = None
     ) -> DataLoader:
+        workers = loader_workers(self.settings.num_workers)
         return DataLoader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
             collate_fn=functools.partial(collate, pad_to=self.settings.pad_to),
-            num_workers=self.settings.workers,
-            persistent_workers=self.settings.workers > 0,
+            num_workers=workers,
+            persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
             generator=generator,
         )
@@ -170,3 +172,12 @@ class CaptionDataModule(L.LightningDataModule):
                     "the checkpoint's vocabulary differs from the one built from this dataset; "
                     "resume with the same data configuration"
                 )
+
+
+def loader_workers(num_workers: int | None) -> int:
+    """``num_workers``, or when None the CPUs this process may use less one (the main process), at most
+    ``MAX_AUTO_WORKERS``."""
+    if num_workers is not None:
+        return num_workers
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, min(cpus - 1, MAX_AUTO_WORKERS))

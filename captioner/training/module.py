@@ -11,13 +11,12 @@ Adam and gradient clipping under every precision ``training.optimization``'s, th
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import lightning as L
 import torch
 
 from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
-from captioner.config import ModelConfig, Objective, from_dict, to_dict
+from captioner.config import ModelConfig, Objective, to_dict
 from captioner.data.dataset import SkipCounter
 from captioner.data.vocab import Vocabulary
 from captioner.evaluation.cider import CiderD
@@ -38,11 +37,10 @@ class CaptionerModule(L.LightningModule):
     """Show, Attend and Tell training: masked cross-entropy + doubly stochastic (+ REINFORCE for hard), or
     self-critical sequence training of a trained model (``objective="scst"``, settings in ``scst``)."""
 
-    def __init__(self, vocab: Vocabulary, **settings: Any) -> None:
-        """``settings``: the ``model`` config's keys (``captioner.config.ModelConfig``'s fields, plain or typed);
-        ConfigError names a bad one."""
+    def __init__(self, vocab: Vocabulary, settings: ModelConfig) -> None:
+        """The model of ``settings`` (the ``model`` config, typed) for the words of ``vocab``."""
         super().__init__()
-        self.settings = from_dict(ModelConfig, {k: v for k, v in settings.items() if k != "_target_"}, "model")
+        self.settings = settings
         self.save_hyperparameters(to_dict(self.settings))  # every setting, as plain data (weights_only loads it)
         self.vocab = vocab
         self.net = self.settings.net()  # what the bundle stores

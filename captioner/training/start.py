@@ -12,7 +12,8 @@ cross-entropy run refuses a bundle as ``ckpt_path``: it cannot be resumed, and `
 the cross-entropy model, and ``ckpt_path=<that SCST run>`` resumes it.
 
 Either way the run's model (architecture, vocabulary, image size) is the checkpoint's: ``model_settings``
-gives the config values that describe it.
+gives the config values that describe it, and for a ``ckpt_path`` taken as ``init_from`` the run's config
+says so (``init_from`` set to it, ``ckpt_path`` null).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Start:
     resume: str | None = None  # the Lightning checkpoint that training resumes
     init: str | None = None  # the checkpoint or bundle whose weights a new run starts from
     model: TrainedModel | None = None  # the model of ``init`` or ``resume``
+    init_from_ckpt_path: bool = False  # ``init`` is the config's ckpt_path, which cannot be resumed
 
 
 def _checkpoint_file(path: str) -> Path:
@@ -64,6 +66,7 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
     with neither and no cross-entropy epochs first (``scst_after_epochs``: it fine-tunes a trained model).
     """
     resume = init = None
+    from_ckpt_path = False
     if init_from is not None:
         init = _weights_file(init_from)
     if ckpt_path is not None:
@@ -86,12 +89,13 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
                 f"and would start it from its weights, as init_from={init_from!r} does: give one"
             )
         else:
-            init = _weights_file(ckpt_path)
+            init, from_ckpt_path = _weights_file(ckpt_path), True
             log.info(
                 "ckpt_path=%s was not written by a model.objective=%s run: a new run starts from its "
-                "weights (as init_from does)",
+                "weights, as init_from=%s (the run's config says so)",
                 ckpt_path,
                 objective,
+                init,
             )
     source = init or resume
     if source is None and objective == Objective.scst and scst_after_epochs == 0:
@@ -107,15 +111,17 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
         "starting from the weights of" if init else "resuming",
         source,
     )
-    return Start(resume=resume, init=init, model=load_trained(source))
+    return Start(resume=resume, init=init, model=load_trained(source), init_from_ckpt_path=from_ckpt_path)
 
 
-def model_settings(model: TrainedModel, config: dict[str, Any], output_dir: Path) -> dict[str, Any]:
-    """The config values (``"section.key"`` -> value) that make the checkpoint's ``model`` the run's.
+def model_settings(start: Start, config: dict[str, Any], output_dir: Path) -> dict[str, Any]:
+    """The config values (``"section.key"`` -> value) that make the model ``start.model`` the run's.
 
     Its architecture and image size, and its vocabulary, written to ``<output_dir>/vocab.json`` for
-    ``data.vocab_file``. The values that differ from ``config`` (the composed config, plain) are logged.
+    ``data.vocab_file``; for a ``ckpt_path`` taken as ``init_from``, ``init_from`` (and ``ckpt_path``
+    null). The values that differ from ``config`` (the composed config, plain) are logged.
     """
+    model = start.model
     net = to_dict(model.config)
     vocab_file = Path(output_dir) / VOCAB_FILE
     model.vocab.save(vocab_file)
@@ -129,6 +135,9 @@ def model_settings(model: TrainedModel, config: dict[str, Any], output_dir: Path
     changed = [
         key for key, value in settings.items() if config.get(key.split(".")[0], {}).get(key.split(".")[1]) != value
     ]
+    if start.init_from_ckpt_path:
+        settings.update({"ckpt_path": None, "init_from": start.init})
+        changed += ["ckpt_path", "init_from"]
     if changed:
         log.info("from the checkpoint, not the config: %s", ", ".join(changed))
     return settings
