@@ -6,13 +6,13 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from captioner.config import MAX_AUTO_WORKERS, DataConfig, to_dict
+from captioner.config import MAX_AUTO_WORKERS, DataConfig
 from captioner.data.dataset import CaptionDataset, build_transform, collate
 from captioner.data.features import FeatureCache, FeatureCaptionDataset, cache_key
 from captioner.data.readers import SPLITS, Box, Record
@@ -23,13 +23,25 @@ from captioner.errors import DataError
 log = logging.getLogger(__name__)
 
 
+class FeatureEncoder(Protocol):
+    """What fills a feature cache: the model being trained (``CaptionerModule``), which runs its own encoder."""
+
+    def cached_stages(self) -> dict[str, Any]:
+        """What the cache holds the output of (the encoder's settings and its frozen weights' fingerprint): part
+        of the cache's key. DataError when the encoder has no frozen stages to cache."""
+
+    def fill_cache(self, cache: FeatureCache, loader: DataLoader, dtype: str) -> None:
+        """Write the output of the frozen stages for every image of ``loader`` into ``cache``."""
+
+
 class CaptionDataModule(L.LightningDataModule):
     """Train/val/test loaders over one ``Source``.
 
     Training batches hold each image once with all its captions (``per_caption=False``), so the CNN runs
     once per image. With ``feature_cache`` set, the output of the encoder's frozen stages (all of a frozen
-    encoder: the grid features) is computed once (by the rank-0 process of each node) and the loaders
-    yield ``features`` instead of ``images``; the model runs the stages it trains on them.
+    encoder: the grid features) is computed once by the model being trained (``FeatureEncoder``, in the
+    rank-0 process of each node) and the loaders yield ``features`` instead of ``images``; the model runs the
+    stages it trains on them.
     """
 
     def __init__(self, source: Source, settings: DataConfig) -> None:
@@ -41,7 +53,6 @@ class CaptionDataModule(L.LightningDataModule):
         self.eval_batch_size = self.settings.eval_batch_size or self.settings.batch_size
         self.vocab: Vocabulary | None = None
         self.splits: dict[str, list[Record]] = {}
-        self._frozen_fingerprint: str | None = None  # of the encoder's frozen stages, which a run never changes
 
     def prepare_data(self) -> None:
         """Check the files exist, generating the built-in dataset on first use."""
@@ -89,21 +100,10 @@ class CaptionDataModule(L.LightningDataModule):
         )
 
     def _ensure_cache(self, split: str) -> FeatureCache:
-        module = self.trainer.lightning_module
-        encoder = module.model.encoder
-        if encoder.frozen_stages == 0:
-            raise DataError(
-                "data.feature_cache holds the output of the encoder's frozen stages and "
-                f"model.encoder.trainable_stages={encoder.trainable_stages} trains all of them: "
-                "freeze some (a smaller trainable_stages) or set data.feature_cache=null"
-            )
-        if self._frozen_fingerprint is None:  # hashing the frozen weights takes seconds for a large CNN: once
-            self._frozen_fingerprint = encoder.frozen_fingerprint()
+        """The feature cache of ``split``, filled by the model being trained (``FeatureEncoder``) on first use."""
+        encoder: FeatureEncoder = self.trainer.lightning_module
         key = cache_key(
-            {**to_dict(module.net.encoder), "frozen_weights": self._frozen_fingerprint},
-            self.settings.image_size,
-            self.splits[split],
-            self.settings.feature_dtype.value,
+            encoder.cached_stages(), self.settings.image_size, self.splits[split], self.settings.feature_dtype.value
         )
         cache = FeatureCache(Path(self.settings.feature_cache) / f"{split}-{key}")
         if self.trainer.local_rank == 0 and not cache.exists():
@@ -115,10 +115,7 @@ class CaptionDataModule(L.LightningDataModule):
                 shuffle=False,
                 generator=torch.Generator().manual_seed(0),
             )
-            was_training = encoder.training
-            encoder.eval()
-            cache.build(module.model.encode, loader, module.device, self.settings.feature_dtype.value)
-            encoder.train(was_training)
+            encoder.fill_cache(cache, loader, self.settings.feature_dtype.value)
         self.trainer.strategy.barrier("feature_cache")
         return cache
 

@@ -11,14 +11,18 @@ Adam and gradient clipping under every precision ``training.optimization``'s, th
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import lightning as L
 import torch
+from torch.utils.data import DataLoader
 
 from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
 from captioner.config import ModelConfig, Objective, to_dict
 from captioner.data.dataset import SkipCounter
+from captioner.data.features import FeatureCache
 from captioner.data.vocab import Vocabulary
+from captioner.errors import DataError
 from captioner.evaluation.cider import CiderD
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoding import Generation
@@ -52,6 +56,7 @@ class CaptionerModule(L.LightningModule):
         self._skips_reported = 0
         self._evaluation: EvaluationEpoch | None = None
         self.predictions: dict[str, dict[int, list[str]]] = {}  # split -> image id -> words, all ranks
+        self._frozen_fingerprint: str | None = None  # of the encoder's frozen stages, which a run never changes
 
     # ----------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
@@ -204,6 +209,29 @@ class CaptionerModule(L.LightningModule):
         self.predictions[split], scores = self._evaluation.finish()
         for name, value in scores.items():
             self.log(metric(split, name), value, prog_bar=name == PROGRESS)
+
+    # ------------------------------------------------------------- feature cache
+    def cached_stages(self) -> dict[str, Any]:
+        """What a feature cache of this model holds the output of: its encoder's settings and the fingerprint
+        of its frozen stages (``training.datamodule.FeatureEncoder``)."""
+        encoder = self.model.encoder
+        if encoder.frozen_stages == 0:
+            raise DataError(
+                "data.feature_cache holds the output of the encoder's frozen stages and "
+                f"model.encoder.trainable_stages={encoder.trainable_stages} trains all of them: "
+                "freeze some (a smaller trainable_stages) or set data.feature_cache=null"
+            )
+        if self._frozen_fingerprint is None:  # hashing the frozen weights takes seconds for a large CNN: once
+            self._frozen_fingerprint = encoder.frozen_fingerprint()
+        return {**to_dict(self.net.encoder), "frozen_weights": self._frozen_fingerprint}
+
+    def fill_cache(self, cache: FeatureCache, loader: DataLoader, dtype: str) -> None:
+        """Write the output of the encoder's frozen stages (in eval mode) for every image of ``loader``."""
+        encoder = self.model.encoder
+        was_training = encoder.training
+        encoder.eval()
+        cache.build(self.model.encode, loader, self.device, dtype)
+        encoder.train(was_training)
 
     # ------------------------------------------------------------------ export
     def export_bundle(self, path: str) -> None:
