@@ -28,7 +28,8 @@ from pathlib import Path
 
 from pycocotools.coco import COCO
 
-from captioner.data.shapes import COLOURS, SHAPES, position_phrase, shapes_records
+from captioner.data.scenes import COLOURS, SHAPES, position_phrase
+from captioner.data.shapes import shapes_records
 from captioner.data.vocab import tokenize
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.fileio import read_json

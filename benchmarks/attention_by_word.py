@@ -28,7 +28,7 @@ from pycocotools.coco import COCO
 
 from captioner import load_model
 from captioner.data.readers import Box, coco_box
-from captioner.data.shapes import COLOURS, SHAPES
+from captioner.data.scenes import COLOURS, SHAPES
 from captioner.evaluation.correctness import box_coverage
 from captioner.inference import caption_images
 

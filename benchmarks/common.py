@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from captioner.config import CAPTIONING_BATCH_SIZE, DataConfig, ModelConfig, TrainConfig, from_dict
-from captioner.data.shapes import ShapesSpec, make_scene
+from captioner.data.scenes import ShapesSpec, make_scene
 from captioner.data.vocab import Vocabulary
 from captioner.model.captioner import Captioner
 from captioner.model.decoder import DecoderOutput

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from captioner.data import shapes
+from captioner.data import scenes, shapes
 from captioner.data.readers import read_karpathy
-from captioner.data.shapes import CELLS, COLOURS, SHAPES, ShapesSpec, generate_shapes, make_scene, shapes_records
+from captioner.data.scenes import CELLS, COLOURS, SHAPES, ShapesSpec, make_scene
+from captioner.data.shapes import generate_shapes, shapes_records
 from captioner.errors import ConfigError, DataError
 from conftest import snapshot
 
@@ -80,11 +81,11 @@ def test_captions_name_exactly_the_shapes_present(small):
             assert len(set(record.captions)) == 5
 
 
-def cell_of(shape: shapes.Shape) -> str:
+def cell_of(shape: scenes.Shape) -> str:
     return CELLS[shape.cell]
 
 
-def check_caption(caption: str, scene: shapes.Scene) -> None:
+def check_caption(caption: str, scene: scenes.Scene) -> None:
     """Positions and relations a caption states hold in the scene."""
     by_name = {s.name: s for s in scene.shapes}
     words = caption.split()
@@ -136,7 +137,7 @@ def test_shapes_sit_in_distinct_cells_with_their_colour(small):
                 assert row * cell <= y and y + h <= (row + 1) * cell + 1e-9
                 assert 0.55 * cell - 1 <= w <= 0.8 * cell + 1 and w == h
                 centre = pixels[int(y + h / 2), int(x + w / 2)]
-                assert np.abs(centre - np.array(COLOURS[ann["colour"]])).max() <= shapes._NOISE
+                assert np.abs(centre - np.array(COLOURS[ann["colour"]])).max() <= scenes._NOISE
             assert len(cells) == len(anns) and 1 <= len(anns) <= 3
             assert pixels[0, 0].min() > 200 or any(a["bbox"][0] < 1 for a in anns)  # light background
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Protocol
 
 from captioner.data.readers import SPLITS, Record, read_coco, read_karpathy
-from captioner.data.shapes import ShapesSpec, generate_shapes, shapes_records
+from captioner.data.scenes import ShapesSpec
+from captioner.data.shapes import generate_shapes, shapes_records
 from captioner.errors import ConfigError, DataError, check_choice
 
 CONFIG_KEY = "data.source"  # where the training config holds the source: check_files names keys under it
