@@ -3,7 +3,7 @@ the encoder alone (1.0: decoding is free); then beam search against the batch si
 
 ``Captioner.generate`` is ``encode`` followed by ``generate_from_features``: the table times the two
 parts separately (the total is their sum) and checks the sum against one real ``generate`` call.
-The models are the ``coco_soft`` experiment's and the demo's; they never emit <end> (``common.never_end``), so
+The models are the ``coco_soft`` experiment's and the demo's; they never emit <end> (``composed.never_end``), so
 every caption runs the experiment's full ``model.decoding.max_len`` words: the worst case, and the same work
 at every batch size.
 
@@ -17,7 +17,12 @@ import argparse
 
 import torch
 
-import common
+import clock
+import composed
+import counters
+import machine
+import options
+import tables
 
 METHODS = (("greedy", "greedy", 1), ("beam 3", "beam", 3), ("beam 5", "beam", 5))
 THROUGHPUT_COLUMNS = [
@@ -32,7 +37,7 @@ THROUGHPUT_COLUMNS = [
     "vs encoder alone",
     "words",
     "CNN images",
-    *common.FLOP_COLUMNS,
+    *clock.FLOP_COLUMNS,
     "others %",
 ]
 BEAM_COLUMNS = [
@@ -45,29 +50,29 @@ BEAM_COLUMNS = [
     "words",
     "torch calls/call",
     "host reads/call",
-    *common.FLOP_COLUMNS,
+    *clock.FLOP_COLUMNS,
     "others %",
 ]
 BEAM_BATCHES = (1, 8, 32, 128)
 
 
-def throughput_rows(size: common.Setup, args: argparse.Namespace) -> list[list[object]]:
+def throughput_rows(size: composed.Setup, args: argparse.Namespace) -> list[list[object]]:
     """Encoder alone, encoder + each decoding method, and one end-to-end ``generate`` call as a check.
 
     "max/min" is the spread of the part the row times itself (the encoder, or the decoding).
     """
-    model = common.never_end(common.build_module(size, args).model.eval())
+    model = composed.never_end(composed.build_module(size, args).model.eval())
     batch = size.caption_batch
-    images = common.random_images(size, batch, args.device)
+    images = composed.random_images(size, batch, args.device)
     encoded: list[tuple[torch.Tensor, tuple[int, int]]] = []
 
     def encode() -> None:
-        with torch.no_grad(), common.autocast(args):
+        with torch.no_grad(), composed.autocast(args):
             encoded[:] = [model.encode(images)]
 
-    encoder_flops = common.count_flops(encode)
-    with common.EncoderCounter(model) as counter, common.OtherLoad() as others:
-        encoder = common.measure(encode, args)
+    encoder_flops = clock.count_flops(encode)
+    with counters.EncoderCounter(model) as counter, machine.OtherLoad() as others:
+        encoder = clock.measure(encode, args)
     features, grid = encoded[0]
     cnn_images = counter.images / (args.warmup + args.repeats)
     encoder_s = encoder.median
@@ -84,7 +89,7 @@ def throughput_rows(size: common.Setup, args: argparse.Namespace) -> list[list[o
             1.0,
             "-",
             cnn_images,
-            *common.flop_cells(encoder_flops, encoder_s, args),
+            *clock.flop_cells(encoder_flops, encoder_s, args),
             others.percent,
         ]
     ]
@@ -92,15 +97,15 @@ def throughput_rows(size: common.Setup, args: argparse.Namespace) -> list[list[o
     for label, method, beam in METHODS:
 
         def decode() -> None:
-            with common.autocast(args):
+            with composed.autocast(args):
                 generation, _ = model.generate_from_features(
                     features, grid, method=method, beam_size=beam, max_len=size.decode_len
                 )
             words[label] = generation.tokens.size(1)
 
-        decode_flops = common.count_flops(decode)
-        with common.OtherLoad() as others:
-            decoding = common.measure(decode, args)
+        decode_flops = clock.count_flops(decode)
+        with machine.OtherLoad() as others:
+            decoding = clock.measure(decode, args)
         total = encoder_s + decoding.median
         rows.append(
             [
@@ -115,12 +120,12 @@ def throughput_rows(size: common.Setup, args: argparse.Namespace) -> list[list[o
                 encoder_s / total,
                 words[label],
                 cnn_images,
-                *common.flop_cells(encoder_flops + decode_flops, total, args),
+                *clock.flop_cells(encoder_flops + decode_flops, total, args),
                 others.percent,
             ]
         )
-    with common.EncoderCounter(model) as counter, common.OtherLoad() as others, common.autocast(args):
-        total = common.measure(
+    with counters.EncoderCounter(model) as counter, machine.OtherLoad() as others, composed.autocast(args):
+        total = clock.measure(
             lambda: model.generate(images, method="beam", beam_size=3, max_len=size.decode_len),
             args,
             warmup=0,
@@ -149,26 +154,26 @@ def throughput_rows(size: common.Setup, args: argparse.Namespace) -> list[list[o
 
 
 def beam_rows(
-    size: common.Setup, batches: tuple[int, ...], args: argparse.Namespace, beam: int = 3
+    size: composed.Setup, batches: tuple[int, ...], args: argparse.Namespace, beam: int = 3
 ) -> list[list[object]]:
     """Beam search from features for each batch size; the untimed warm-up call counts torch calls and host reads."""
-    model = common.never_end(common.build_module(size, args).model.eval())
+    model = composed.never_end(composed.build_module(size, args).model.eval())
     rows = []
     for batch in batches:
-        features = common.random_features(model, size, batch, args.device)
+        features = composed.random_features(model, size, batch, args.device)
 
         def search() -> torch.Tensor:
-            with common.autocast(args):
+            with composed.autocast(args):
                 generation, _ = model.generate_from_features(
                     features, method="beam", beam_size=beam, max_len=size.decode_len
                 )
             return generation.tokens
 
-        with common.OpCounter() as ops:
+        with counters.OpCounter() as ops:
             words = search().size(1)
-        flops = common.count_flops(search)
-        with common.OtherLoad() as others:
-            timing = common.measure(search, args, warmup=max(args.warmup - 1, 0))
+        flops = clock.count_flops(search)
+        with machine.OtherLoad() as others:
+            timing = clock.measure(search, args, warmup=max(args.warmup - 1, 0))
         rows.append(
             [
                 size.name,
@@ -180,7 +185,7 @@ def beam_rows(
                 words,
                 ops.calls,
                 ops.host_reads,
-                *common.flop_cells(flops, timing.median, args),
+                *clock.flop_cells(flops, timing.median, args),
                 others.percent,
             ]
         )
@@ -189,9 +194,9 @@ def beam_rows(
 
 def main(argv: list[str] | None = None) -> None:
     """Print the captioning-throughput table and the beam-search batching table."""
-    args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
-    sizes = common.setups(args)
-    common.print_environment(
+    args = options.parse(options.make_parser(__doc__.split("\n")[0]), argv)
+    sizes = composed.setups(args)
+    machine.print_environment(
         "Captioning",
         args,
         [size.describe() for size in sizes]
@@ -208,12 +213,12 @@ def main(argv: list[str] | None = None) -> None:
             "processes kept busy meanwhile (/proc/stat), above ~10 % the row is slowed by contention",
         ],
     )
-    with common.timed_section():
+    with machine.timed_section():
         rows = [row for size in sizes for row in throughput_rows(size, args)]
-        common.print_table("Captioning throughput (images to captions)", THROUGHPUT_COLUMNS, rows)
+        tables.print_table("Captioning throughput (images to captions)", THROUGHPUT_COLUMNS, rows)
         batches = (1, 2) if args.tiny else BEAM_BATCHES
         rows = [row for size in sizes for row in beam_rows(size, batches, args)]
-        common.print_table("Beam search (beam 3) from features against the batch size", BEAM_COLUMNS, rows)
+        tables.print_table("Beam search (beam 3) from features against the batch size", BEAM_COLUMNS, rows)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-import common
+import clock
+import composed
+import machine
+import options
+import tables
 from captioner.data.dataset import collate
 from captioner.data.features import FeatureCache, FeatureCaptionDataset
 from captioner.data.readers import Record
@@ -82,7 +86,7 @@ class GeneratedSource:
         return self.train if split == "train" else []
 
 
-def datamodule(size: common.Setup, source: GeneratedSource, workers: int) -> CaptionDataModule:
+def datamodule(size: composed.Setup, source: GeneratedSource, workers: int) -> CaptionDataModule:
     """The experiment's data module (its ``data`` section, as ``train.py`` builds it) over ``source``, with
     ``workers`` loader processes and no feature cache."""
     module = CaptionDataModule(source, dataclasses.replace(size.data, num_workers=workers, feature_cache=None))
@@ -112,24 +116,26 @@ def loader_rate(loader: DataLoader) -> float:
     return images / (time.perf_counter() - start)
 
 
-def step_rate(size: common.Setup, source: str, args: argparse.Namespace) -> tuple[float, list[float], torch.Size]:
+def step_rate(size: composed.Setup, source: str, args: argparse.Namespace) -> tuple[float, list[float], torch.Size]:
     """Images per second of the experiment's training step on ``source`` (images or features), its FLOP cells,
     and the shape of one image's cached features (L', C')."""
-    model, step, _ = common.model_train_step(size, args, source)
-    flops = common.count_flops(step)
-    seconds = common.measure(step, args).median
-    shape = common.random_features(model, size, 1, args.device).shape[1:]
-    return size.batch / seconds, common.flop_cells(flops, seconds, args), shape
+    model, step, _ = composed.model_train_step(size, args, source)
+    flops = clock.count_flops(step)
+    seconds = clock.measure(step, args).median
+    shape = composed.random_features(model, size, 1, args.device).shape[1:]
+    return size.batch / seconds, clock.flop_cells(flops, seconds, args), shape
 
 
-def size_rows(size: common.Setup, folder: Path, records: list[Record], args: argparse.Namespace) -> list[list[object]]:
+def size_rows(
+    size: composed.Setup, folder: Path, records: list[Record], args: argparse.Namespace
+) -> list[list[object]]:
     """Loader rows of both sources for ``size``, each next to the step's consumption."""
     source = GeneratedSource(records)
     images = datamodule(size, source, 0)
     consumes, flops, shape = step_rate(size, "images", args)
     rows = []
     for workers in args.workers:
-        with common.OtherLoad() as others:
+        with machine.OtherLoad() as others:
             rate = loader_rate(datamodule(size, source, workers).train_dataloader())
         rows.append(
             loader_row(size, f"JPEG 640x480 -> {size.data.image_size} px", workers, rate, consumes, flops, others)
@@ -146,7 +152,7 @@ def size_rows(size: common.Setup, folder: Path, records: list[Record], args: arg
             num_workers=workers,
             pin_memory=args.device.type == "cuda",
         )
-        with common.OtherLoad() as others:
+        with machine.OtherLoad() as others:
             rate = loader_rate(loader)
         label = f"fp16 cache {shape[0]}x{shape[1]}"
         rows.append(loader_row(size, label, workers, rate, consumes, flops, others))
@@ -154,13 +160,13 @@ def size_rows(size: common.Setup, folder: Path, records: list[Record], args: arg
 
 
 def loader_row(
-    size: common.Setup,
+    size: composed.Setup,
     label: str,
     workers: int,
     rate: float,
     consumes: float,
     flops: list[float],
-    others: common.OtherLoad,
+    others: machine.OtherLoad,
 ) -> list[object]:
     """One table row: the loader's rate against the step's."""
     per_worker = rate / max(workers, 1)
@@ -180,19 +186,19 @@ def loader_row(
 
 def main(argv: list[str] | None = None) -> None:
     """Print the loader-against-step table."""
-    parser = common.make_parser(__doc__.split("\n")[0])
+    parser = options.make_parser(__doc__.split("\n")[0])
     parser.add_argument(
         "--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts to try (default: 0 1 2)"
     )
     parser.add_argument("--images", type=int, default=None, help="JPEGs to generate (default: 4 of the largest batch)")
-    args = common.parse(parser, argv)
-    sizes = common.setups(args)
+    args = options.parse(parser, argv)
+    sizes = composed.setups(args)
     count = args.images or (4 * max(size.batch for size in sizes))
     with tempfile.TemporaryDirectory(prefix="captioner-bench-") as tmp:
         folder = Path(tmp)
         records = write_jpegs(folder, count)
         kib = sum(Path(record.image_path).stat().st_size for record in records) / count / 1024
-        common.print_environment(
+        machine.print_environment(
             "Data loading",
             args,
             [size.describe() for size in sizes]
@@ -205,9 +211,9 @@ def main(argv: list[str] | None = None) -> None:
                 "'others %': share of the cores other processes kept busy while the loader row ran (/proc/stat)",
             ],
         )
-        with common.timed_section():
+        with machine.timed_section():
             rows = [row for size in sizes for row in size_rows(size, folder, records, args)]
-            common.print_table("Data loading against the training step", COLUMNS, rows)
+            tables.print_table("Data loading against the training step", COLUMNS, rows)
 
 
 if __name__ == "__main__":

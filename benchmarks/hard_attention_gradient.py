@@ -31,7 +31,7 @@ import torch
 from hydra.utils import instantiate
 from torch import Tensor
 
-import common
+import composed
 from captioner.config import HardEstimator, LossConfig, TrainConfig, from_dict
 from captioner.model.decoder import DecoderOutput
 from captioner.model.losses import CaptionLoss
@@ -44,7 +44,7 @@ ESTIMATORS = ("sequence", "word", "suffix", "gumbel")
 def demo_batch(overrides: list[str]) -> tuple[object, dict]:
     """The CaptionerModule and the first training batch of the demo, built as ``train.py`` builds them,
     with the batch's grid features computed once under ``batch["features"]``."""
-    cfg = common.compose_config("demo", ["model=hard", *overrides, "data.feature_cache=null"])
+    cfg = composed.compose_config("demo", ["model=hard", *overrides, "data.feature_cache=null"])
     settings = from_dict(TrainConfig, cfg)
     datamodule = CaptionDataModule(instantiate(cfg["data"]["source"]), settings.data)
     datamodule.setup("fit")

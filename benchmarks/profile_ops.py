@@ -13,7 +13,10 @@ from collections.abc import Callable
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import common
+import clock
+import composed
+import machine
+import options
 
 
 def profile_table(label: str, fn: Callable[[], object], args: argparse.Namespace) -> None:
@@ -21,15 +24,15 @@ def profile_table(label: str, fn: Callable[[], object], args: argparse.Namespace
     and their rate over the profiled run's wall time."""
     for _ in range(args.warmup):
         fn()
-    flops = common.count_flops(fn)
+    flops = clock.count_flops(fn)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
-    common.synchronize(args.device)
+    clock.synchronize(args.device)
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         with record_function(label):
             fn()
-        common.synchronize(args.device)
-    gflop, rate, share = common.flop_cells(flops, time.perf_counter() - start, args)
+        clock.synchronize(args.device)
+    gflop, rate, share = clock.flop_cells(flops, time.perf_counter() - start, args)
     sort_by = "self_device_time_total" if args.device.type == "cuda" else "self_cpu_time_total"
     print(f"\n### {label} (sorted by {sort_by})\n")
     print(f"{gflop:.3g} GFLOP at {rate:.3g} GFLOP/s over the profiled run, {share:.3g} % of the matmul probe\n")
@@ -38,20 +41,20 @@ def profile_table(label: str, fn: Callable[[], object], args: argparse.Namespace
 
 def main(argv: list[str] | None = None) -> None:
     """Profile the training step, then beam search."""
-    parser = common.make_parser(__doc__.split("\n")[0])
+    parser = options.make_parser(__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=15, help="operators per table (default: 15)")
-    args = common.parse(parser, argv)
+    args = options.parse(parser, argv)
     args.repeats = 1  # one profiled run of each
-    size = common.setups(args)[0]
-    common.print_environment("Profile", args, [size.describe()])
-    with common.timed_section():
-        model, step, pairs = common.model_train_step(size, args, "images")
+    size = composed.setups(args)[0]
+    machine.print_environment("Profile", args, [size.describe()])
+    with machine.timed_section():
+        model, step, pairs = composed.model_train_step(size, args, "images")
         profile_table(f"training step, soft, {size.batch} images x {pairs} captions", step, args)
-        common.never_end(model.eval())
-        features = common.random_features(model, size, size.caption_batch, args.device)
+        composed.never_end(model.eval())
+        features = composed.random_features(model, size, size.caption_batch, args.device)
 
         def search() -> None:
-            with common.autocast(args):
+            with composed.autocast(args):
                 model.generate_from_features(features, method="beam", beam_size=3, max_len=size.decode_len)
 
         profile_table(f"beam search, beam 3, {size.caption_batch} images from features", search, args)

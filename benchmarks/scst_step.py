@@ -24,7 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-import common
+import clock
+import composed
+import machine
+import options
+import tables
 from captioner.data.vocab import Vocabulary
 from captioner.evaluation.cider import CiderD
 from captioner.training.module import CaptionerModule
@@ -40,7 +44,7 @@ COLUMNS = [
     "max/min",
     "reward ms",
     "reward %",
-    *common.FLOP_COLUMNS,
+    *clock.FLOP_COLUMNS,
     "others %",
 ]
 SAMPLES = 5
@@ -57,10 +61,10 @@ class Stopwatch:
 
     def wrap(self, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
-            common.synchronize(self.device)
+            clock.synchronize(self.device)
             start = time.perf_counter()
             result = fn(*args, **kwargs)
-            common.synchronize(self.device)
+            clock.synchronize(self.device)
             self.seconds += time.perf_counter() - start
             return result
 
@@ -82,7 +86,7 @@ def random_references(images: int, vocab: Vocabulary, seed: int = 0) -> list[lis
     return [captions[i : i + 5] for i in range(0, len(captions), 5)]
 
 
-def corpus_images(size: common.Setup) -> int:
+def corpus_images(size: composed.Setup) -> int:
     """The experiment's training images: the shapes source's ``n_train``, or COCO's Karpathy train."""
     return size.cfg["data"]["source"].get("n_train", KARPATHY_TRAIN)
 
@@ -91,13 +95,13 @@ def build_module(name: str, attention: str, baseline: str, args: argparse.Namesp
     """The training module of experiment ``name`` with the SCST objective (no trainer: its step is called
     directly), in train mode, never ending a caption."""
     overrides = ["model.objective=scst", f"model.scst.samples={SAMPLES}", f"model.scst.baseline={baseline}"]
-    module = common.build_module(common.setup(name, args, attention, overrides), args)
-    common.never_end(module.model)
+    module = composed.build_module(composed.setup(name, args, attention, overrides), args)
+    composed.never_end(module.model)
     return module.train()
 
 
 def row(
-    size: common.Setup, baseline: str, cider: CiderD, build_seconds: float, args: argparse.Namespace
+    size: composed.Setup, baseline: str, cider: CiderD, build_seconds: float, args: argparse.Namespace
 ) -> list[object]:
     """Time the SCST step of one configuration (a training batch of ``size``) and the reward inside it."""
     mode, images = size.model.attention.value, size.batch
@@ -106,24 +110,24 @@ def row(
     cider.score_ids = stopwatch.wrap(CiderD.score_ids.__get__(cider))
     module.cider = cider
     batch = {
-        "features": common.random_features(module.model, size, images, args.device),
+        "features": composed.random_features(module.model, size, images, args.device),
         "indices": torch.randint(0, len(cider), (images,), device=args.device),
     }
     optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=1e-5)
 
     def step() -> None:
-        with common.autocast(args):
+        with composed.autocast(args):
             loss = module.self_critical_terms(batch)["loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
 
-    flops = common.count_flops(step)
+    flops = clock.count_flops(step)
     for _ in range(args.warmup):
         step()
     stopwatch.seconds = 0.0
-    with common.OtherLoad() as others:
-        timing = common.measure(step, args, warmup=0)
+    with machine.OtherLoad() as others:
+        timing = clock.measure(step, args, warmup=0)
     reward = stopwatch.seconds / args.repeats
     return [
         size.name,
@@ -136,16 +140,16 @@ def row(
         timing.spread,
         reward * 1e3,
         100 * reward / timing.median,
-        *common.flop_cells(flops, timing.median, args),
+        *clock.flop_cells(flops, timing.median, args),
         others.percent,
     ]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Print the SCST step table."""
-    args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
-    soft, hard = common.setups(args, "soft"), common.setups(args, "hard")
-    common.print_environment(
+    args = options.parse(options.make_parser(__doc__.split("\n")[0]), argv)
+    soft, hard = composed.setups(args, "soft"), composed.setups(args, "hard")
+    machine.print_environment(
         "SCST step",
         args,
         [size.describe() for size in soft]
@@ -155,19 +159,19 @@ def main(argv: list[str] | None = None) -> None:
             "'others %': share of the cores other processes kept busy (above ~10 % the row is slowed)",
         ],
     )
-    with common.timed_section():
+    with machine.timed_section():
         rows = []
         for pair in zip(soft, hard):
             vocab = pair[0].vocab
             references = random_references(corpus_images(pair[0]), vocab)
             start = time.perf_counter()
             cider = CiderD(references, words=vocab.itos, device=args.device)
-            common.synchronize(args.device)
+            clock.synchronize(args.device)
             build_seconds = time.perf_counter() - start
             for size in pair:
                 for baseline in ("mean", "greedy"):
                     rows.append(row(size, baseline, cider, build_seconds, args))
-        common.print_table("SCST step: rollout + CIDEr-D reward + self-critical loss + backward + Adam", COLUMNS, rows)
+        tables.print_table("SCST step: rollout + CIDEr-D reward + self-critical loss + backward + Adam", COLUMNS, rows)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import common
+import clock
+import composed
+import machine
+import tables
 from captioner.config import ModelConfig, NetConfig, SelfAttentionConfig, from_dict
 from captioner.data.shapes import shapes_records
 from captioner.evaluation.report import evaluate_split
@@ -107,8 +110,8 @@ def evaluate(variant: str, image_size: int, args: argparse.Namespace) -> tuple[f
 def demo_steps(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
     """Per variant: the median training step seconds on one demo batch, the trainable and the blocks' parameters."""
     torch.manual_seed(args.seed)
-    images = torch.randn(common.DEMO.batch, 3, TRAINED_SIZE, TRAINED_SIZE)
-    captions, index = common.random_captions(common.DEMO, common.DEMO.batch, args.device)
+    images = torch.randn(composed.DEMO.batch, 3, TRAINED_SIZE, TRAINED_SIZE)
+    captions, index = composed.random_captions(composed.DEMO, composed.DEMO.batch, args.device)
     steps, counts = {}, {}
     for variant in VARIANTS:
         loaded = load_model(args.out / folder_name(variant) / "bundle.pt")
@@ -116,7 +119,7 @@ def demo_steps(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
         model.encoder.eval()
         with torch.no_grad():
             features, grid = model.encode(images)  # what the feature cache holds
-        step = common.make_train_step(
+        step = composed.make_train_step(
             model, lambda m=model, f=features, g=grid: m.forward_features(f, captions, index, g), captions, args
         )
         steps[variant] = step
@@ -128,7 +131,7 @@ def demo_steps(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
     times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     for _ in range(args.repeats):  # interleaved: each variant sees the same load
         for variant, step in steps.items():
-            times[variant].extend(common.measure(step, args, warmup=1, repeats=1).runs)
+            times[variant].extend(clock.measure(step, args, warmup=1, repeats=1).runs)
     return {v: (sorted(times[v])[len(times[v]) // 2], *counts[v]) for v in VARIANTS}
 
 
@@ -145,29 +148,29 @@ def coco_net(self_attention: dict) -> NetConfig:
 def coco_costs(args: argparse.Namespace) -> list[list[object]]:
     """One block's forward+backward vs the decoder's training step at the COCO size, on cached features."""
     batch = args.coco_batch
-    size = dataclasses.replace(common.COCO, batch=batch)
-    features = common.random_features(size, batch, args.device)  # (B, 196, 2048)
-    captions, index = common.random_captions(size, batch, args.device)
+    size = dataclasses.replace(composed.COCO, batch=batch)
+    features = composed.random_features(size, batch, args.device)  # (B, 196, 2048)
+    captions, index = composed.random_captions(size, batch, args.device)
     net = coco_net({"blocks": 0})
     model = build_captioner(net, size.vocab_size)
-    decoder_step = common.make_train_step(
+    decoder_step = composed.make_train_step(
         model, lambda: model.forward_features(features, captions, index), captions, args
     )
     rows = []
-    decoder = common.measure(decoder_step, args, warmup=1, repeats=args.repeats).median
+    decoder = clock.measure(decoder_step, args, warmup=1, repeats=args.repeats).median
     rows.append(["decoder step (0 blocks)", features.shape[1], 1000 * decoder, 1.0, 0])
     for positional in ("absolute", "relative"):
         config = SelfAttentionConfig(blocks=1, positional=positional)
         block = GridSelfAttention(features.size(-1), config).train()
         with torch.no_grad():
             block.gamma.fill_(0.5)  # an open gate: the gradient reaches every projection
-        grid = (common.COCO.grid, common.COCO.grid)
+        grid = (composed.COCO.grid, composed.COCO.grid)
 
         def block_pass(block: GridSelfAttention = block) -> None:
             block.zero_grad(set_to_none=True)
             block(features, grid).square().mean().backward()
 
-        seconds = common.measure(block_pass, args, warmup=1, repeats=args.repeats).median
+        seconds = clock.measure(block_pass, args, warmup=1, repeats=args.repeats).median
         params = sum(p.numel() for p in block.parameters())
         rows.append(
             [f"1 {positional} block, forward+backward", features.shape[1], 1000 * seconds, seconds / decoder, params]
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     args.device, args.precision, args.warmup = torch.device("cpu"), "fp32", 1
     args.out = args.out.resolve()
     recipe = "cross-entropy only" if args.scst_after is None else f"{args.scst_after} cross-entropy epochs, then SCST"
-    common.print_environment(
+    machine.print_environment(
         "Self-attention over the grid: the demo",
         argparse.Namespace(
             device=args.device, precision="fp32", channels_last=False, quick=False, warmup=1, repeats=args.repeats
@@ -208,12 +211,12 @@ def main(argv: list[str] | None = None) -> None:
             f"runs in {args.out}",
         ],
     )
-    with common.timed_section():
+    with machine.timed_section():
         if "demo" in args.parts:
             demo_table(args)
         if "coco" in args.parts:
             costs = coco_costs(args)
-            common.print_table(
+            tables.print_table(
                 f"COCO size (experiment=coco_soft, 14x14x2048 grid), {args.coco_batch} images x 5 captions, CPU",
                 ["what", "L", "ms", "vs decoder step", "params"],
                 costs,
@@ -238,7 +241,7 @@ def demo_table(args: argparse.Namespace) -> None:
             row += list(scores[(variant, size)])
         row += [1000 * seconds, seconds / steps["0 blocks"][0], walls[variant]]
         rows.append(row)
-    common.print_table(f"demo, trained at {TRAINED_SIZE} px (12x12), validation split, greedy", columns, rows)
+    tables.print_table(f"demo, trained at {TRAINED_SIZE} px (12x12), validation split, greedy", columns, rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,13 @@ import argparse
 
 import torch
 
-import common
+import clock
+import composed
+import counters
+import machine
+import options
+import peak
+import tables
 
 TRAIN_COLUMNS = [
     "size",
@@ -30,7 +36,7 @@ TRAIN_COLUMNS = [
     "images/s",
     "pairs/s",
     "CNN images/step",
-    *common.FLOP_COLUMNS,
+    *clock.FLOP_COLUMNS,
     "peak MiB",
     "step MiB",
     "others %",
@@ -44,7 +50,7 @@ DECODER_COLUMNS = [
     "max/min",
     "images/s",
     "pairs/s",
-    *common.FLOP_COLUMNS,
+    *clock.FLOP_COLUMNS,
     "peak MiB",
     "step MiB",
     "others %",
@@ -53,16 +59,16 @@ DECODER_BATCH = 64
 SOURCES = {"images": "images", "per_caption": "images, per caption", "features": "cached features"}
 
 
-def step_row(size: common.Setup, source: str, args: argparse.Namespace) -> list[object]:
+def step_row(size: composed.Setup, source: str, args: argparse.Namespace) -> list[object]:
     """Time one configuration of the whole captioner's training step; ``source``: images, per_caption, features."""
-    model, step, pairs = common.model_train_step(size, args, source)
-    flops = common.count_flops(step)
+    model, step, pairs = composed.model_train_step(size, args, source)
+    flops = clock.count_flops(step)
     with (
-        common.PeakMemory(args.device) as memory,
-        common.EncoderCounter(model) as counter,
-        common.OtherLoad() as others,
+        peak.PeakMemory(args.device) as memory,
+        counters.EncoderCounter(model) as counter,
+        machine.OtherLoad() as others,
     ):
-        timing = common.measure(step, args)
+        timing = clock.measure(step, args)
     seconds = timing.median
     return [
         size.name,
@@ -75,24 +81,24 @@ def step_row(size: common.Setup, source: str, args: argparse.Namespace) -> list[
         size.batch / seconds,
         pairs / seconds,
         counter.images / (args.warmup + args.repeats),
-        *common.flop_cells(flops, seconds, args),
+        *clock.flop_cells(flops, seconds, args),
         memory.peak_mib,
         memory.added_mib,
         others.percent,
     ]
 
 
-def decoder_row(size: common.Setup, images: int, args: argparse.Namespace) -> list[object]:
+def decoder_row(size: composed.Setup, images: int, args: argparse.Namespace) -> list[object]:
     """Time the decoder's training step alone on grid features already in memory."""
-    module = common.build_module(size, args)
+    module = composed.build_module(size, args)
     decoder = module.model.decoder
-    height, width, channels = common.grid_shape(size)
+    height, width, channels = composed.grid_shape(size)
     features = torch.randn(images, height * width, channels, device=args.device).relu()  # (B, L, C)
-    captions, index = common.random_captions(size, images, args.device)
-    step = common.make_train_step(module, decoder, lambda: decoder(features, captions, index), captions, args)
-    flops = common.count_flops(step)
-    with common.PeakMemory(args.device) as memory, common.OtherLoad() as others:
-        timing = common.measure(step, args)
+    captions, index = composed.random_captions(size, images, args.device)
+    step = composed.make_train_step(module, decoder, lambda: decoder(features, captions, index), captions, args)
+    flops = clock.count_flops(step)
+    with peak.PeakMemory(args.device) as memory, machine.OtherLoad() as others:
+        timing = clock.measure(step, args)
     seconds, pairs = timing.median, captions.size(0)
     return [
         size.name,
@@ -103,14 +109,14 @@ def decoder_row(size: common.Setup, images: int, args: argparse.Namespace) -> li
         timing.spread,
         images / seconds,
         pairs / seconds,
-        *common.flop_cells(flops, seconds, args),
+        *clock.flop_cells(flops, seconds, args),
         memory.peak_mib,
         memory.added_mib,
         others.percent,
     ]
 
 
-def decoder_batch(size: common.Setup, args: argparse.Namespace) -> int:
+def decoder_batch(size: composed.Setup, args: argparse.Namespace) -> int:
     """64 images, except the COCO size under --quick (its batch) and --tiny (the tiny batch)."""
     if args.tiny or (args.quick and size.name.startswith("coco")):
         return size.batch
@@ -119,30 +125,30 @@ def decoder_batch(size: common.Setup, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the training-step table and the decoder-only table."""
-    args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
-    soft, hard = common.setups(args, "soft"), common.setups(args, "hard")
-    common.print_environment(
+    args = options.parse(options.make_parser(__doc__.split("\n")[0]), argv)
+    soft, hard = composed.setups(args, "soft"), composed.setups(args, "hard")
+    machine.print_environment(
         "Training step",
         args,
         [size.describe() for size in soft]
         + [
             "hard attention: the same sizes with model=hard (the COCO one is experiment=coco_hard)",
-            f"memory: {common.memory_method(args.device)}; 'step MiB' is the peak above the memory held before "
+            f"memory: {peak.memory_method(args.device)}; 'step MiB' is the peak above the memory held before "
             "the first step (model, batch), i.e. activations, gradients and Adam state",
             "'CNN images/step' counts the images entering the encoder per step (a hook on its first stage)",
             "'max/min': slowest / fastest timed run; 'others %': share of the cores other processes kept busy "
             "during the row (/proc/stat), above ~10 % the row is slowed by contention",
         ],
     )
-    with common.timed_section():
+    with machine.timed_section():
         rows = []
         for pair in zip(soft, hard):
             rows += [step_row(size, source, args) for size in pair for source in ("images", "features")]
             if not (args.quick and pair[0].name.startswith("coco")):  # 5x the CNN work: slow at 448 px on a CPU
                 rows.append(step_row(pair[0], "per_caption", args))
-        common.print_table("Training step: encoder + decoder + loss + backward + Adam", TRAIN_COLUMNS, rows)
+        tables.print_table("Training step: encoder + decoder + loss + backward + Adam", TRAIN_COLUMNS, rows)
         rows = [decoder_row(size, decoder_batch(size, args), args) for pair in zip(soft, hard) for size in pair]
-        common.print_table("Decoder-only training step given features", DECODER_COLUMNS, rows)
+        tables.print_table("Decoder-only training step given features", DECODER_COLUMNS, rows)
 
 
 if __name__ == "__main__":

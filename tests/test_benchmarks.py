@@ -20,7 +20,13 @@ from conftest import ROOT, net_v1, write_run
 
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = (
-    "common",
+    "counters",
+    "machine",
+    "peak",
+    "options",
+    "composed",
+    "tables",
+    "clock",
     "train_step",
     "captioning",
     "data_loading",
@@ -39,7 +45,7 @@ def run_tiny(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 
     One thread: on a shared machine two threads of tiny operators spend most of their time waiting for each other.
     """
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their neighbour common.py
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their neighbours (composed.py, clock.py, ...)
 
     def run(script: str, *extra: str) -> str:
         importlib.import_module(script).main(["--tiny", "--threads", "1", *extra])
@@ -119,18 +125,18 @@ def test_benchmarked_sizes_are_the_experiments_as_train_py_composes_them(
     monkeypatch: pytest.MonkeyPatch, experiment: str
 ) -> None:
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    common = importlib.import_module("common")
+    composed = importlib.import_module("composed")
     attention = "hard" if experiment == "coco_hard" else "soft"
-    trained = common.compose_config(experiment)
+    trained = composed.compose_config(experiment)
     for quick in (False, True):
         args = argparse.Namespace(tiny=False, quick=quick, channels_last=False)
-        size = common.setup(experiment, args, attention)
+        size = composed.setup(experiment, args, attention)
         # the model as trained but for random weights; the data as trained but for --quick's COCO batch
         assert size.cfg["model"] == {**trained["model"], "encoder": {**trained["model"]["encoder"], "weights": None}}
         batch = 8 if quick and experiment != "demo" else trained["data"]["batch_size"]
         assert size.cfg["data"] == {**trained["data"], "batch_size": batch}
     if experiment == "demo":  # what `python train.py` trains: the demo experiment is the default config
-        plain = common.compose_config(None)
+        plain = composed.compose_config(None)
         assert (plain["model"], plain["data"]) == (trained["model"], trained["data"])
         assert len(size.vocab) == 4 + 44  # the specials and the training captions' words seen 5 times or more
     else:
