@@ -32,11 +32,12 @@ from hydra.utils import instantiate
 from torch import Tensor
 
 import composed
-from captioner.config import HardEstimator, LossConfig, TrainConfig, from_dict
+from captioner.config import Attention, HardEstimator, LossConfig, TrainConfig, from_dict
 from captioner.model.decoder import DecoderOutput
 from captioner.model.losses import CaptionLoss
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.module import CaptionerModule
+from captioner.training.objectives import cached_features
 
 ESTIMATORS = ("sequence", "word", "suffix", "gumbel")
 
@@ -88,7 +89,7 @@ def measure(module, batch: dict, name: str, resamples: int) -> tuple[float, floa
         entropy_weight=0.0,
     )
     criterion = CaptionLoss(settings, module.criterion.pad_id, module.criterion.unk_id).train()
-    features = module._features(batch)
+    features = cached_features(batch, module.dtype)
     gradients = []
     for _ in range(resamples):
         output = module.model.forward_features(features, batch["captions"], batch["image_index"])
@@ -113,10 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     weight = module.criterion.reinforce_weight
 
     decoder = module.model.decoder
-    decoder.mode = "soft"
-    output = module.model.forward_features(module._features(batch), batch["captions"], batch["image_index"])
+    decoder.mode = Attention.soft
+    features = cached_features(batch, module.dtype)
+    output = module.model.forward_features(features, batch["captions"], batch["image_index"])
     reference = float(flat_attention_gradient(module, module.criterion(output, batch["captions"])["ce"]).norm())
-    decoder.mode = "hard"
+    decoder.mode = Attention.hard
 
     images, captions = batch["image_index"].max().item() + 1, batch["captions"].shape[0]
     print(
