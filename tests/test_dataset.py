@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 from captioner.data.dataset import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
     CaptionDataset,
     SkipCounter,
     Skipped,
@@ -21,7 +23,6 @@ from captioner.data.dataset import (
 )
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
-from captioner.model.encoder import IMAGENET_MEAN, IMAGENET_STD
 from conftest import features_for, make_decoder, make_loss
 
 SIZE = 8

@@ -6,6 +6,7 @@ import argparse
 
 from captioner import __version__
 from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_METHOD, DecodeMethod, DecodingConfig
+from captioner.data.splits import SPLITS
 
 DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a dataset.
 
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(evaluate)
     evaluate.add_argument(
         "--split",
-        choices=("train", "val", "test"),
+        choices=SPLITS,
         default="test",
         help="split of --shapes and --karpathy (and the name of the --coco-captions one)",
     )

@@ -17,10 +17,19 @@ class TrainConfig(Settings):
 
     task_name: str = "train"  # names the run folders: outputs/<task_name>/runs/<date>
     seed: int = 0  # seeds Python, NumPy and torch in every process and worker
-    # Resume a run: a run folder (its checkpoints/last.ckpt) or a .ckpt file; SCST also starts from a
-    # cross-entropy run or bundle here (see conf/config.yaml).
+    # Resume after a crash or a stop: a run folder (its checkpoints/last.ckpt, rewritten atomically after every
+    # validation and every callbacks.last_checkpoint.every_n_train_steps steps) or a .ckpt file. Epoch, global
+    # step, optimiser state, learning-rate schedule and callbacks continue from it; the resumed run writes into
+    # a new run folder and never changes the old one. A run stopped mid-epoch finishes that epoch's remaining
+    # steps in a freshly shuffled order. The model (architecture, vocabulary, image size) is the checkpoint's.
+    # Only a run of the same model.objective is resumed: a checkpoint of the other objective (a cross-entropy
+    # run given to experiment=demo_scst) is taken as init_from, and so is a bundle.pt by a run whose SCST starts
+    # at once (model.scst.after_epochs=0); the run's config then says init_from.
     ckpt_path: str | None = None
-    init_from: str | None = None  # start a new run from this run folder's, checkpoint's or bundle's model
+    # Start a NEW run from the model of another: a run folder (its bundle.pt, the checkpoint it selected), a
+    # .ckpt or a bundle.pt. Its architecture, vocabulary, image size and weights are used with this config's
+    # training settings; epoch, optimiser and schedule start afresh.
+    init_from: str | None = None
     train: bool = True  # False: only validate (and test) the checkpoint in ckpt_path
     test: bool = True  # evaluate the best checkpoint on the test split after training
     data: DataConfig = field(default_factory=DataConfig)

@@ -21,7 +21,11 @@ from captioner.data.images import ImageError, load_rgb
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
 from captioner.errors import check_range
-from captioner.model.encoder import IMAGENET_MEAN, IMAGENET_STD
+
+# The input normalisation the torchvision ImageNet weights expect (per RGB channel, on [0, 1] pixels): every
+# image the encoder sees is normalised with it (``build_transform``).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def build_transform(image_size: int, train: bool, augment: bool = False) -> v2.Compose:

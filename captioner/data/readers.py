@@ -15,10 +15,10 @@ from typing import Any, NoReturn
 
 from pycocotools.coco import COCO
 
+from captioner.data.splits import SPLITS
 from captioner.errors import DataError, check_choice
 from captioner.fileio import read_json
 
-SPLITS = ("train", "val", "test")
 KARPATHY_SPLITS = ("train", "restval", "val", "test")
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from nltk.tokenize import RegexpTokenizer
 
+from captioner.config import DataConfig
 from captioner.errors import DataError, check_range
 from captioner.fileio import read_json, write_json
 
@@ -45,7 +46,9 @@ class Vocabulary:
         self.stoi: dict[str, int] = {w: i for i, w in enumerate(self.itos)}
 
     @classmethod
-    def build(cls, captions: Iterable[str], min_count: int = 5, max_size: int | None = None) -> Vocabulary:
+    def build(
+        cls, captions: Iterable[str], min_count: int = DataConfig.min_word_count, max_size: int | None = None
+    ) -> Vocabulary:
         """Words seen at least ``min_count`` times in ``captions``, most frequent first (ties by word).
 
         ``max_size`` caps the number of words besides the four specials. Pass training captions only.

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from captioner.config import CAPTIONING_BATCH_SIZE
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Record
 from captioner.data.vocab import tokenize
@@ -26,7 +27,7 @@ def evaluate_split(
     loaded: LoadedModel,
     records: Sequence[Record],
     out_dir: Path,
-    batch_size: int = 32,
+    batch_size: int = CAPTIONING_BATCH_SIZE,
     workers: int = 0,
     coco: bool = True,
     progress: bool = False,

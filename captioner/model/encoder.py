@@ -22,13 +22,10 @@ from torch import Tensor, nn
 from torchvision.models import WeightsEnum, get_model, get_model_weights, list_models
 
 from captioner.config import EncoderConfig
+from captioner.data.dataset import IMAGENET_MEAN, IMAGENET_STD
 from captioner.errors import ConfigError, first_line
 
 # Top-level children at which the trunk ends: global pooling, flattening, or the classifier head.
-# The input normalisation the torchvision ImageNet weights expect (per RGB channel, on [0, 1] pixels): every
-# image the encoder sees is normalised with it (``captioner.data.dataset.build_transform``).
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 _HEAD_TYPES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear)
 _HEAD_NAMES = ("avgpool", "flatten", "fc", "classifier", "head", "heads")
 # Torchvision's canonical input size: every classification model accepts it.

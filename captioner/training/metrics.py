@@ -1,4 +1,4 @@
-"""The names of the metrics training logs: ``<split>/<name>``, written here once.
+"""The names of the metrics training logs: ``<split>/<name>``.
 
 ``CaptionerModule`` logs them, the checkpoint and early-stopping callbacks monitor them
 (``conf/callbacks``), ``training.validate`` accepts a ``monitor`` only from ``MONITORS`` and ``train.py``
@@ -7,7 +7,9 @@ reports them.
 
 from __future__ import annotations
 
-TRAIN, VAL, TEST = "train", "val", "test"
+from captioner.data.splits import SPLITS
+
+TRAIN, VAL, TEST = SPLITS
 LOSS = "loss"  # the training objective's loss; on val and test the teacher-forced cross-entropy
 BLEU = ("bleu1", "bleu2", "bleu3", "bleu4")  # captioner.evaluation.bleu.corpus_bleu_scores's keys
 CIDER = "cider"  # CIDEr-D of the decoded captions

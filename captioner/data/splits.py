@@ -1,0 +1,3 @@
+"""The dataset splits every reader, data module, metric name and command line knows."""
+
+SPLITS = ("train", "val", "test")
