@@ -1,4 +1,4 @@
-"""The names of the files a training run keeps in its folder: written here once, imported everywhere else.
+"""The names of the files a training run keeps in its folder.
 
 ``train.py`` and ``captioner.training`` write them; ``captioner.bundle.load_trained`` (a run folder means its
 bundle) and ``captioner.training.start`` (a run folder means its last checkpoint) find them by these names.

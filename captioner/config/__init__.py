@@ -1,6 +1,6 @@
 """Every setting of the model, its training and its data: one typed dataclass per concern.
 
-Each field is written once, with its default, its comment and its valid range (checked in ``__post_init__``);
+Each field carries its default, its comment and its valid range (checked in ``__post_init__``);
 choices are ``StrEnum``s. One module per concern: ``network`` (what a bundle stores), ``decoding``, ``model``
 (the ``model`` group: the network and its training), ``data`` (the ``data`` group), ``train`` (the whole
 config); ``settings`` is what they are built with (``from_dict``, which names the key of a bad value:

@@ -99,8 +99,8 @@ class DecoderConfig(Settings):
 
     embed_dim: int = 128  # word embedding E (m)
     hidden_dim: int = 256  # LSTM state (n)
-    # The scorer's hidden size. The demo's 64 spends a quarter less time per step than 128, where the
-    # scorer's tanh over (captions, cells, attention_dim) is the largest cost, for as good attention.
+    # The scorer's hidden size. Its tanh over (captions, cells, attention_dim) is the largest cost of a demo
+    # decoder step, so the demo keeps it small.
     attention_dim: int = 64
     attention_heads: int = 1  # scorer=multihead only
     gate: Gate = Gate.scalar  # the gating scalar beta (4.2.1)

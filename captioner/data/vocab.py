@@ -17,7 +17,7 @@ from captioner.fileio import read_json, write_json
 _TOKENIZER = RegexpTokenizer(r"[^\W_]+")  # runs of letters/digits; needs no downloaded nltk data
 _FORMAT, _VERSION = "captioner-vocab", 1
 
-# The special tokens, first in every vocabulary in this order: ids 0..3. The one place they are written.
+# The special tokens, first in every vocabulary in this order: ids 0..3.
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS = (PAD, START, END, UNK)
 PAD_ID, START_ID, END_ID, UNK_ID = range(len(SPECIALS))
