@@ -19,6 +19,7 @@ number (143, 130).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -37,6 +38,8 @@ from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
 from captioner.training.schemas import register_schemas
 from captioner.training.validate import error_line, section_error
 
+log = logging.getLogger("train")
+
 
 def train(cfg: DictConfig) -> float | None:
     """Build data, model, callbacks, loggers and trainer from ``cfg``; fit; validate the best; export."""
@@ -46,9 +49,10 @@ def train(cfg: DictConfig) -> float | None:
 
     from captioner.evaluation.results import write_metrics, write_results
     from captioner.run_files import BUNDLE_NAME, METRICS_FILE, VAL_CAPTIONS_FILE
+    from captioner.training import quick_checks
     from captioner.training.datamodule import CaptionDataModule
     from captioner.training.logs import route_lightning_logs, summary
-    from captioner.training.metrics import PROGRESS, VAL, metric
+    from captioner.training.metrics import PROGRESS, TEST, VAL, metric
     from captioner.training.module import CaptionerModule
     from captioner.training.run_folder import print_config_tree
     from captioner.training.start import model_settings, resolve_start
@@ -78,7 +82,12 @@ def train(cfg: DictConfig) -> float | None:
     if start.init is not None:
         module.model.load_state_dict(start.model.model.state_dict())
 
+    checkpoint_note = None
     if settings.train:
+        for note in filter(None, [quick_checks.fit_val_fraction(trainer, datamodule)]):
+            log.warning(note)
+        for note in quick_checks.start_notes(trainer, module.settings, datamodule):
+            log.warning(note)
         fit(trainer, module, datamodule, ckpt_path)
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         ckpt_path = (
@@ -86,19 +95,25 @@ def train(cfg: DictConfig) -> float | None:
             or (ckpt_path if trainer.checkpoint_callback is None else trainer.checkpoint_callback.last_model_path)
             or None
         )
-    metrics = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)[0]
+        checkpoint_note = quick_checks.checkpoint_note(trainer, datamodule)
+    evaluate = {"datamodule": datamodule, "ckpt_path": ckpt_path, "weights_only": True, "verbose": False}
+    metrics = next(iter(trainer.validate(module, **evaluate)), {})  # none: no validation batch
     if settings.test:
-        metrics.update(
-            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True, verbose=False)[0]
-        )
+        metrics.update(next(iter(trainer.test(module, **evaluate)), {}))
     if not trainer.is_global_zero:
         return metrics.get(metric(VAL, PROGRESS))
 
-    write_results(output_dir / VAL_CAPTIONS_FILE, {i: " ".join(w) for i, w in module.predictions[VAL].items()})
+    if VAL in module.predictions:
+        write_results(output_dir / VAL_CAPTIONS_FILE, {i: " ".join(w) for i, w in module.predictions[VAL].items()})
     write_metrics(output_dir / METRICS_FILE, {k: float(v) for k, v in metrics.items()})
     bundle = output_dir / BUNDLE_NAME
     module.export_bundle(str(bundle))
-    print(summary(metrics, ckpt_path, bundle, output_dir))
+    missing = {
+        split: reason
+        for split, wanted in ((VAL, True), (TEST, settings.test))
+        if (reason := quick_checks.not_computed(metrics, split, wanted, trainer)) is not None
+    }
+    print(summary(metrics, ckpt_path, bundle, output_dir, missing, checkpoint_note))
     return metrics.get(metric(VAL, PROGRESS))
 
 

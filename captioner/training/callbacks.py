@@ -1,9 +1,13 @@
-"""Training callbacks of the captioner: the non-finite-loss guard.
+"""Training callbacks of the captioner: the non-finite guard.
 
-A NaN/inf loss is handled without reading it back every step (a host synchronisation that stalls a GPU):
-the optimiser skips its step on the device, and the host looks at the losses every ``check_interval``
-steps, before every checkpoint and at the end of each epoch. ``CaptionerModule.configure_callbacks`` adds
-the guard to every run, with the module's ``nonfinite`` settings.
+A NaN/inf loss, or NaN/inf gradients, are handled without reading them back every step (a host
+synchronisation that stalls a GPU): the optimiser skips its step on the device, and the host looks at the
+flags every ``check_interval`` steps, before every checkpoint and at the end of each epoch.
+``CaptionerModule.configure_callbacks`` adds the guard to every run, with the module's ``nonfinite`` settings.
+
+Under 16-mixed the plugin's ``GradScaler`` already skips the step of non-finite gradients (an fp16 overflow
+while the scale settles is routine, not reported); the guard adds the loss's flag to it
+(``optimization.unscale_for_step``). Under every other precision the guard checks the gradients itself.
 """
 
 from __future__ import annotations
@@ -17,89 +21,113 @@ import torch
 
 from captioner.config import NonFinite
 from captioner.errors import CaptionerError
+from captioner.training.optimization import is_fused, nonfinite_gradients, unscale_for_step
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(CaptionerError):
-    """The training loss became NaN or infinite (``model.nonfinite=stop``)."""
+    """The training loss or its gradients became NaN or infinite (``model.nonfinite=stop``)."""
 
-    def __init__(self, value: float, where: str, checkpoint: str | None) -> None:
-        """``value`` the loss at training step ``where``; ``checkpoint`` the last one written (None: none yet)."""
+    def __init__(self, value: float, where: str, checkpoint: str | None, gradients: bool = False) -> None:
+        """``value`` the loss at training step ``where`` (``gradients``: finite, its gradients were not);
+        ``checkpoint`` the last one written (None: none yet)."""
         kept = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint had been saved yet"
+        what = f"gradients (loss {value})" if gradients else f"loss ({value})"
         super().__init__(
-            f"non-finite loss ({value}) at {where}; training stopped, {kept} "
-            "(model.nonfinite=skip skips such batches instead)"
+            f"non-finite {what} at {where}; training stopped, {kept} (model.nonfinite=skip skips such batches instead)"
         )
 
 
 class NonFiniteLossGuard(L.Callback):
-    """Skip the optimiser step of a NaN/inf loss on the device; report it (``skip``) or stop (``stop``).
+    """Skip the optimiser step of a NaN/inf loss or gradient on the device; report it (``skip``) or stop (``stop``).
 
-    Every rank takes the same decision (the flags are summed over ranks), so a NaN on one rank never
-    leaves the others updating with the NaN gradients it shares with them.
+    Every rank takes the same decision (the loss flags are summed over ranks, the gradients are the
+    all-reduced ones), so a NaN on one rank never leaves the others updating with the NaN gradients it
+    shares with them.
     """
 
     def __init__(self, action: NonFinite = NonFinite.stop, check_interval: int = 50) -> None:
         """``action``: what a non-finite loss does once the host sees it; ``check_interval``: training steps
-        between host reads of the losses."""
+        between host reads of the flags."""
         self.action = NonFinite(action)
         self.check_interval = check_interval
-        self.unchecked: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # (epoch, step, loss, non-finite)
-        self.step_nonfinite: torch.Tensor | None = None  # whether the coming optimiser step must be skipped
+        # (epoch, step, [loss, loss non-finite, gradients non-finite]) of each optimiser step, on the device
+        self.unchecked: list[tuple[int, int, torch.Tensor]] = []
+        self.losses: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, non-finite) since the last step
+        self.backward_in_batch = False  # whether this batch's training_step returned a loss
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """A new batch: no backward yet."""
+        self.backward_in_batch = False
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        """Flag the coming optimiser step on the device when ``loss`` is not finite; keep it for the host check."""
+        """Flag the coming optimiser step on the device when ``loss`` is not finite."""
         nonfinite = (~torch.isfinite(loss.detach())).float()
         nonfinite = trainer.strategy.reduce(nonfinite, reduce_op="sum") > 0  # () bool, on the device
-        self.unchecked.append((trainer.current_epoch, trainer.global_step, loss.detach(), nonfinite))
-        pending = self.step_nonfinite
-        self.step_nonfinite = nonfinite if pending is None else pending | nonfinite  # accumulated batches
+        self.losses.append((loss.detach().float(), nonfinite))
+        self.backward_in_batch = True
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Skip the whole optimiser step of a non-finite loss, on the device; see ``skip_flagged_step``."""
-        nonfinite, self.step_nonfinite = self.step_nonfinite, None
-        skip_flagged_step(optimizer, nonfinite)
+        """Make the coming step skip a non-finite loss (accumulated batches: any of them) or gradient, on the
+        device; see ``skip_flagged_step`` and ``optimization.unscale_for_step``."""
+        losses, self.losses = self.losses, []
+        if not losses:  # no backward since the last step: no gradients, or Lightning takes no step
+            skip_flagged_step(optimizer, None)
+            return
+        loss = torch.stack([value for value, _ in losses]).sum()
+        nonfinite = torch.stack([flag for _, flag in losses]).any()
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        gradients = None
+        if scaler is not None:
+            if self.backward_in_batch:  # else the plugin takes no step (its training_step returned None)
+                unscale_for_step(scaler, optimizer, nonfinite)
+        else:
+            gradients = nonfinite_gradients(optimizer)
+            skip_flagged_step(optimizer, nonfinite if gradients is None else nonfinite | gradients)
+        flags = [loss, nonfinite.float(), torch.zeros_like(loss) if gradients is None else gradients.to(loss)]
+        self.unchecked.append((trainer.current_epoch, trainer.global_step, torch.stack(flags)))
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Look at the recorded losses every ``check_interval`` training steps."""
+        """Look at the recorded flags every ``check_interval`` training steps."""
         if len(self.unchecked) >= self.check_interval:
             self.check(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Look at the last losses of the epoch."""
+        """Look at the last flags of the epoch."""
         self.check(trainer)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        """Look at the losses before a checkpoint is written: with ``stop`` a non-finite one stops before it."""
+        """Look at the flags before a checkpoint is written: with ``stop`` a non-finite one stops before it."""
         self.check(trainer)
 
     def check(self, trainer: L.Trainer) -> None:
-        """Read the losses recorded since the last check back to the host (one synchronisation) and report
-        the non-finite ones: with ``skip`` one warning each, with ``stop`` NonFiniteLossError for the first.
+        """Read the flags recorded since the last check back to the host (one synchronisation) and report
+        the skipped steps: with ``skip`` one warning each, with ``stop`` NonFiniteLossError for the first.
 
         Their optimiser steps were skipped on the device, so the weights, and every checkpoint (this check
-        runs before each one is written), hold no update from a non-finite loss; stopping raises within
-        ``check_interval`` steps, and the last checkpoint written is from before the bad step. The step
-        counter and the schedule still advanced.
+        runs before each one is written), hold no update from a non-finite loss or gradient; stopping raises
+        within ``check_interval`` steps, and the last checkpoint written is from before the bad step. The
+        step counter and the schedule still advanced.
         """
         if not self.unchecked:
             return
         unchecked, self.unchecked = self.unchecked, []
-        flags = torch.stack([nonfinite for *_, nonfinite in unchecked]).float()
-        losses = torch.stack([loss.float() for _, _, loss, _ in unchecked])
-        for (epoch, step, _, _), bad, value in zip(unchecked, *torch.stack([flags, losses]).tolist()):
-            if not bad:
+        rows = torch.stack([flags for *_, flags in unchecked]).tolist()
+        for (epoch, step, _), (value, bad_loss, bad_gradients) in zip(unchecked, rows):
+            if not (bad_loss or bad_gradients):
                 continue
             where = f"epoch {epoch}, step {step}"
-            if self.action == NonFinite.skip:
-                log.warning("non-finite loss (%s) at %s: batch skipped, no parameter update", value, where)
-            else:
-                raise NonFiniteLossError(value, where, _last_checkpoint(trainer))
+            if self.action == NonFinite.stop:
+                raise NonFiniteLossError(value, where, _last_checkpoint(trainer), gradients=not bad_loss)
+            what = f"loss ({value})" if bad_loss else f"gradients (loss {value})"
+            log.warning("non-finite %s at %s: batch skipped, no parameter update", what, where)
 
 
 def skip_flagged_step(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor | None) -> None:
@@ -109,12 +137,10 @@ def skip_flagged_step(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor 
     learning-rate schedule still advances, as Lightning steps it). Zeroing the loss would not do: Adam
     would still move every parameter by its momentum and decay its moments, and NaN gradients can come out
     of a zeroed NaN graph. A fused optimiser (``training.optimization.build_optimizer``'s) takes the flag as
-    ``found_inf`` (the mechanism of ``torch.amp.GradScaler``, which sets its own in place of this one under
-    16-mixed: the gradients of a non-finite loss are non-finite, so it skips the step too); an optimiser
-    without it (one loaded from an older checkpoint, or on a device without fused kernels) drops the
-    gradients instead, which needs a host read of the flag every step.
+    ``found_inf`` (the mechanism of ``torch.amp.GradScaler``); a plain one (on a device without fused
+    kernels) drops the gradients instead, which needs a host read of the flag every step.
     """
-    if all(group.get("fused") for group in optimizer.param_groups):
+    if is_fused(optimizer):
         if nonfinite is None:
             optimizer.__dict__.pop("found_inf", None)
         else:

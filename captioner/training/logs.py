@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from captioner.training.metrics import BLEU, CIDER, CORRECTNESS, PROGRESS, TEST, VAL, metric
+from captioner.training.metrics import BLEU, CIDER, CORRECTNESS, TEST, VAL, metric
 
 # Overrides that a resumed run must not repeat: it starts from the stopped run's checkpoint. (Hydra's own
 # overrides, such as hydra.run.dir, are not among the job's: the resumed run gets a new folder.)
@@ -55,29 +55,49 @@ def route_lightning_logs() -> None:
     )
 
 
-def summary(metrics: dict, ckpt_path: str | None, bundle: Path, output_dir: Path) -> str:
-    """The lines a user acts on: the scores and where the files are."""
-    lines = ["", "validation BLEU (0-1, nltk corpus BLEU over all references, decoded, not teacher-forced):"]
-    bleu = {split: [metrics.get(metric(split, name), float("nan")) for name in BLEU] for split in (VAL, TEST)}
-    lines.append("  " + "  ".join(f"BLEU-{n} {value:.4f}" for n, value in enumerate(bleu[VAL], 1)))
-    if metric(VAL, CIDER) in metrics:
+def summary(
+    metrics: dict,
+    ckpt_path: str | None,
+    bundle: Path,
+    output_dir: Path,
+    missing: dict[str, str] | None = None,
+    checkpoint_note: str | None = None,
+) -> str:
+    """The lines a user acts on: the scores that exist, why the others were not computed, where the files are.
+
+    ``missing``: split -> why its scores are not in ``metrics`` (``quick_checks.not_computed``);
+    ``checkpoint_note``: why ``ckpt_path`` is the run's last checkpoint rather than its best.
+    """
+    missing = missing or {}
+    lines = [""]
+    if metric(VAL, BLEU[-1]) not in metrics:
+        lines.append(f"validation scores: not computed ({missing.get(VAL, 'no validation ran')})")
+    else:
+        lines.append("validation BLEU (0-1, nltk corpus BLEU over all references, decoded, not teacher-forced):")
+        lines.append("  " + _bleu(metrics, VAL))
         lines.append(f"  CIDEr-D {metrics[metric(VAL, CIDER)]:.4f} (coco-caption's CIDEr on these tokens)")
-    if metric(VAL, CORRECTNESS) in metrics:
-        lines.append(
-            f"  attention correctness (attention mass inside the named object's box): "
-            f"{metrics[metric(VAL, CORRECTNESS)]:.3f}"
-        )
-    if metric(TEST, PROGRESS) in metrics:
-        lines.append(
-            "test BLEU: "
-            + "  ".join(f"BLEU-{n} {value:.4f}" for n, value in enumerate(bleu[TEST], 1))
-            + f"  CIDEr-D {metrics.get(metric(TEST, CIDER), float('nan')):.4f}"
-        )
-    lines.append(f"checkpoint:       {ckpt_path}")
+        if metric(VAL, CORRECTNESS) in metrics:
+            lines.append(
+                f"  attention correctness (attention mass inside the named object's box): "
+                f"{metrics[metric(VAL, CORRECTNESS)]:.3f}"
+            )
+        else:
+            lines.append("  attention correctness: not computed (no decoded word named an object with a box)")
+    if metric(TEST, BLEU[-1]) not in metrics:
+        lines.append(f"test scores: not computed ({missing.get(TEST, 'no test ran')})")
+    else:
+        lines.append(f"test BLEU: {_bleu(metrics, TEST)}  CIDEr-D {metrics[metric(TEST, CIDER)]:.4f}")
+    note = f" ({checkpoint_note})" if checkpoint_note else ""
+    lines.append(f"checkpoint:       {ckpt_path}{note}")
     lines.append(f"inference bundle: {bundle}")
     lines.append(f"run folder:       {output_dir}")
     lines.append(f"caption images:   captioner caption IMAGE... --model {bundle}")
     return "\n".join(lines)
+
+
+def _bleu(metrics: dict, split: str) -> str:
+    """BLEU-1 to BLEU-4 of ``split``, on one line."""
+    return "  ".join(f"BLEU-{n} {metrics[metric(split, name)]:.4f}" for n, name in enumerate(BLEU, 1))
 
 
 def stopped_message(

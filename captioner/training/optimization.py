@@ -1,13 +1,18 @@
-"""The optimiser, and gradient clipping that works with it under every precision.
+"""The optimiser, and what every precision needs of its step: true gradients to clip, and a skip on non-finite ones.
 
-Adam is fused where the device has the kernels: one kernel per step, and it can skip a step on the device
-(``found_inf``: the non-finite-loss guard, ``callbacks.skip_flagged_step``). Lightning's mixed-precision
-plugin refuses to clip the gradients of an optimiser that can unscale them itself (a fused one: it cannot
-know whether the gradients it would clip are still scaled). ``clip_gradients`` clips them itself under
-mixed precision: the gradients are unscaled first (16-mixed: by the plugin's ``GradScaler``, which then
-steps the optimiser without unscaling again; bf16-mixed has no scale), so the bound applies to the true
-gradients, and the optimiser stays the fused one with its device-side skip. Every other precision clips
-through Lightning.
+Adam is fused where torch has fused kernels for the parameters' device and dtype (one kernel per step, and it
+can skip a step on the device: ``found_inf``). That is decided from torch's list of fused-capable devices, not
+by trying: ``Adam(fused=True)`` builds on any device and fails only at its first step. A checkpoint's optimiser
+state never changes that choice (``keep_implementation``): one saved before Adam was fused resumes fused, one
+saved on a fused device resumes plain where there are no kernels.
+
+Under 16-mixed Lightning's plugin steps through its ``GradScaler``: it unscales the gradients of a plain Adam
+before ``on_before_optimizer_step`` and leaves a fused one's to the fused step, which cannot be clipped. So
+``unscale_for_step`` (called by the non-finite guard, first in ``on_before_optimizer_step``) unscales a fused
+Adam's gradients when the plugin will step, and adds the guard's non-finite-loss flag to the scaler's
+``found_inf``: the scaler then skips the step of a non-finite loss even when its gradients are finite.
+``clip_gradients`` then clips true gradients under every precision; a step whose ``training_step`` returned
+None is never unscaled (the plugin skips its ``step`` and ``update``, so an unscale would be left pending).
 """
 
 from __future__ import annotations
@@ -18,8 +23,18 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch.utils import _foreach_utils
 
 from captioner.config import OptimizerConfig
+
+# The param-group entries that say how Adam runs on this device, not what it optimises: never a checkpoint's.
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
+
+
+def fused_kernels(params: Iterable[torch.Tensor]) -> bool:
+    """Whether torch has fused Adam kernels for every one of ``params`` (its device type and a floating dtype)."""
+    devices = _foreach_utils._get_fused_kernels_supported_devices()
+    return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
 def build_optimizer(
@@ -30,10 +45,43 @@ def build_optimizer(
     groups = [{"params": list(rest), "lr": settings.lr}]
     if encoder:
         groups.append({"params": encoder, "lr": settings.encoder_lr})
-    try:
-        return torch.optim.Adam(groups, weight_decay=settings.weight_decay, fused=True)
-    except RuntimeError:  # no fused kernels for these parameters' device
-        return torch.optim.Adam(groups, weight_decay=settings.weight_decay)
+    fused = fused_kernels(p for group in groups for p in group["params"])
+    optimizer = torch.optim.Adam(groups, weight_decay=settings.weight_decay, fused=fused or None)
+    optimizer.register_load_state_dict_pre_hook(keep_implementation)
+    return optimizer
+
+
+def keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``state_dict`` (an optimiser state being loaded) with ``optimizer``'s own ``IMPLEMENTATION_KEYS`` in
+    its param groups, so that loading it never turns a fused Adam plain or a plain one fused.
+
+    A load-state-dict pre-hook: torch then moves each ``step`` count where the kept choice needs it (on the
+    parameters' device in float32 for a fused Adam). The caller's dict is not changed.
+    """
+    groups = [
+        {**saved, **{key: current.get(key) for key in IMPLEMENTATION_KEYS}}
+        for saved, current in zip(state_dict["param_groups"], optimizer.param_groups)
+    ]
+    return {**state_dict, "param_groups": groups}
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every param group of ``optimizer`` runs fused (and so takes ``found_inf``)."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def unscale_for_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+    """Before a 16-mixed step that the plugin will take: unscale ``optimizer``'s gradients if the plugin did
+    not (a fused Adam: it leaves them to the step), and make the scaler skip the step when ``nonfinite`` (the
+    loss's flag, a () bool tensor) is set, as it does for non-finite gradients.
+
+    The scaler keeps each device's non-finite-gradient flag after unscaling; the step (fused or plain) and
+    ``update`` read them. There is no public setter: the flags are ``GradScaler``'s ``found_inf_per_device``.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):  # Lightning's rule for who unscales
+        scaler.unscale_(optimizer)
+    for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        found_inf.copy_(torch.maximum(found_inf, nonfinite.to(found_inf)))
 
 
 def clip_gradients(
@@ -44,16 +92,35 @@ def clip_gradients(
 ) -> None:
     """Clip ``optimizer``'s gradients to ``clip_val`` (by their total norm, or by value) under any precision.
 
-    Called from ``LightningModule.configure_gradient_clipping``, after ``on_before_optimizer_step``.
+    Called from ``LightningModule.configure_gradient_clipping``, after ``on_before_optimizer_step`` (where
+    ``unscale_for_step`` made 16-mixed gradients true ones). Mixed precision: clipped here, as Lightning's
+    plugin refuses to clip the gradients of a fused optimiser; every other precision through Lightning.
     """
-    plugin = module.trainer.precision_plugin
-    if not clip_val or not isinstance(plugin, MixedPrecision):
+    if not clip_val or not isinstance(module.trainer.precision_plugin, MixedPrecision):
         module.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
         return
-    if plugin.scaler is not None:
-        plugin.scaler.unscale_(optimizer)  # its step() then leaves them unscaled (and skips on inf/NaN)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if GradClipAlgorithmType(algorithm or GradClipAlgorithmType.NORM) == GradClipAlgorithmType.VALUE:
         torch.nn.utils.clip_grad_value_(params, clip_val)
     else:
         torch.nn.utils.clip_grad_norm_(params, clip_val)
+
+
+def nonfinite_gradients(optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+    """Whether any gradient of ``optimizer`` holds a NaN or inf: a () bool tensor on their device, computed
+    there without a host read (GradScaler's check, with a scale of 1: the gradients are unchanged); None
+    when no parameter has a gradient."""
+    grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                grads.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    if not grads:
+        return None
+    device = next(iter(grads))[0]
+    found = torch.zeros((), device=device)
+    for (where, _), tensors in grads.items():
+        found_here = torch.zeros((), device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_here, torch.ones((), device=where))
+        found = torch.maximum(found, found_here.to(device))
+    return found > 0

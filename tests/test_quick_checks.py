@@ -1,0 +1,122 @@
+"""Lightning's quick-check overrides finish cleanly: ``python train.py`` with each of them (tiny sizes) returns
+without an error or a traceback, writes its run folder, and its closing summary says which scores exist and
+why the others were not computed.
+
+The runs are ``train.py`` run as a script, in this process (a subprocess each would take longer than the runs):
+what ``python train.py ARGS`` does, exit status included (``cli`` returns: status 0; it exits otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from captioner.data.shapes import ShapesSpec, generate_shapes
+from conftest import ROOT
+
+SPEC = ShapesSpec(n_train=40, n_val=8, n_test=8)  # 10 training batches of 4: an epoch that max_steps can cut
+BASE = [
+    "data.image_size=64",
+    "data.batch_size=4",
+    *(f"data.source.{key}={getattr(SPEC, key)}" for key in ("n_train", "n_val", "n_test")),
+    "trainer.max_epochs=1",
+    "model.objective=cross_entropy",
+    "data.num_workers=0",
+    "trainer.enable_progress_bar=false",
+    "logger=csv",
+]
+BEST = "checkpoints/epoch000-bleu4"  # the best checkpoint's name starts so
+NO_VALIDATION = "no validation during training, so no early stopping and no best checkpoint"
+VALIDATED = "validation BLEU (0-1"
+TESTED = "test BLEU: BLEU-1"
+
+# override -> (lines the summary and the start notes must hold, the checkpoint evaluated: BEST or a note)
+CASES = {
+    "+trainer.max_steps=3": (
+        [f"trainer.max_steps=3 ends the only epoch (of 10 steps) before its validation: {NO_VALIDATION}"],
+        "(the last one: no epoch logged val/bleu4; trainer.max_steps=3 ends the only epoch",
+    ),
+    "+trainer.limit_train_batches=3": ([], BEST),
+    "+trainer.limit_val_batches=0": (
+        [
+            f"trainer.limit_val_batches=0: {NO_VALIDATION}",
+            "validation scores: not computed (trainer.limit_val_batches=0)",
+        ],
+        "(the last one: no epoch logged val/bleu4; trainer.limit_val_batches=0)",
+    ),
+    "+trainer.limit_val_batches=0.5": (
+        ["trainer.limit_val_batches=0.5 of 1 validation batch(es) is less than one batch: validating 1 batch"],
+        BEST,
+    ),
+    "+trainer.val_check_interval=0.5": ([], BEST),
+    "trainer.check_val_every_n_epoch=2": (
+        [f"trainer.check_val_every_n_epoch=2 with 1 epoch(s) to run: {NO_VALIDATION}"],
+        "(the last one: no epoch logged val/bleu4; trainer.check_val_every_n_epoch=2 with 1 epoch(s) to run)",
+    ),
+    "+trainer.fast_dev_run=true": ([], "(the last one: no epoch logged val/bleu4; trainer.fast_dev_run selects"),
+    "+trainer.accumulate_grad_batches=2": ([], BEST),
+    "+trainer.max_time=00:00:00:20": ([], BEST),
+    "debug=fast": (["test scores: not computed (test=false)"], "trainer.fast_dev_run selects no best checkpoint"),
+    "debug=overfit": ([], BEST),
+    "model.objective=scst": (
+        [
+            "model.objective=scst switches to self-critical training after 5 cross-entropy epoch(s) "
+            "(model.scst.after_epochs), but this run ends within 1 epoch(s): it trains with cross-entropy only"
+        ],
+        BEST,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny dataset and a feature cache that every run shares."""
+    root = tmp_path_factory.mktemp("quick")
+    generate_shapes(root / "shapes", SPEC)
+    return root
+
+
+def run_script(args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """``python train.py ARGS`` in this process: its exit status."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *args])
+    try:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
+
+
+@pytest.mark.parametrize("override", CASES)
+def test_a_quick_check_override_finishes_and_says_what_it_left_out(
+    override: str, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    args = [
+        *BASE,
+        f"data.source.root={data / 'shapes'}",
+        f"data.feature_cache={data / 'cache'}",
+        f"paths.log_dir={tmp_path}",
+        f"hydra.run.dir={run}",
+        override,
+    ]
+    status = run_script(args, monkeypatch)
+    out, err = capfd.readouterr()
+    assert status == 0, err[-3000:]
+    assert "Traceback" not in out + err and "error:" not in err, err[-3000:]
+    lines, checkpoint = CASES[override]
+    for line in lines:
+        assert line in out, out[-3000:]
+    (evaluated,) = [line for line in out.splitlines() if line.startswith("checkpoint:")]
+    assert checkpoint in evaluated
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "bundle.pt").is_file()
+    assert (run / "config.yaml").is_file() and not (run / "FAILED").exists()
+    metrics = json.loads((run / "metrics.json").read_text())
+    validated = override != "+trainer.limit_val_batches=0"
+    assert (VALIDATED in out) == validated and ("val/bleu4" in metrics) == validated
+    assert (run / "val_captions.json").is_file() == validated
+    tested = override != "debug=fast"
+    assert (TESTED in out) == tested and ("test/bleu4" in metrics) == tested
