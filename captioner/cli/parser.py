@@ -14,6 +14,7 @@ DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a 
     captioner caption --image-info image_info_test2014.json --images test2014/ --out DIR --model bundle.pt
     captioner attend IMAGE... --model bundle.pt --out overlay.png | --out DIR
     captioner evaluate --model bundle.pt|last.ckpt --shapes data/shapes --split test --out DIR
+    captioner splits coco --captions-dir data/coco/annotations
 
 --model takes a training run's folder, the bundle.pt that training exports there, or one of its Lightning
 checkpoints. Images are decoded in worker processes and captioned a batch at a time; a progress bar
@@ -36,6 +37,10 @@ CAPTION_OUTPUT = """output:
   stderr ends with one summary line: images captioned, failed, skipped, images/s.
   Exit status: 0 every input captioned, 1 some input failed or no image was given (an empty folder, empty
   standard input), 2 a bad argument or model file."""
+
+SPLITS_EPILOG = """coco: val and test are Karpathy's 5,000 val2014 images each (their ids ship with captioner), train is
+  all of train2014 plus the rest of val2014 (restval), 113,287 images; sentences are tokenised as Karpathy's
+  (lower case, punctuation dropped). The file is what data=coco_karpathy reads (see docs/datasets.md)."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -151,4 +156,23 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", required=True, help="folder for results.json, metrics.json and per_image.json")
     evaluate.add_argument("--no-coco", action="store_true", help="skip the Java coco-caption suite")
     evaluate.add_argument("--force", action="store_true", help="overwrite the files of an earlier --out")
+    splits = command(
+        "splits",
+        "write Karpathy's split file of COCO (from the official COCO 2014 caption files) or Flickr8k (from its "
+        "official split lists)",
+        SPLITS_EPILOG,
+    )
+    splits.add_argument("dataset", choices=("coco", "flickr8k"), help="the dataset")
+    splits.add_argument(
+        "--captions-dir",
+        required=True,
+        metavar="DIR",
+        help="coco: the folder of captions_train2014.json and captions_val2014.json; flickr8k: the folder of "
+        "Flickr8k.token.txt and Flickr_8k.{train,dev,test}Images.txt",
+    )
+    splits.add_argument("--out", help="the split file to write (default: data/karpathy/dataset_<dataset>.json)")
+    splits.add_argument(
+        "--partial", action="store_true", help="coco: write the split of the listed images present (a COCO subset)"
+    )
+    splits.add_argument("--force", action="store_true", help="overwrite an existing --out")
     return parser
