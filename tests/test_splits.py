@@ -104,10 +104,8 @@ def test_an_existing_split_file_is_kept(coco_annotations: Path, tmp_path: Path, 
 def test_missing_caption_files_are_named(tmp_path: Path, capsys) -> None:
     assert cli.main(["splits", "coco", "--captions-dir", str(tmp_path), "--out", str(tmp_path / "o.json")]) == 2
     err = capsys.readouterr().err
-    assert (
-        err
-        == f"error: {tmp_path / 'captions_train2014.json'}: file not found (from annotations_trainval2014.zip; see docs/datasets.md)\n"
-    )
+    missing = tmp_path / "captions_train2014.json"
+    assert err == f"error: {missing}: file not found (from annotations_trainval2014.zip; see docs/datasets.md)\n"
 
 
 def test_flickr8k_split_from_its_official_lists(tmp_path: Path, capsys) -> None:
