@@ -20,6 +20,7 @@ from captioner.bundle import CHECKPOINT_KEY, bundle_layout, bundle_metadata, sav
 from captioner.config import ModelConfig, Objective, from_dict, to_dict
 from captioner.data.dataset import SkipCounter
 from captioner.data.vocab import Vocabulary
+from captioner.errors import DataError
 from captioner.evaluation.cider import CiderD
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoding import Generation
@@ -204,6 +205,12 @@ class CaptionerModule(L.LightningModule):
     def _finish_eval(self, split: str) -> None:
         self._report_skips()
         self.predictions[split], scores = self._evaluation.finish()
+        if not scores:  # early stopping and checkpointing would fail on a missing metric, with a traceback
+            unread = f" ({self.skips.report(1)})" if self.skips.count else ""
+            raise DataError(
+                f"no {split} image could be decoded{unread}, so there is nothing to score: the run stops "
+                "(docs/datasets.md#images)"
+            )
         for name, value in scores.items():
             self.log(metric(split, name), value, prog_bar=name == PROGRESS)
 
