@@ -121,7 +121,7 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
     (earlier / "metrics.json").write_text("{}")
     train = [sys.executable, str(ROOT / "train.py")]
     junk = tmp_path / "junk.ckpt"
-    junk.write_text("not a checkpoint")
+    junk.write_bytes(b"\x80\x04K\x01.")  # a pickle, not a checkpoint
     invalid = f"ckpt_path={junk}"  # each run stops at once, after Hydra made its folder
     commands = [
         [*train, invalid, f"hydra.run.dir={earlier}"],

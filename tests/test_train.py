@@ -94,7 +94,7 @@ def test_a_missing_file_is_one_line_before_any_run_folder(tmp_path: Path) -> Non
 
 def test_a_run_that_fails_after_it_started_marks_its_folder_failed(tmp_path: Path) -> None:
     junk = tmp_path / "junk.ckpt"
-    junk.write_text("not a checkpoint")
+    junk.write_bytes(b"\x80\x04K\x01.")  # a pickle, not a checkpoint
     proc = run_train([f"ckpt_path={junk}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
     message = f"checkpoint {junk} is truncated or corrupt"
     assert error_line(proc).startswith(f"error: {message}")

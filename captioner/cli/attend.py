@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} is a folder; give a .png file name, or a folder without .png")
     if single or (out.is_dir() and any(out.iterdir())):
         options.refuse_overwrite(out, args)
-    found = expand_inputs(args.inputs)
+    found = expand_inputs(args.inputs, nul=args.nul)
     if single and len(found.paths) > 1:
         raise ConfigError(f"--out {out}: {len(found.paths)} images need a folder, not a .png file")
     output = Output()

@@ -75,11 +75,7 @@ class Output:
         return f"summary: {self.captioned} captioned, {self.failed} failed, {skipped}, {rate:.1f} images/s"
 
     def close(self) -> int:
-        """Print the summary on stderr; the exit status: 1 when an input failed or nothing was captioned.
-
-        Input that names no image at all (an empty folder, empty standard input) has its one error line
-        and no summary.
-        """
-        if self.images:
-            print(self.summary(), file=sys.stderr, flush=True)
+        """Print the summary on stderr (also after input that named no image: an empty folder or glob, empty
+        standard input); the exit status: 1 when an input failed or nothing was captioned."""
+        print(self.summary(), file=sys.stderr, flush=True)
         return 1 if self.failed or not self.captioned else 0
