@@ -17,7 +17,6 @@ import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import unquote
 
 import numpy as np
 import pytest
@@ -556,9 +555,28 @@ def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path
     page = (out / "index.html").read_text()
     parser = Links()
     parser.feed(page)
-    linked = {(out / unquote(link)).resolve() for link in parser.links}
-    assert linked == {Path(p).resolve() for row in rows for p in (row[0], row[2])}
+    names = [Path(row[2]).stem for row in rows]  # 0000_01_grey, ...
+    panels = [f"{name}/{step:02d}.png" for name in names for step in range(1, 4)]
+    assert sorted(str(p.relative_to(out)) for p in out.glob("*/*.png")) == panels  # a panel per word
+    copies = [f"images/{name}.jpg" for name in names]  # the originals, copied: the folder can be moved
+    assert parser.links == [
+        link for name, copy in zip(names, copies) for link in (copy, f"{name}/01.png", f"{name}.png")
+    ]
     assert all(row[1] in page for row in rows)
+    assert f"<li><code>{folder / '03_text.jpg'}</code>: not an image file" in page  # the failed input is listed
+
+
+def test_force_replaces_an_earlier_gallery(bundles, inputs, tmp_path, capsys):
+    good = inputs[1]
+    out = tmp_path / "gallery"
+    args = ["attend", "--model", bundles["soft"], "--out", str(out), "--max-len", "1", "--workers", "0"]
+    assert cli.main([*args, good[0], good[1]]) == 0
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert cli.main([*args, good[2], "--force"]) == 0
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    name = f"0000_{Path(good[2]).stem}"
+    assert written == sorted(["index.html", "notes.txt", f"{name}.png", f"{name}/01.png", f"images/{name}.jpg"])
 
 
 def test_out_is_never_overwritten_without_force(bundles, inputs, tmp_path, capsys):

@@ -201,8 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     attend.add_argument("inputs", nargs="+", metavar="IMAGE", help=inputs_help)
     _common(attend)
     attend.add_argument("--null", dest="nul", action="store_true", help=NUL_HELP)
-    attend.add_argument("--out", required=True, help="FILE.png for one image, or a folder (with index.html)")
-    attend.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    attend.add_argument(
+        "--out",
+        required=True,
+        help="FILE.png for one image, or a folder: a PNG per image, and index.html to step through each image's "
+        "words (the folder holds all it shows: it can be moved)",
+    )
+    attend.add_argument("--force", action="store_true", help="overwrite an existing --out (an earlier gallery)")
 
     evaluate = command("evaluate", "BLEU and coco-caption metrics on a dataset split")
     _common(evaluate)
