@@ -19,6 +19,7 @@ DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a 
     captioner attend IMAGE... --model bundle.pt --out overlay.png | --out DIR
     captioner evaluate --model bundle.pt|last.ckpt --shapes data/shapes --split test --out DIR
     captioner splits coco --captions-dir data/coco/annotations
+    captioner shapes --out data/shapes_small --train 300 --val 50 --test 50
 
 --model takes a training run's folder, the bundle.pt that training exports there, or one of its Lightning
 checkpoints. Images are decoded in worker processes and captioned a batch at a time; a progress bar
@@ -227,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", required=True, help="folder for results.json, metrics.json and per_image.json")
     evaluate.add_argument("--no-coco", action="store_true", help="skip the Java coco-caption suite")
     evaluate.add_argument("--force", action="store_true", help="overwrite the files of an earlier --out")
+    shapes = command("shapes", "generate the built-in shapes dataset, of a chosen size, into a chosen folder")
+    shapes.add_argument("--out", required=True, metavar="DIR", help="the dataset's folder (new, or empty)")
+    built_in = "(default: the built-in set's, as python train.py generates it)"
+    shapes.add_argument("--train", type=int, dest="n_train", help=f"training images {built_in}")
+    shapes.add_argument("--val", type=int, dest="n_val", help=f"validation images {built_in}")
+    shapes.add_argument("--test", type=int, dest="n_test", help=f"test images {built_in}")
+    shapes.add_argument("--image-size", type=int, dest="image_size", help=f"image side in pixels {built_in}")
+    shapes.add_argument("--seed", type=int, help=f"the same seed, the same images {built_in}")
     splits = command(
         "splits",
         "write Karpathy's split file of COCO (from the official COCO 2014 caption files) or Flickr8k (from its "
