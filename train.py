@@ -12,7 +12,8 @@ Everything is composed from conf/ by Hydra; this file only wires the pieces toge
 into a new folder (its composed config printed and saved there as config.yaml), checkpoints are written
 atomically, and a user error (a config value, an override, a file) prints one line ``error: ...`` on
 stderr and exits with status 2; a wrong value is found before the run's folder is created
-(``training/validate.py``). A run that fails says so in its folder: the error in ``train.log`` and in a
+(``training/validate.py``), and so is every missing file or device, all listed at once
+(``training/preflight.py``). A run that fails says so in its folder: the error in ``train.log`` and in a
 ``FAILED`` file. A run stopped by SIGTERM or Ctrl-C says how to resume it and exits with 128 + the signal's
 number (143, 130).
 """
@@ -36,7 +37,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
 from captioner.training.schemas import register_schemas
-from captioner.training.validate import error_line, section_error
+from captioner.training.validate import ConfigRefused
+from train_errors import error_line, refused_override, section_error
 
 log = logging.getLogger("train")
 
@@ -56,13 +58,12 @@ def train(cfg: DictConfig) -> float | None:
     from captioner.training.module import CaptionerModule
     from captioner.training.run_folder import print_config_tree
     from captioner.training.start import model_settings, resolve_start
-    from captioner.training.validate import check_environment, validate_config
+    from captioner.training.validate import validate_config
 
     route_lightning_logs()
     output_dir = Path(cfg.paths.output_dir)
     print_config_tree(plain, output_dir)
     source = build("data.source", plain["data"]["source"])
-    check_environment(plain, source)
     start = resolve_start(cfg.ckpt_path, cfg.init_from, cfg.model.objective, cfg.model.scst.after_epochs)
     if start.model is not None:  # the model of the checkpoint, not of the config
         with open_dict(cfg):
@@ -176,8 +177,9 @@ def building(section: str) -> Iterator[None]:
 
 
 def fail(message: str, status: int = 2) -> NoReturn:
-    """Print ``error: <message>`` on stderr and exit with ``status``."""
-    print(f"error: {message}", file=sys.stderr)
+    """Print ``error: <line>`` on stderr for each line of ``message`` and exit with ``status``."""
+    for line in message.splitlines():
+        print(f"error: {line}", file=sys.stderr)
     sys.exit(status)
 
 
@@ -215,22 +217,33 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def cli() -> None:
-    """``python train.py``: Hydra's composition errors and a wrong value (before ``main`` runs) also become
-    one line, exit 2.
+    """``python train.py``: Hydra's composition errors, a wrong value and what preflight found (before ``main``
+    runs) also become one line each, exit 2; ``--help`` shows the settings (``train_help.py``).
 
-    Hydra prints those over several lines and exits with status 1; with ``HYDRA_FULL_ERROR=1`` it raises
+    Hydra prints its errors over several lines and exits with status 1; with ``HYDRA_FULL_ERROR=1`` it raises
     them instead, so they are caught here. A user who sets ``HYDRA_FULL_ERROR=1`` gets Hydra's full report.
     """
-    register_schemas()  # before main() composes conf/ with them
-    if os.environ.get("HYDRA_FULL_ERROR") == "1":
-        main()
+    args = sys.argv[1:]
+    if "--help" in args or "-h" in args:
+        from train_help import help_page
+
+        print(help_page())
         return
+    register_schemas()  # before main() composes conf/ with them
+    full = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    refused = refused_override(args)
+    if refused and not full:
+        fail(refused)
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
-    except CaptionerError as exc:  # training/validate.py's ValidateConfig, before the run starts
-        fail(str(exc))
-    except (CompactHydraException, OmegaConfBaseException) as exc:
+    except ConfigRefused as exc:  # training/validate.py's ValidateConfig, before the run's folder exists
+        if full:
+            raise exc.error from None
+        fail(error_line(exc.error))
+    except (CaptionerError, CompactHydraException, OmegaConfBaseException) as exc:
+        if full:
+            raise
         fail(error_line(exc))
 
 

@@ -5,9 +5,11 @@ The Python API, for notebooks::
     from captioner import load_model, show_attention
 
     model = load_model("outputs/train/runs/<run>")  # a run folder, its bundle.pt or a training checkpoint
-    result = model.caption("photo.jpg")             # also a PIL image, a tensor (3, H, W) or a list of them
+    model                                           # backbone, grid, attention, vocabulary, file
+    result = model.caption("photo.jpg")             # also a PIL image, a tensor (3, H, W), a numpy (H, W, 3)
     result.caption, result.score, result.alphas     # the words, their score, one attention map per word
     show_attention(result)                          # a matplotlib figure: one panel per word
+    results = model.caption(["a.jpg", "b.jpg"])     # one result per input; a broken one has .error
 
 The names are imported on first use, so ``import captioner`` stays cheap (no torch).
 """

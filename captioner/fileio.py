@@ -131,6 +131,13 @@ def load_torch(path: str | os.PathLike, what: str = "file", map_location: Any = 
         raise BundleError(f"{what} {path} is not a file")
     if path.stat().st_size == 0:
         raise BundleError(f"{what} {path} is empty")
+    with open(path, "rb") as handle:
+        head = handle.read(2)
+    if head != b"PK" and head[:1] != b"\x80":  # torch.save writes a zip archive (a pickle before torch 1.6)
+        raise BundleError(
+            f"{what} {path} is not a model file (torch.save did not write it); give a training run's folder, "
+            "its bundle.pt or a checkpoint"
+        )
     missing = _missing_device(map_location)
     if missing:
         raise BundleError(

@@ -9,7 +9,9 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -21,8 +23,10 @@ from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.errors import check_range
 
-ImageLike = str | os.PathLike | Image.Image | torch.Tensor  # a file, a PIL image or a tensor (3, H, W)
-Images = ImageLike | Sequence[ImageLike] | torch.Tensor  # one image, a list, or a batch tensor (B, 3, H, W)
+# a file, a PIL image, a tensor (3, H, W) or a numpy array (H, W, 3) of uint8 (as PIL and OpenCV give, in RGB)
+ImageLike = str | os.PathLike | Image.Image | torch.Tensor | np.ndarray
+# one image, a list, a batch tensor (B, 3, H, W) or a batch array (B, H, W, 3)
+Images = ImageLike | Sequence[ImageLike] | torch.Tensor | np.ndarray
 
 
 class ImageFiles(Dataset):
@@ -51,7 +55,7 @@ def _keep_list(items: list) -> list:
 
 @dataclass
 class Captioned:
-    """One captioned image."""
+    """One captioned image; or, with ``error`` set, an input of a list that could not be captioned (no words)."""
 
     path: str | None  # the image file; None for an image given in memory
     words: list[str]
@@ -59,34 +63,76 @@ class Captioned:
     alphas: torch.Tensor  # (T, L): the attention used for each word, T = len(words)
     grid: tuple[int, int]  # (H, W) with H * W = L
     locations: list[int] | None = None  # hard attention decoded by argmax: the cell each word attended
-    image: Image.Image | torch.Tensor | None = None  # the image given in memory (files are read from path)
+    image: Image.Image | torch.Tensor | np.ndarray | None = None  # the image given in memory (files: see path)
+    error: str | None = None  # why this input of a list could not be captioned
 
     @property
     def caption(self) -> str:
         """The caption as one string."""
         return " ".join(self.words)
 
+    def __repr__(self) -> str:
+        where = self.path if self.path is not None else f"<{type(self.image).__name__}>"
+        if self.error is not None:
+            return f"Captioned({where!r}, error={self.error!r})"
+        return f"Captioned({where!r}, {self.caption!r}, score={self.score:.3f}, grid={self.grid})"
 
+
+def _failed(item: object, reason: str) -> Captioned:
+    """The result of an input of a list that could not be captioned."""
+    path = os.fspath(item) if isinstance(item, (str, os.PathLike)) else None
+    image = None if path is not None else item
+    return Captioned(path, [], float("nan"), torch.empty(0, 0), (0, 0), image=image, error=reason)
+
+
+@dataclass(frozen=True)
 class LoadedModel(TrainedModel):
-    """A trained captioner ready for inference (``model`` in eval mode, ``vocab``, ``config``, ``image_size``)."""
+    """A trained captioner ready for inference (``model`` in eval mode, ``vocab``, ``config``, ``image_size``,
+    and ``source``, the file it was loaded from)."""
+
+    source: str | None = None
 
     def caption(
-        self, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, **decode: object
+        self, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, raise_errors: bool = False, **decode: object
     ) -> Captioned | list[Captioned]:
-        """Caption image files, PIL images or image tensors; see :func:`caption_images`.
+        """Caption image files, PIL images, image tensors or numpy arrays; see :func:`caption_images`.
 
         One image gives one :class:`Captioned` (``.caption``, ``.score``, ``.alphas`` (T, H*W) on ``.grid``),
-        a list or a batch tensor (B, 3, H, W) a list of them. ``decode`` holds ``Captioner.generate``
+        a list or a batch a list of them, one per input: an input of a list that cannot be captioned gets a
+        result with ``.error`` (the reason) unless ``raise_errors``. ``decode`` holds ``Captioner.generate``
         options (method, beam_size, max_len, ...).
         """
-        return caption_images(self, images, batch_size, **decode)
+        return caption_images(self, images, batch_size, raise_errors=raise_errors, **decode)
+
+    @cached_property
+    def grid(self) -> tuple[int, int]:
+        """The (H, W) grid of attention locations at the model's image size."""
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            features = self.model.encoder.feature_map(
+                torch.zeros(1, 3, self.image_size, self.image_size, device=device)
+            )
+        return tuple(features.shape[-2:])
+
+    def __repr__(self) -> str:
+        encoder, decoder = self.model.encoder, self.model.decoder
+        stage = f"{encoder.stage}" if encoder.stage else "last stage"
+        blocks = self.model.self_attention
+        attending = f", {len(blocks.blocks)} self-attention blocks" if blocks is not None else ""
+        scorer = type(decoder.attention).__name__
+        height, width = self.grid
+        return (
+            f"LoadedModel: {encoder.name} ({stage}) -> a {height}x{width} grid of {encoder.out_channels} channels at "
+            f"{self.image_size} px{attending}; {decoder.mode} attention ({scorer}); {len(self.vocab):,} words; "
+            f"loaded from {self.source or 'memory'}"
+        )
 
 
 def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedModel:
     """Load a model to caption with: an inference bundle, a Lightning checkpoint written by training, or a
     training run's folder (its bundle); ``captioner.bundle.load_trained`` says what is read and refused."""
     trained = load_trained(path, map_location)
-    return LoadedModel(trained.model, trained.vocab, trained.config, trained.image_size)
+    return LoadedModel(trained.model, trained.vocab, trained.config, trained.image_size, os.fspath(path))
 
 
 def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, **decode) -> list[Captioned]:
@@ -149,24 +195,51 @@ def caption_files(
 
 
 def _one_image(images: Images) -> bool:
-    """False for a list or tuple of images or a batch tensor (B, C, H, W), True for anything else."""
+    """False for a list or tuple of images or a batch (a tensor (B, C, H, W), an array (B, H, W, C)), True for
+    anything else."""
     if isinstance(images, torch.Tensor):
         return images.dim() != 4
+    if isinstance(images, np.ndarray):
+        return images.ndim != 4
     return not isinstance(images, (list, tuple))
 
 
-def caption_images(
-    loaded: LoadedModel, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, **decode
-) -> Captioned | list[Captioned]:
-    """Caption image files, PIL images or image tensors, ``batch_size`` at a time, on the model's device.
+def to_picture(item: ImageLike) -> Image.Image:
+    """One image of any accepted kind as an RGB PIL image; ImageError, TypeError or ValueError saying why not."""
+    if isinstance(item, (str, os.PathLike)):
+        return load_rgb(item)
+    if isinstance(item, np.ndarray):
+        if item.dtype != np.uint8 or item.ndim not in (2, 3) or (item.ndim == 3 and item.shape[2] not in (1, 3, 4)):
+            raise ValueError(
+                f"a numpy image must be uint8 of shape (H, W, 3), (H, W, 4) or (H, W), got {item.dtype} {item.shape}"
+            )
+        return to_rgb(Image.fromarray(item[..., 0] if item.ndim == 3 and item.shape[2] == 1 else item))
+    if not isinstance(item, (Image.Image, torch.Tensor)):
+        raise TypeError(
+            f"an image is a file path, a PIL image, a tensor or a numpy array, not {type(item).__name__} ({item!r:.40})"
+        )
+    return to_rgb(item)
 
-    ``images`` is one image or a list of them (mixed kinds allowed), or a batch tensor (B, 3, H, W). A
-    tensor is a torchvision image, not normalised: uint8 in [0, 255] or float in [0, 1]. Every image is
-    brought to RGB (``data.images``) and preprocessed as in training (``data.dataset.build_transform``).
-    Returns one Captioned per image (a single one for a single image): the caption, its score, the
-    attention maps ``alphas`` (T, H*W) on ``grid``; an image given in memory is kept in ``image`` for
-    ``show_attention``. ``decode`` holds ``Captioner.generate`` options (method, beam_size, max_len, ...).
-    Raises ImageError for a file that cannot be read, TypeError or ValueError for another kind of object.
+
+def caption_images(
+    loaded: LoadedModel,
+    images: Images,
+    batch_size: int = CAPTIONING_BATCH_SIZE,
+    raise_errors: bool = False,
+    **decode,
+) -> Captioned | list[Captioned]:
+    """Caption image files, PIL images, image tensors or numpy arrays, ``batch_size`` at a time, on the model's
+    device.
+
+    ``images`` is one image or a list of them (mixed kinds allowed), or a batch: a tensor (B, 3, H, W) or an
+    array (B, H, W, 3). A tensor is a torchvision image, not normalised: uint8 in [0, 255] or float in [0, 1];
+    an array is uint8 (H, W, 3) as PIL, imageio or OpenCV (after its BGR-to-RGB conversion) give. Every image
+    is brought to RGB (``data.images``) and preprocessed as in training (``data.dataset.build_transform``).
+    Returns one Captioned per image (a single one for a single image): the caption, its score, the attention
+    maps ``alphas`` (T, H*W) on ``grid``; an image given in memory is kept in ``image`` for ``show_attention``.
+    ``decode`` holds ``Captioner.generate`` options (method, beam_size, max_len, ...). A single image that
+    cannot be captioned raises ImageError (a file), TypeError or ValueError (another kind of object); in a list
+    it gets a result with ``error`` set, or raises those with ``raise_errors``.
     """
     check_range("batch_size", batch_size, 1, kind=int)
     single = _one_image(images)
@@ -175,12 +248,22 @@ def caption_images(
     results: list[Captioned] = []
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        pictures = [load_rgb(item) if isinstance(item, (str, os.PathLike)) else to_rgb(item) for item in chunk]
-        pixels = torch.stack([transform(picture) for picture in pictures])  # (B, 3, S, S)
-        for item, result in zip(chunk, _caption_batch(loaded, pixels, **decode)):
-            if isinstance(item, (str, os.PathLike)):
+        pixels, good = [], []
+        failed: dict[int, Captioned] = {}
+        for index, item in enumerate(chunk):
+            try:
+                pixels.append(transform(to_picture(item)))
+                good.append(index)
+            except (ImageError, TypeError, ValueError) as exc:
+                if single or raise_errors:
+                    raise
+                failed[index] = _failed(item, str(exc))
+        captioned = dict(zip(good, _caption_batch(loaded, torch.stack(pixels), **decode))) if pixels else {}
+        for index, item in enumerate(chunk):
+            result = failed.get(index) or captioned[index]
+            if result.error is None and isinstance(item, (str, os.PathLike)):
                 result.path = os.fspath(item)
-            else:
+            elif result.error is None:
                 result.image = item
             results.append(result)
     return results[0] if single else results

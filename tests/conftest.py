@@ -109,7 +109,7 @@ def compose_cfg(overrides: list[str], tmp_path: Path) -> DictConfig:
 
 
 def compose_plain(overrides: list[str], tmp_path: Path) -> dict[str, Any]:
-    """``compose_cfg`` resolved to plain data, as validate_config and check_environment take it."""
+    """``compose_cfg`` resolved to plain data, as validate_config and preflight take it."""
     return OmegaConf.to_container(compose_cfg(overrides, tmp_path), resolve=True)
 
 

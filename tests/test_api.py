@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from matplotlib.figure import Figure
@@ -109,7 +110,7 @@ def test_decoding_options_reach_generate(model, photos):
 @pytest.mark.parametrize(
     "image, error, message",
     [
-        (123, TypeError, "not a int"),
+        (123, TypeError, r"a tensor or a numpy array, not int \(123\)"),
         (torch.rand(2, 3), ValueError, r"\(3, H, W\) or \(1, H, W\), got \(2, 3\)"),
         (torch.rand(4, 8, 8), ValueError, r"got \(4, 8, 8\)"),
         (torch.rand(3, 8, 8) * 2 - 1, ValueError, "values in \\[0, 1\\] \\(not normalised\\)"),
@@ -155,3 +156,57 @@ def test_the_readme_example_runs(run, photos, tmp_path, monkeypatch):
     exec(block.replace("outputs/train/runs/<run>", str(run)), namespace)  # noqa: S102
     assert isinstance(namespace["fig"], Figure)
     assert (tmp_path / "photo_attention.png").is_file()
+
+
+def test_a_list_gives_a_result_per_input_with_an_error_for_a_broken_one(model, photos, tmp_path):
+    broken = tmp_path / "broken.jpg"
+    broken.write_text("not an image")
+    good = model.caption(photos[0], **GREEDY)
+    results = model.caption([photos[0], broken, 123, photos[0]], batch_size=3, **GREEDY)
+    assert [r.error is None for r in results] == [True, False, False, True]
+    assert results[0].words == results[3].words == good.words
+    assert results[1].path == str(broken) and results[1].words == [] and "not an image file" in results[1].error
+    assert results[2].image == 123 and results[2].error == (
+        "an image is a file path, a PIL image, a tensor or a numpy array, not int (123)"
+    )
+    assert repr(results[1]) == f"Captioned({str(broken)!r}, error={results[1].error!r})"
+    with pytest.raises(ImageError, match="not an image file"):
+        model.caption([photos[0], broken], raise_errors=True, **GREEDY)
+    with pytest.raises(ImageError):
+        model.caption(broken, **GREEDY)  # a single image: there is no list to hold its error
+    with pytest.raises(ValueError, match="was not captioned"):
+        captioner.show_attention(results[1])
+
+
+def test_numpy_arrays_are_images(model, photos):
+    rgb = Image.open(photos[0]).convert("RGB")
+    array = np.asarray(rgb)  # (H, W, 3) uint8
+    from_file = model.caption(photos[0], **GREEDY)
+    from_array = model.caption(array, **GREEDY)
+    assert from_array.words == from_file.words and torch.allclose(from_array.alphas, from_file.alphas, atol=1e-6)
+    batch = model.caption(np.stack([array, array[::-1]]), **GREEDY)  # (B, H, W, 3)
+    assert len(batch) == 2 and batch[0].words == from_file.words
+    assert (
+        model.caption(np.asarray(rgb.convert("L")), **GREEDY).words == model.caption(rgb.convert("L"), **GREEDY).words
+    )
+    with pytest.raises(ValueError, match=r"must be uint8 of shape \(H, W, 3\), \(H, W, 4\) or \(H, W\), got float64"):
+        model.caption(array / 255.0, **GREEDY)
+    assert captioner.show_attention(from_array).axes[0].images[0].get_array().shape[:2] == array.shape[:2]
+
+
+def test_show_attention_of_a_list_draws_each(model, photos):
+    results = model.caption([photos[0], photos[1]], **GREEDY)
+    figures = captioner.show_attention(results)
+    assert [type(f) for f in figures] == [Figure, Figure]
+    assert [f.get_suptitle() for f in figures] == [r.caption for r in results]
+    with pytest.raises(ValueError, match="image= goes with one result"):
+        captioner.show_attention(results, image=photos[0])
+
+
+def test_repr_is_a_one_paragraph_summary(model, run):
+    text = repr(model)
+    assert text == (
+        f"LoadedModel: resnet18 (last stage) -> a 3x3 grid of 512 channels at {model.image_size} px; soft attention "
+        f"(AdditiveAttention); {len(model.vocab)} words; loaded from {run}"
+    )
+    assert "\n" not in text and model.grid == (3, 3)

@@ -132,7 +132,7 @@ def test_load_bundle_refuses_a_pickled_class(tmp_path):
 def test_save_bundle_checks_what_it_writes(small_model, small_vocab, tmp_path):
     with pytest.raises(BundleError, match="the vocabulary has 5 words but the decoder.embedding weights have 11"):
         save_bundle(tmp_path / "a.pt", small_model, Vocabulary(["a"]), net_v1(CAPTIONER_NET))
-    with pytest.raises(ConfigError, match="model.decoder.embed_dim=<object object at 0x[0-9a-f]+> must be a int"):
+    with pytest.raises(ConfigError, match="model.decoder.embed_dim=<object object at 0x[0-9a-f]+> must be an int"):
         save_bundle(
             tmp_path / "b.pt", small_model, small_vocab, net_v1({**CAPTIONER_NET, "decoder": {"embed_dim": object()}})
         )

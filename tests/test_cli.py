@@ -17,7 +17,6 @@ import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import unquote
 
 import numpy as np
 import pytest
@@ -123,7 +122,6 @@ BAD: dict[str, tuple[Callable[[Path], None], str]] = {
     "03_text.jpg": (lambda path: path.write_text("these are not the pixels you are looking for"), "not an image file"),
     "06_empty.png": (lambda path: path.write_bytes(b""), "file is empty"),
     "09_truncated.jpg": (_truncated_jpeg, "truncated or corrupt image data"),
-    "12_folder.png": (lambda path: path.mkdir(), "is a directory, not an image file"),
     "15_bomb.png": (_bomb, "decompression bomb"),
 }
 
@@ -224,6 +222,9 @@ def test_globs_and_a_progress_bar_for_many_images(bundles, inputs, monkeypatch, 
     args = ["caption", str(folder / "0*.png"), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]
     monkeypatch.setattr(cli.parser, "PROGRESS_MIN_IMAGES", 3)
     assert cli.main(args) == 1  # 06_empty.png matches the pattern too
+    assert "captioning" not in capsys.readouterr().err  # stderr is no terminal here: no progress bar in a log
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(args) == 1
     out, err = capsys.readouterr()
     assert [line.split("\t")[0] for line in out.splitlines()] == [
         str(folder / name)
@@ -240,7 +241,10 @@ def test_globs_and_a_progress_bar_for_many_images(bundles, inputs, monkeypatch, 
     assert cli.main([*args, "--no-progress"]) == 1
     assert "captioning" not in capsys.readouterr().err
     assert cli.main(["caption", str(folder / "*.jpeg"), "--model", bundles["soft"]]) == 1
-    _one_error_line(capsys.readouterr().err, folder / "*.jpeg", "no file matches this pattern")
+    error = capsys.readouterr().err
+    assert _before_summary(error, captioned=0, failed=1) == [
+        f"error: {folder / '*.jpeg'}: no file matches this pattern"
+    ]
 
 
 def test_expand_inputs(tmp_path):
@@ -386,9 +390,13 @@ def test_empty_standard_input_is_refused_like_an_empty_folder(bundles, tmp_path,
     (tmp_path / "empty").mkdir()
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
     assert cli.main(["caption", "-", "--model", bundles["soft"]]) == 1
-    assert capsys.readouterr() == ("", "error: -: standard input named no image paths\n")
+    out, err = capsys.readouterr()
+    assert out == "" and _before_summary(err, captioned=0, failed=1) == [
+        "error: -: standard input named no image paths"
+    ]
     assert cli.main(["caption", str(tmp_path / "empty"), "--model", bundles["soft"]]) == 1
-    assert capsys.readouterr() == ("", f"error: {tmp_path / 'empty'}: folder holds no image files\n")
+    out, err = capsys.readouterr()
+    assert out == "" and _before_summary(err, 0, 1) == [f"error: {tmp_path / 'empty'}: folder holds no image files"]
 
 
 def test_a_folder_scan_tries_files_without_a_suffix_and_counts_what_it_skips(bundles, tmp_path, capsys):
@@ -402,6 +410,59 @@ def test_a_folder_scan_tries_files_without_a_suffix_and_counts_what_it_skips(bun
     assert [line.split("\t")[0] for line in out.splitlines()] == [str(folder / "IMG_0001")]
     assert _before_summary(err, captioned=1, failed=0, skipped=2) == []
     assert f"e.g. {folder / 'README'}" in err
+
+
+def test_a_folder_scan_takes_regular_files_skips_hidden_ones_and_names_each_file_once(tmp_path):
+    folder = tmp_path / "photos"
+    (folder / "album.jpg").mkdir(parents=True)  # a folder named like an image is walked
+    (folder / ".thumbs").mkdir()
+    for name in ("a.png", "album.jpg/b.png", ".thumbs/t.png", "._a.png", ".hidden.jpg"):
+        _noise((8, 8)).save(folder / name, format="PNG")
+    named = [str(folder / "a.png"), str(folder), str(folder / "*.png"), str(folder / ".." / "photos" / "a.png")]
+    found = expand_inputs(named)
+    assert found.paths == [str(folder / "a.png"), str(folder / "album.jpg" / "b.png")]
+    assert found.errors == [] and found.skipped == []
+
+
+def test_nul_separated_paths_from_standard_input(bundles, inputs, monkeypatch, capsys):
+    good = inputs[1][:2]
+    odd = "\n".join(good)  # a name with a newline is no problem with -0 (here: two names, one per line)
+    data = ("\0".join([good[1], good[0], ""])).encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert cli.main(["caption", "-0", "-", "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [good[1], good[0]]
+    assert _before_summary(err, captioned=2, failed=0) == []
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(odd.encode())))
+    assert expand_inputs(["-"], nul=True).paths == [odd]
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (["--method", "greedy", "--beam-size", "5"], "--beam-size goes with --method beam; this command decodes with "
+         "--method greedy"),
+        (["--temperature", "0.5"], "--temperature goes with --method sample; this command decodes with --method beam "
+         "(the default)"),
+        (["--method", "beam", "--seed", "1"], "--seed goes with --method sample; this command decodes with --method "
+         "beam (the default)"),
+        (["--method", "sample", "--length-penalty", "1"], "--length-penalty goes with --method beam; this command "
+         "decodes with --method sample"),
+    ],
+)  # fmt: skip
+def test_an_option_the_method_ignores_is_refused(option, message, bundles, inputs, capsys):
+    assert cli.main(["caption", inputs[1][0], "--model", bundles["soft"], *option]) == 2
+    assert capsys.readouterr() == ("", f"error: {message}\n")
+
+
+def test_sampling_takes_a_seed(bundles, inputs, capsys):
+    args = ["caption", *inputs[1][:6], "--model", bundles["soft"], "--method", "sample", "--workers", "0"]
+    captions = []
+    for seed in ("1", "1", "2"):
+        assert cli.main([*args, "--seed", seed, "--temperature", "3"]) == 0
+        captions.append([line.split("\t")[1] for line in capsys.readouterr().out.splitlines()])
+    assert captions[0] == captions[1] and len(captions[0]) == 6
+    assert captions[0] != captions[2]
 
 
 def test_out_without_image_info_says_what_it_is_for(bundles, inputs, tmp_path, capsys):
@@ -494,9 +555,28 @@ def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path
     page = (out / "index.html").read_text()
     parser = Links()
     parser.feed(page)
-    linked = {(out / unquote(link)).resolve() for link in parser.links}
-    assert linked == {Path(p).resolve() for row in rows for p in (row[0], row[2])}
+    names = [Path(row[2]).stem for row in rows]  # 0000_01_grey, ...
+    panels = [f"{name}/{step:02d}.png" for name in names for step in range(1, 4)]
+    assert sorted(str(p.relative_to(out)) for p in out.glob("*/*.png")) == panels  # a panel per word
+    copies = [f"images/{name}.jpg" for name in names]  # the originals, copied: the folder can be moved
+    assert parser.links == [
+        link for name, copy in zip(names, copies) for link in (copy, f"{name}/01.png", f"{name}.png")
+    ]
     assert all(row[1] in page for row in rows)
+    assert f"<li><code>{folder / '03_text.jpg'}</code>: not an image file" in page  # the failed input is listed
+
+
+def test_force_replaces_an_earlier_gallery(bundles, inputs, tmp_path, capsys):
+    good = inputs[1]
+    out = tmp_path / "gallery"
+    args = ["attend", "--model", bundles["soft"], "--out", str(out), "--max-len", "1", "--workers", "0"]
+    assert cli.main([*args, good[0], good[1]]) == 0
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert cli.main([*args, good[2], "--force"]) == 0
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    name = f"0000_{Path(good[2]).stem}"
+    assert written == sorted(["index.html", "notes.txt", f"{name}.png", f"{name}/01.png", f"images/{name}.jpg"])
 
 
 def test_out_is_never_overwritten_without_force(bundles, inputs, tmp_path, capsys):
@@ -541,8 +621,8 @@ def _other_vocabulary(raw: dict) -> None:
 BAD_MODELS: dict[str, tuple[Callable[[str, Path], None] | None, str]] = {
     "missing": (None, "model file not found"),
     "folder without a bundle": (lambda bundle, path: path.mkdir(), "is a folder without bundle.pt"),
-    "garbage bytes": (lambda bundle, path: path.write_bytes(os.urandom(4096)), "truncated or corrupt"),
-    "text": (lambda bundle, path: path.write_text("hello"), "truncated or corrupt"),
+    "garbage bytes": (lambda bundle, path: path.write_bytes(b"PK" + os.urandom(4096)), "truncated or corrupt"),
+    "text": (lambda bundle, path: path.write_text("hello"), "is not a model file"),
     "truncated": (lambda bundle, path: path.write_bytes(Path(bundle).read_bytes()[:50_000]), "truncated or corrupt"),
     "pickle that runs code": (
         lambda bundle, path: torch.save({"x": _RunsCode(path.with_suffix(".ran"))}, path),
@@ -596,7 +676,7 @@ def test_a_bad_model_file_is_one_line_and_exit_2(kind, bundles, inputs, tmp_path
         (["--max-len", "0"], "--max-len=0 must be >= 1"),
         (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
         (["--workers", "-1"], "--workers=-1 must be >= 0"),
-        (["--temperature", "0"], "--temperature=0.0 must be >= 1e-06"),
+        (["--method", "sample", "--temperature", "0"], "--temperature=0.0 must be >= 1e-06"),
         (["--min-len", "20"], "--min-len=20 must be < --max-len=20"),
         (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size=-1 must be >= 0"),
         pytest.param(
@@ -610,6 +690,26 @@ def test_a_bad_model_file_is_one_line_and_exit_2(kind, bundles, inputs, tmp_path
 def test_a_bad_argument_is_one_line_and_exit_2(option, message, bundles, inputs, capsys):
     assert cli.main(["caption", inputs[1][0], "--model", bundles["soft"], *option]) == 2
     assert capsys.readouterr() == ("", f"error: {message}\n")
+
+
+# ------------------------------------------------------------------------------------------- shapes
+def test_shapes_generates_a_small_set_and_says_how_to_train_on_it(tmp_path, capsys):
+    out = tmp_path / "small"
+    args = ["shapes", "--out", str(out), "--train", "6", "--val", "2", "--test", "3", "--image-size", "32"]
+    assert cli.main(args) == 0
+    overrides = f"data.source.root={out} data.source.n_train=6 data.source.n_val=2 data.source.n_test=3"
+    assert capsys.readouterr().err == (
+        f"{out}: generated, 6 train, 2 val and 3 test images of 32 px (seed 0); train on it with: python train.py "
+        f"{overrides} data.source.image_size=32\n"
+    )
+    assert [len(list((out / "images" / split).glob("*.png"))) for split in ("train", "val", "test")] == [6, 2, 3]
+    assert cli.main(args) == 0 and "already there" in capsys.readouterr().err
+    assert cli.main([*args[:-1], "48"]) == 2
+    err = capsys.readouterr().err
+    assert "made with different parameters (image_size=32 (asked 48))" in err
+    assert "give another folder (train.py: data.source.root=FOLDER, captioner shapes --out FOLDER)" in err
+    assert cli.main(["shapes", "--out", str(tmp_path / "x"), "--train", "0"]) == 2
+    assert capsys.readouterr().err == "error: --train=0 must be >= 1\n"
 
 
 # ----------------------------------------------------------------------------------------- evaluate
@@ -688,7 +788,7 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
         (
             ["--shapes", "nowhere"],
             "--shapes nowhere: no generated shapes dataset there (meta.json is missing); python train.py generates "
-            "it in data/shapes on first use (python train.py data.source.root=nowhere generates it there)",
+            "it in data/shapes on first use, captioner shapes --out nowhere generates it there",
         ),
         (["--coco-captions", "captions.json", "--images", "nowhere"], "COCO captions file for 'test' not found"),
     ],

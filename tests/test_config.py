@@ -26,8 +26,8 @@ from captioner.config import (
 )
 from captioner.errors import ConfigError
 from captioner.training.schemas import register_schemas
-from captioner.training.validate import error_line
 from conftest import ROOT, compose_plain
+from train_errors import error_line
 
 CONF = ROOT / "conf"
 GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig}
@@ -125,7 +125,7 @@ def test_a_misspelt_key_in_a_config_file_fails_at_composition_with_the_key(tmp_p
     [
         ({"decoder": {"dropout": 1.5}}, "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
         ({"decoder": {"gate": "half"}}, "model.decoder.gate='half' is not valid; choose one of: scalar, vector, none"),
-        ({"decoder": {"embed_dim": "big"}}, "model.decoder.embed_dim='big' must be a int"),
+        ({"decoder": {"embed_dim": "big"}}, "model.decoder.embed_dim='big' must be an int"),
         ({"decoder": {"hiden_dim": 3}}, "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
         ({"compile": "yes"}, "model.compile='yes' must be true or false"),
         ({"scst": {"samples": 1}}, "model.scst.samples=1: baseline=mean compares each sample"),

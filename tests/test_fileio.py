@@ -65,6 +65,7 @@ def test_read_json_names_a_missing_or_malformed_file(tmp_path: Path) -> None:
             "objects (posix.system) that could run code when loaded",
         ),
         (lambda path: path.write_bytes(b"\x80\x04K\x01."), "model file {path} is truncated or corrupt"),
+        (lambda path: path.write_text("notes"), "model file {path} is not a model file (torch.save did not write it)"),
     ],
 )
 def test_load_torch_refuses_with_one_line_naming_the_file(write, message: str, tmp_path: Path) -> None:

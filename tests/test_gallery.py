@@ -1,5 +1,10 @@
 """The HTML gallery: relative links to existing files, escaped text, atomic write."""
 
+import html
+import json
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -16,7 +21,7 @@ def make_png(path: Path) -> Path:
     return path
 
 
-def test_links_are_relative_and_point_to_existing_files(tmp_path):
+def test_links_are_relative_and_every_file_lies_inside_the_gallery(tmp_path):
     out = tmp_path / "gallery"
     entries = [
         GalleryEntry(
@@ -25,30 +30,32 @@ def test_links_are_relative_and_point_to_existing_files(tmp_path):
             overlay=str(make_png(out / "overlays" / "2.png")),
             references=("a square", "red"),
             image_id=2,
+            panels=(("a", make_png(out / "p" / "1.png")), ("red", make_png(out / "p" / "2.png"))),
         ),
         GalleryEntry(image=str(make_png(tmp_path / "images" / "1.png")), caption="a circle"),
+        GalleryEntry(image=str(tmp_path / "gone.jpg"), caption="", error="file not found"),
     ]
     index = write_gallery(out, entries)
     assert index == out / "index.html"
     parser = Links()
     parser.feed(index.read_text(encoding="utf-8"))
-    assert len(parser.links) == 6  # link + img for two images and one overlay
+    assert parser.links == ["images/0000_my%20image%20%232.jpg", "p/1.png", "overlays/2.png", "images/0001_1.jpg"]
     for link in parser.links:
-        assert not Path(link).is_absolute() and "://" not in link
-        assert (out / unquote(link)).resolve().is_file()
-    assert parser.links[0] == "../images/my%20image%20%232.png"
-    assert parser.links[2] == "overlays/2.png"
+        assert (out / unquote(link)).resolve().is_relative_to(out.resolve()) and (out / unquote(link)).is_file()
+    with Image.open(out / "images" / "0001_1.jpg") as copy:
+        assert copy.format == "JPEG" and copy.size == (8, 8)
     text = "".join(parser.text)
     assert text.index("a red square") < text.index("a circle")  # entries keep their order
     assert "image 2" in text and "1.png" in text  # headings: the image id, else the file name
     assert "a square" in text and not list(out.glob(".*tmp"))
+    assert f"Not captioned (1){tmp_path / 'gone.jpg'}: file not found" in text
 
 
 def test_text_is_escaped(tmp_path):
     caption = '<script>alert("x")</script> cats & dogs'
     entry = GalleryEntry(make_png(tmp_path / "3.png"), caption, references=("<b>bold</b>",), image_id=3)
     html = write_gallery(tmp_path, [entry], title="run <1>").read_text(encoding="utf-8")
-    assert "<script>" not in html and "<b>" not in html and "run <1>" not in html
+    assert html.count("<script>") == 1 and "<b>" not in html and "run <1>" not in html  # the page's own script
     assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; cats &amp; dogs" in html
     parser = Links()
     parser.feed(html)
@@ -60,3 +67,71 @@ def test_missing_files_raise(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.png"):
         write_gallery(tmp_path / "out", [entry])
     assert not (tmp_path / "out" / "index.html").exists()
+
+
+# ------------------------------------------------------------------------------ in a real browser
+BROWSER = next(
+    (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
+)
+# Appended to a copy of the page: checks every image, then steps through the words of the first image with the
+# keyboard and a click, recording the panel shown after each step (once it has loaded).
+CHECKS = """<script>
+window.addEventListener("load", async () => {
+  const loaded = img => new Promise(done => img.complete ? done() : img.addEventListener("load", done));
+  const entry = document.querySelector(".entry[data-words]");
+  const panel = entry.querySelector("img.panel");
+  const state = async () => { await loaded(panel); return [panel.getAttribute("src"), panel.naturalWidth > 0,
+    entry.querySelector("figcaption.word").textContent, entry.querySelector(".words .current").textContent]; };
+  const key = name => entry.dispatchEvent(new KeyboardEvent("keydown", {key: name, bubbles: true}));
+  const states = [await state()];
+  entry.focus(); key("ArrowRight"); states.push(await state());
+  entry.querySelectorAll(".words button")[2].click(); states.push(await state());
+  key("ArrowLeft"); states.push(await state());
+  key("ArrowLeft"); key("ArrowLeft"); states.push(await state());
+  await Promise.all([...document.images].map(loaded));
+  const images = [...document.images].map(img => [img.getAttribute("src"), img.naturalWidth > 0]);
+  const failed = [...document.querySelectorAll(".failed li")].map(item => item.textContent);
+  const result = document.createElement("pre");
+  result.id = "checks";
+  result.textContent = JSON.stringify({images, states, failed});
+  document.body.append(result);
+});
+</script>"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BROWSER is None, reason="no Chromium on this machine (apt-get install chromium)")
+def test_a_moved_gallery_works_in_a_real_browser(tmp_path):
+    from captioner import cli
+    from conftest import write_bundle
+
+    words = ["a", "red", "blue", "circle", "square"]
+    bundle = write_bundle(tmp_path / "model.pt", words)
+    photos = tmp_path / "photos"
+    make_png(photos / "square.png")
+    Image.new("RGB", (4000, 20), "blue").save(photos / "wide.tif")  # a TIFF: browsers show only its copy
+    (photos / "broken.jpg").write_text("not an image")
+    args = ["attend", str(photos), "--model", str(bundle), "--out", str(tmp_path / "made"), "--max-len", "3"]
+    assert cli.main([*args, "--workers", "0"]) == 1  # the broken file
+    moved = tmp_path / "elsewhere" / "gallery"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "made", moved)
+    shutil.rmtree(photos)  # the page must not need the originals
+    page = moved / "checks.html"
+    page.write_text((moved / "index.html").read_text().replace("</body>", CHECKS + "</body>"))
+    proc = subprocess.run(
+        [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=10000", "--dump-dom",
+         page.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    found = re.search(r'<pre id="checks">(.*?)</pre>', proc.stdout, re.DOTALL)
+    assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
+    checks = json.loads(html.unescape(found.group(1)))
+    images = checks["images"]
+    assert len(images) == 2 * 2 and all(ok for _, ok in images), images  # two images and their first panels
+    assert {src for src, _ in images} >= {"images/0000_square.jpg", "images/0001_wide.jpg"}
+    steps = [(src, ok, word, button) for src, ok, word, button in checks["states"]]
+    assert [src for src, *_ in steps] == [f"0000_square/0{k}.png" for k in (1, 2, 3, 2, 3)]  # wraps round
+    assert all(ok for _, ok, *_ in steps)
+    assert all(word == button for _, _, word, button in steps)  # the label and the highlighted word agree
+    assert checks["failed"] == [f"{photos / 'broken.jpg'}: not an image file (Pillow cannot identify its format)"]

@@ -154,3 +154,19 @@ def test_scst_takes_over_after_the_cross_entropy_epochs(vocab):
     module.trainer.current_epoch = 2
     assert module.scst_epoch
     assert not CaptionerModule(vocab, from_dict(ModelConfig, dict(encoder=SMALL, objective="cross_entropy"))).scst_epoch
+
+
+def test_a_validation_that_decoded_no_image_stops_the_run_in_one_line(vocab) -> None:
+    from captioner.data.dataset import Skipped
+    from captioner.errors import DataError
+    from captioner.training.evaluation import EvaluationEpoch
+
+    module = CaptionerModule(vocab, from_dict(ModelConfig, dict(encoder=SMALL)))
+    module.skips.add([Skipped("val/1.jpg", "not an image file"), Skipped("val/2.jpg", "not an image file")])
+    module._evaluation = EvaluationEpoch("val", {1: [["a"]], 2: [["a"]]}, {})
+    with pytest.raises(DataError) as info:
+        module.on_validation_epoch_end()
+    assert str(info.value) == (
+        "no val image could be decoded (skipped 2 unreadable images: val/1.jpg (not an image file); and 1 more), "
+        "so there is nothing to score: the run stops (docs/datasets.md#images)"
+    )

@@ -11,6 +11,7 @@ import torch  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from captioner.viz import overlay  # noqa: E402
 from captioner.viz.overlay import DIM_FLOOR, MAX_SIDE, draw_overlay, overlay_figure, upsample_attention  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -119,3 +120,21 @@ def test_bad_shapes_raise(tmp_path):
     with pytest.raises(ValueError, match="locations has 1 entries for 2 words"):
         overlay_figure(image, ["a", "b"], np.ones((2, 9)), (3, 3), locations=[0])
     assert not list(tmp_path.iterdir())
+
+
+def test_word_panels_dim_where_the_word_does_not_look_and_outline_hard_attention():
+    image = Image.new("RGB", (40, 20), (200, 200, 200))
+    alphas = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # grid 1 x 2: word 0 looks left, word 1 right
+    soft, _ = overlay.word_panels(image, ["left", "right"], alphas, (1, 2))
+    assert soft.size == (40, 20)
+    pixels = np.asarray(soft).astype(float)
+    assert pixels[10, 2].mean() > 190 and pixels[10, 37].mean() < 0.2 * 200 + 5  # bright left, dimmed right
+    (hard,) = overlay.word_panels(image, ["right"], alphas[1:], (1, 2), locations=[1])
+    assert tuple(np.asarray(hard)[0, 30]) == (255, 0, 0)  # the chosen cell's outline
+    assert tuple(np.asarray(hard)[0, 10]) != (255, 0, 0)
+
+
+def test_a_very_wide_image_keeps_a_readable_panel_height():
+    fig = overlay.overlay_figure(Image.new("RGB", (4000, 20)), ["a", "b"], torch.full((2, 4), 0.25), (2, 2))
+    width, height = fig.get_size_inches()
+    assert height >= 0.5 * overlay.PANEL_INCHES  # not 20/4000 of a panel's width

@@ -95,14 +95,25 @@ def test_a_wrong_value_stops_before_the_run_folder_the_config_tree_and_torch(swe
         assert sweep or not logs.exists()  # no run folder, no FAILED litter (a sweep's folder is made first)
 
 
-def test_a_missing_file_is_one_line_and_marks_the_run_folder_failed(tmp_path: Path) -> None:
+def test_a_missing_file_is_one_line_before_any_run_folder(tmp_path: Path) -> None:
     missing = tmp_path / "missing.ckpt"
     proc = run_train([f"ckpt_path={missing}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    assert error_line(proc) == f"error: ckpt_path='{missing}' does not exist"
+    assert error_line(proc) == (
+        f"error: ckpt_path='{missing}' does not exist; give a run folder, a .ckpt or a bundle (docs/datasets.md#train)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # preflight: no run folder, no FAILED litter
+
+
+def test_a_run_that_fails_after_it_started_marks_its_folder_failed(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"\x80\x04K\x01.")  # a pickle, not a checkpoint
+    proc = run_train([f"ckpt_path={junk}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
+    message = f"checkpoint {junk} is truncated or corrupt"
+    assert error_line(proc).startswith(f"error: {message}")
     (run,) = (tmp_path / "train" / "runs").iterdir()  # the failed run's folder says why it failed
-    assert (run / "FAILED").read_text() == f"ckpt_path='{missing}' does not exist\n"
-    assert f"[ERROR] - run failed: ckpt_path='{missing}' does not exist" in (run / "train.log").read_text()
-    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == str(missing)
+    assert (run / "FAILED").read_text().startswith(message)
+    assert f"[ERROR] - run failed: {message}" in (run / "train.log").read_text()
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == str(junk)
 
 
 def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:

@@ -1,24 +1,23 @@
-"""Checks of a composed training config before any work starts: every value (validate_config) and what
-it refers to on this machine (check_environment)."""
+"""Checks of a composed training config before any work starts: every value (validate_config), and the
+one line train.py prints for each kind of mistake (train_errors.py). What a config refers to on this machine
+is test_preflight.py's."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 import train
-from captioner.data.sources import ShapesSource
 from captioner.errors import ConfigError
-from captioner.training.validate import check_environment, error_line, section_error, validate_config
-from conftest import ROOT, compose_cfg, compose_plain
+from captioner.training.validate import validate_config
+from conftest import ROOT, compose_cfg, compose_plain, run_train
+from train_errors import error_line, section_error
 
 
 def config_error(overrides: list[str], tmp_path: Path) -> str:
@@ -46,7 +45,7 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
         ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be >= 0"),
         ("model.nonfinite_check_interval=0", "model.nonfinite_check_interval=0 must be >= 1"),
         ("model.attention=medium", "model.attention='medium' is not valid; choose one of: soft, hard"),
-        ("model.decoder.embed_dim=big", "model.decoder.embed_dim='big' must be int"),
+        ("model.decoder.embed_dim=big", "model.decoder.embed_dim='big' must be an int"),
         ("data.batch_size=-3", "data.batch_size=-3 must be >= 1"),
         ("model.decoder.dropout=1.5", "model.decoder.dropout=1.5 must be in [0.0, 0.99]"),
         ("+model.decoder.hiden_dim=3", "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
@@ -88,50 +87,6 @@ def test_every_config_value_is_checked(override: str, message: str, tmp_path: Pa
     assert config_error([override], tmp_path).startswith(message)
 
 
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (
-            ["experiment=coco_soft", "data=coco", "model.encoder.weights=null"],
-            "data.source.splits.train.captions='{data}/coco/annotations/captions_train2014.json': file "
-            "not found (see data/README.md",
-        ),
-        (
-            ["experiment=flickr8k_soft", "model.encoder.weights=null"],
-            "data.source.split_file='{data}/karpathy/dataset_flickr8k.json': file not found",
-        ),
-        (
-            ["experiment=coco_soft", "model.encoder.weights=null", "data.source.split_file={tmp}"],
-            "data.source.split_file='{tmp}' is not a file",
-        ),
-        (["data.vocab_file={tmp}/vocab.json"], "data.vocab_file='{tmp}/vocab.json': file not found"),
-        (["data.source.root={tmp}/file.txt"], "data.source.root='{tmp}/file.txt' is a file, not a folder"),
-    ],
-)
-def test_missing_files_are_reported_with_their_key_before_any_work(
-    overrides: list[str], message: str, tmp_path: Path
-) -> None:
-    (tmp_path / "file.txt").write_text("x")
-    cfg = compose_cfg([o.format(tmp=tmp_path) for o in overrides], tmp_path)
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    with pytest.raises(ConfigError) as info:  # noqa: PT012  the checks train.py runs, in its order
-        validate_config(plain)
-        check_environment(plain, train.build("data.source", plain["data"]["source"]))
-    assert message.format(tmp=tmp_path, data=ROOT / "data") in str(info.value)
-
-
-def test_a_logger_whose_package_is_missing_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    plain = compose_plain(["logger=wandb"], tmp_path)
-    real = importlib.util.find_spec
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "wandb" else real(name))
-    with pytest.raises(
-        ConfigError,
-        match=r"logger.wandb needs the wandb package, which is not installed: "
-        r'pip install -e "\.\[wandb\]"',
-    ):
-        check_environment(plain, ShapesSource(str(tmp_path / "shapes")))
-
-
 def test_scst_settings_are_checked(tmp_path: Path) -> None:
     cfg = compose_plain(["experiment=demo_scst"], tmp_path)
     scst = {"samples": 5, "baseline": "mean", "after_epochs": 0, "lr_scale": 0.1}
@@ -153,20 +108,6 @@ def test_scst_settings_are_checked(tmp_path: Path) -> None:
     bad = {**cfg, "model": {**cfg["model"], "objective": "rl"}}
     with pytest.raises(ConfigError, match="model.objective='rl' is not valid; choose one of: cross_entropy, scst"):
         validate_config(bad)
-    with pytest.raises(ConfigError, match="init_from='/no/such/run' does not exist"):
-        check_environment({**cfg, "init_from": "/no/such/run"}, ShapesSource(str(tmp_path / "shapes")))
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
-def test_an_accelerator_this_machine_lacks_is_refused(tmp_path: Path) -> None:
-    plain = compose_plain(["trainer=gpu"], tmp_path)
-    validate_config(plain)  # a valid config, for another machine
-    with pytest.raises(ConfigError) as info:
-        check_environment(plain, ShapesSource(str(tmp_path / "shapes")))
-    assert str(info.value) == (
-        "trainer.accelerator='gpu' but this machine has no usable CUDA GPU; use trainer=cpu "
-        "(or trainer.accelerator=cpu)"
-    )
 
 
 def test_a_missing_weight_file_names_the_key_model_encoder_weights(tmp_path: Path, monkeypatch) -> None:
@@ -193,11 +134,63 @@ def test_section_error_puts_the_section_in_front_of_a_key_only() -> None:
     assert str(section_error("data.source", typo, str(typo))) == f"data.source: {typo}"
 
 
-def test_help_lists_only_groups_a_user_can_select() -> None:
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["trainer.foo=1"],
+            "trainer.foo is not a known key; valid keys: default_root_dir, min_epochs, accelerator, devices,",
+        ),
+        (["trainer.max_epochs=abc"], "trainer.max_epochs='abc' must be an int"),
+        (["experimnt=coco_soft"], "experimnt is not a known key; valid keys: callbacks, ckpt_path, data, debug,"),
+        (["model.decoder.hiden_dim=3"], "model.decoder.hiden_dim is not a known key; valid keys: embed_dim,"),
+        (["data=cocoo"], "data=cocoo is not an option; choose one of: coco, coco_karpathy, flickr30k, flickr8k,"),
+        (["model.decoder.hidden_dim"], "the override 'model.decoder.hidden_dim' has no value: write "),
+    ],
+)
+def test_a_config_mistake_names_the_key_the_choices_and_the_nearest(
+    overrides: list[str], message: str, tmp_path: Path
+) -> None:
+    line = config_error(overrides, tmp_path)
+    assert line.startswith(message)
+    ending = {
+        "experimnt=coco_soft": "; did you mean experiment?",
+        "model.decoder.hiden_dim=3": "; did you mean model.decoder.hidden_dim?",
+        "data=cocoo": "; did you mean coco?",
+        "trainer.foo=1": " (a key the config does not set is added with +trainer.foo=VALUE)",
+        "model.decoder.hidden_dim": "model.decoder.hidden_dim=VALUE (or ~model.decoder.hidden_dim to remove the key)",
+    }.get(overrides[0], "")
+    assert line.endswith(ending)
+
+
+def test_internal_options_are_refused_with_the_real_ones(tmp_path: Path) -> None:
+    line = error_line_of(run_train(["data=base", f"paths.log_dir={tmp_path}"], check=False))
+    assert line == (
+        "error: data=base is not an option of its own (the others start from it); choose one of: coco, "
+        "coco_karpathy, flickr30k, flickr8k, shapes"
+    )
+    assert not any(tmp_path.iterdir())
+
+
+def error_line_of(proc: subprocess.CompletedProcess) -> str:
+    """The one stderr line of a refused train.py run (exit status 2)."""
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    return proc.stderr.strip()
+
+
+def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0
-    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
-    names = [line.split(":")[0] for line in groups.splitlines() if ": " in line]
-    assert names == ["callbacks", "data", "debug", "experiment", "logger", "model", "paths", "trainer"]  # no schema
+    groups = proc.stdout.split("config groups")[1].split("settings")[0]
+    names = {line.split(":")[0].strip(): line.split(": ")[1] for line in groups.splitlines() if ": " in line}
+    assert list(names) == ["callbacks", "data", "debug", "experiment", "logger", "model", "paths", "trainer"]
+    assert names["data"] == "coco, coco_karpathy, flickr30k, flickr8k, shapes"  # no base
+    assert names["trainer"] == "cpu, ddp, ddp_cpu, gpu, multi_node"  # no default
+    lines = proc.stdout.splitlines()
+    assert "  model.decoder.dropout=0.3  (in [0.0, 0.99]; before the output layer)" in lines
+    assert "  model.decoding.method=greedy  (one of: greedy, beam, sample; greedy for validation and test" in (
+        "\n".join(lines)
+    )
+    assert "  data.pad_to=null  (>= max_len + 2; Training captions padded" in proc.stdout

@@ -13,18 +13,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-from captioner.cli.parser import build_parser
+from captioner.cli.parser import build_parser, check_method_options, parse
 from captioner.errors import CaptionerError
+
+__all__ = ["build_parser", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command and return its exit status: 0 done, 1 some input image failed (or none was given), 2 a
     bad argument, model file or dataset (one line on stderr, never a traceback), 130 interrupted."""
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return exc.code
     try:
+        check_method_options(args)
         command = importlib.import_module(f"captioner.cli.{args.command}")
         return command.run(args)
     except CaptionerError as exc:

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     decode = options.decode_options(args)
     device = options.device(args.device)
     output = Output(args.json)
-    for result in captioned(args, expand_inputs(args.inputs), output, decode, device):
+    for result in captioned(args, expand_inputs(args.inputs, nul=args.nul), output, decode, device):
         output.caption(result)
     return output.close()
 

@@ -74,8 +74,8 @@ def _records(args: argparse.Namespace) -> list[Record]:
         if not (Path(args.shapes) / shapes.META).is_file():
             raise DataError(
                 f"--shapes {args.shapes}: no generated shapes dataset there ({shapes.META} is missing); "
-                "python train.py generates it in data/shapes on first use "
-                f"(python train.py data.source.root={args.shapes} generates it there)"
+                "python train.py generates it in data/shapes on first use, "
+                f"captioner shapes --out {args.shapes} generates it there"
             )
         return sources.ShapesSource(args.shapes).records(args.split)
     if not args.image_dir:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,15 +36,25 @@ def _holds_an_image(path: Path) -> bool:
         return False
 
 
+def _files(folder: Path) -> list[Path]:
+    """The regular files under ``folder``, recursively, sorted; hidden files and folders (``.thumbs/``,
+    ``._photo.jpg``) left out."""
+    files = []
+    for top, folders, names in os.walk(folder):
+        folders[:] = [name for name in folders if not name.startswith(".")]
+        files += [Path(top, name) for name in names if not name.startswith(".") and Path(top, name).is_file()]
+    return sorted(files)
+
+
 def _scan(folder: Path, found: Inputs) -> None:
-    """A folder's image files, recursively, sorted: files named like an image, and files without a suffix
-    whose header is an image's (a download or a camera's file without one). Other files are skipped."""
+    """A folder's image files (``_files``): files named like an image, and files without a suffix whose
+    header is an image's (a download or a camera's file without one). Other files are skipped."""
     images = []
-    for path in sorted(folder.rglob("*")):
+    for path in _files(folder):
         suffix = path.suffix.lower()
-        if suffix in IMAGE_SUFFIXES or (not suffix and path.is_file() and _holds_an_image(path)):
-            images.append(str(path))  # a folder named like an image too: loading it says what is wrong
-        elif path.is_file():
+        if suffix in IMAGE_SUFFIXES or (not suffix and _holds_an_image(path)):
+            images.append(str(path))
+        else:
             found.skipped.append(str(path))
     if not images:
         found.errors.append(Skipped(str(folder), "folder holds no image files"))
@@ -53,7 +64,7 @@ def _scan(folder: Path, found: Inputs) -> None:
 def _expand(item: str, found: Inputs) -> None:
     """Add the image paths of one argument (file, folder or glob) to ``found``, or its error."""
     path = Path(item)
-    if path.is_dir() and path.suffix.lower() not in IMAGE_SUFFIXES:
+    if path.is_dir():
         _scan(path, found)
     elif not path.exists() and glob.has_magic(item):
         matches = sorted(glob.glob(item, recursive=True))
@@ -62,24 +73,40 @@ def _expand(item: str, found: Inputs) -> None:
         for match in matches:
             _expand(match, found)
     else:
-        found.paths.append(item)  # a file, a missing file or a folder named like an image: load_rgb says which
+        found.paths.append(item)  # a file or a missing file: load_rgb says what is wrong with it
 
 
-def expand_inputs(items: Sequence[str]) -> Inputs:
+def _stdin_paths(nul: bool) -> list[str]:
+    """The paths standard input names: one per line (blank lines ignored), or NUL-separated (``find -print0``)."""
+    if nul:
+        return [name for name in sys.stdin.buffer.read().decode(errors="surrogateescape").split("\0") if name]
+    return [line for line in (line.rstrip("\r\n") for line in sys.stdin) if line.strip()]
+
+
+def expand_inputs(items: Sequence[str], nul: bool = False) -> Inputs:
     """Files, folders and globs -> image paths, input errors and the files of folders that are not images.
 
-    A file given by name is always kept, so that an unreadable one gets its own error. ``-`` reads more
-    inputs from standard input, one per line (blank lines ignored); standard input that names nothing is an
-    input error, as an empty folder is. ConfigError when ``-`` is given twice.
+    A file given by name is always kept, so that an unreadable one gets its own error; a file named more than
+    once (directly, by its folder, by a glob) is kept once, where it is first named. ``-`` reads more inputs
+    from standard input, one per line (blank lines ignored) or, with ``nul``, separated by NUL characters;
+    standard input that names nothing is an input error, as an empty folder is. ConfigError when ``-`` is
+    given twice.
     """
     if list(items).count(STDIN) > 1:
         raise ConfigError(f"{STDIN} (standard input) is given more than once")
     found = Inputs()
     for item in items:
-        lines = [line.rstrip("\r\n") for line in sys.stdin] if item == STDIN else [item]
-        named = [line for line in lines if line.strip()]
+        named = _stdin_paths(nul) if item == STDIN else [item]
         if item == STDIN and not named:
             found.errors.append(Skipped(STDIN, "standard input named no image paths"))
-        for line in named:
-            _expand(line, found)
+        for name in named:
+            _expand(name, found)
+    seen: set[str] = set()
+    unique = []
+    for path in found.paths:
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen.add(key)
+            unique.append(path)
+    found.paths = unique
     return found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,15 +52,18 @@ def decode_options(args: argparse.Namespace) -> dict:
 
 
 def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
-    """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``."""
+    """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``; torch's generators seeded
+    with ``--seed`` when given."""
     loaded = load_model(args.model, map_location="cpu")
     loaded.model.to(on)
+    if getattr(args, "seed", None) is not None:
+        torch.manual_seed(args.seed)
     return loaded
 
 
 def progress(args: argparse.Namespace, images: int) -> bool:
-    """Show a progress bar for many images unless ``--no-progress``."""
-    return not args.no_progress and images >= parser.PROGRESS_MIN_IMAGES
+    """Show a progress bar for many images on a terminal, unless ``--no-progress``."""
+    return not args.no_progress and images >= parser.PROGRESS_MIN_IMAGES and sys.stderr.isatty()
 
 
 def refuse_overwrite(target: Path, args: argparse.Namespace) -> None:

@@ -32,6 +32,7 @@ class Output:
         self.rows = rows
         self.captioned = 0
         self.failed = 0
+        self.failed_inputs: list[Skipped] = []  # the inputs that could not be used, in order
         self.skipped: list[str] = []  # files of folders that are not images
         self.images = 0  # image paths to caption
         self.started = time.perf_counter()
@@ -56,6 +57,7 @@ class Output:
     def failure(self, failed: Skipped) -> None:
         """An input that could not be used: one line on stderr, and its JSON record with ``as_json``."""
         self.failed += 1
+        self.failed_inputs.append(failed)
         print(f"error: {failed.path}: {failed.reason}", file=sys.stderr, flush=True)
         if self.as_json:
             print(json.dumps({"path": failed.path, "error": failed.reason}), flush=True)
@@ -75,11 +77,7 @@ class Output:
         return f"summary: {self.captioned} captioned, {self.failed} failed, {skipped}, {rate:.1f} images/s"
 
     def close(self) -> int:
-        """Print the summary on stderr; the exit status: 1 when an input failed or nothing was captioned.
-
-        Input that names no image at all (an empty folder, empty standard input) has its one error line
-        and no summary.
-        """
-        if self.images:
-            print(self.summary(), file=sys.stderr, flush=True)
+        """Print the summary on stderr (also after input that named no image: an empty folder or glob, empty
+        standard input); the exit status: 1 when an input failed or nothing was captioned."""
+        print(self.summary(), file=sys.stderr, flush=True)
         return 1 if self.failed or not self.captioned else 0

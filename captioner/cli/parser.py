@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
 
 from captioner import __version__
 from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_METHOD, DecodeMethod, DecodingConfig
 from captioner.data.splits import SPLITS
+from captioner.errors import ConfigError
 
 DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a dataset.
 
     captioner caption IMAGE_OR_FOLDER_OR_GLOB... --model bundle.pt [--beam-size 3] [--json]
     find photos -name '*.jpg' | captioner caption - --model bundle.pt
+    find photos -name '*.jpg' -print0 | captioner caption -0 - --model bundle.pt
     captioner caption --image-info image_info_test2014.json --images test2014/ --out DIR --model bundle.pt
     captioner attend IMAGE... --model bundle.pt --out overlay.png | --out DIR
     captioner evaluate --model bundle.pt|last.ckpt --shapes data/shapes --split test --out DIR
+    captioner splits coco --captions-dir data/coco/annotations
+    captioner shapes --out data/shapes_small --train 300 --val 50 --test 50
 
 --model takes a training run's folder, the bundle.pt that training exports there, or one of its Lightning
 checkpoints. Images are decoded in worker processes and captioned a batch at a time; a progress bar
@@ -24,6 +30,7 @@ and exit status 2. No traceback. caption and attend end with a summary line on s
 failed, skipped, images/s); see captioner caption --help for the output formats."""
 PROGRESS_MIN_IMAGES = 64  # a progress bar on stderr from this many images
 STDIN = "-"  # among the inputs: read image paths from standard input, one per line
+NUL_HELP = "(or -0) - reads NUL-separated paths (find -print0) instead of one per line"
 DEFAULT_NAME = "captioner"  # the algorithm name in a results file for the COCO evaluation server
 
 CAPTION_OUTPUT = """output:
@@ -33,10 +40,61 @@ CAPTION_OUTPUT = """output:
   a backslash, tab, newline or carriage return inside a field is written as \\\\, \\t, \\n or \\r,
   so every line has exactly two fields.
   A folder is searched recursively for image files: files named like an image (.jpg, .png, ...) and files
-  without a suffix that hold an image; other files are skipped and counted in the summary.
+  without a suffix that hold an image; other files are skipped and counted in the summary, hidden files and
+  folders (.thumbs/, ._photo.jpg) are left out. A file named twice (directly, by its folder, by a glob) is
+  captioned once.
   stderr ends with one summary line: images captioned, failed, skipped, images/s.
   Exit status: 0 every input captioned, 1 some input failed or no image was given (an empty folder, empty
   standard input), 2 a bad argument or model file."""
+
+SPLITS_EPILOG = """coco: val and test are Karpathy's 5,000 val2014 images each (their ids ship with captioner), train is
+  all of train2014 plus the rest of val2014 (restval), 113,287 images; sentences are tokenised as Karpathy's
+  (lower case, punctuation dropped). The file is what data=coco_karpathy reads (see docs/datasets.md)."""
+
+
+# The decoding options that only one method reads: given with another method they are refused.
+METHOD_OPTIONS = {
+    "--beam-size": DecodeMethod.beam,
+    "--length-penalty": DecodeMethod.beam,
+    "--temperature": DecodeMethod.sample,
+    "--seed": DecodeMethod.sample,
+}
+
+
+class _Given(argparse.Action):
+    """Stores the option's value and records that it was given (``args.given``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        setattr(namespace, self.dest, values)
+        namespace.given = {*namespace.given, option_string}
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The parsed command line. ``-0`` is read as ``--null``: argparse, given an option named like a negative
+    number, would take every negative number (``--workers -1``) for an option too."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    takes_value = {
+        option
+        for sub in parser._subparsers._group_actions[0].choices.values()
+        for action in sub._actions
+        if action.nargs != 0
+        for option in action.option_strings
+    }
+    args = ["--null" if a == "-0" and (i == 0 or args[i - 1] not in takes_value) else a for i, a in enumerate(args)]
+    return parser.parse_args(args)
+
+
+def check_method_options(args: argparse.Namespace) -> None:
+    """ConfigError for an option given that ``--method`` does not read (``--beam-size`` with greedy)."""
+    for option in sorted(getattr(args, "given", ())):
+        method = METHOD_OPTIONS[option]
+        if args.method != method:
+            default = " (the default)" if args.method == CAPTIONING_METHOD else ""
+            raise ConfigError(
+                f"{option} goes with --method {method}; this command decodes with --method {args.method}{default}"
+            )
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -64,13 +122,25 @@ def _common(sub: argparse.ArgumentParser) -> None:
         help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint",
     )
     sub.add_argument("--method", choices=list(DecodeMethod), default=CAPTIONING_METHOD, help="decoding method")
+    sub.set_defaults(given=set())
     sub.add_argument(
-        "--beam-size", type=int, default=DecodingConfig.beam_size, help="captions kept per image by beam search"
+        "--beam-size",
+        type=int,
+        default=DecodingConfig.beam_size,
+        action=_Given,
+        help="captions kept per image by beam search",
     )
     sub.add_argument("--max-len", type=int, default=DecodingConfig.max_len, help="maximum words per caption")
-    sub.add_argument("--temperature", type=float, default=DecodingConfig.temperature, help="for --method sample")
     sub.add_argument(
-        "--length-penalty", type=float, default=DecodingConfig.length_penalty, help="GNMT alpha for beam search"
+        "--temperature", type=float, default=DecodingConfig.temperature, action=_Given, help="for --method sample"
+    )
+    sub.add_argument("--seed", type=int, action=_Given, help="for --method sample: the same seed, the same captions")
+    sub.add_argument(
+        "--length-penalty",
+        type=float,
+        default=DecodingConfig.length_penalty,
+        action=_Given,
+        help="GNMT alpha for beam search",
     )
     sub.add_argument(
         "--min-len", type=int, default=DecodingConfig.min_len, help="no <end> before this many words (0: off)"
@@ -89,7 +159,7 @@ def _common(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--no-progress",
         action="store_true",
-        help=f"no progress bar on stderr (shown from {PROGRESS_MIN_IMAGES} images)",
+        help=f"no progress bar on stderr (shown from {PROGRESS_MIN_IMAGES} images when stderr is a terminal)",
     )
 
 
@@ -123,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     caption.add_argument("inputs", nargs="*", metavar="IMAGE", help=inputs_help)
     _common(caption)
+    caption.add_argument("--null", dest="nul", action="store_true", help=NUL_HELP)
     caption.add_argument("--json", action="store_true", help="JSON lines: path, caption, score, tokens (or error)")
     _server(caption, "folder of the --image-info images")
     caption.add_argument("--out", metavar="DIR", help="folder for the --image-info results file")
@@ -131,8 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
     attend = command("attend", "draw the attention map of every generated word")
     attend.add_argument("inputs", nargs="+", metavar="IMAGE", help=inputs_help)
     _common(attend)
-    attend.add_argument("--out", required=True, help="FILE.png for one image, or a folder (with index.html)")
-    attend.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    attend.add_argument("--null", dest="nul", action="store_true", help=NUL_HELP)
+    attend.add_argument(
+        "--out",
+        required=True,
+        help="FILE.png for one image, or a folder: a PNG per image, and index.html to step through each image's "
+        "words (the folder holds all it shows: it can be moved)",
+    )
+    attend.add_argument("--force", action="store_true", help="overwrite an existing --out (an earlier gallery)")
 
     evaluate = command("evaluate", "BLEU and coco-caption metrics on a dataset split")
     _common(evaluate)
@@ -152,4 +229,31 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--out", required=True, help="folder for results.json, metrics.json and per_image.json")
     evaluate.add_argument("--no-coco", action="store_true", help="skip the Java coco-caption suite")
     evaluate.add_argument("--force", action="store_true", help="overwrite the files of an earlier --out")
+    shapes = command("shapes", "generate the built-in shapes dataset, of a chosen size, into a chosen folder")
+    shapes.add_argument("--out", required=True, metavar="DIR", help="the dataset's folder (new, or empty)")
+    built_in = "(default: the built-in set's, as python train.py generates it)"
+    shapes.add_argument("--train", type=int, dest="n_train", help=f"training images {built_in}")
+    shapes.add_argument("--val", type=int, dest="n_val", help=f"validation images {built_in}")
+    shapes.add_argument("--test", type=int, dest="n_test", help=f"test images {built_in}")
+    shapes.add_argument("--image-size", type=int, dest="image_size", help=f"image side in pixels {built_in}")
+    shapes.add_argument("--seed", type=int, help=f"the same seed, the same images {built_in}")
+    splits = command(
+        "splits",
+        "write Karpathy's split file of COCO (from the official COCO 2014 caption files) or Flickr8k (from its "
+        "official split lists)",
+        SPLITS_EPILOG,
+    )
+    splits.add_argument("dataset", choices=("coco", "flickr8k"), help="the dataset")
+    splits.add_argument(
+        "--captions-dir",
+        required=True,
+        metavar="DIR",
+        help="coco: the folder of captions_train2014.json and captions_val2014.json; flickr8k: the folder of "
+        "Flickr8k.token.txt and Flickr_8k.{train,dev,test}Images.txt",
+    )
+    splits.add_argument("--out", help="the split file to write (default: data/karpathy/dataset_<dataset>.json)")
+    splits.add_argument(
+        "--partial", action="store_true", help="coco: write the split of the listed images present (a COCO subset)"
+    )
+    splits.add_argument("--force", action="store_true", help="overwrite an existing --out")
     return parser

@@ -197,5 +197,6 @@ def _check_meta(path: Path, meta: dict, what: str) -> None:
         diff = "unreadable parameters"
     raise DataError(
         f"{path.parent} {what} made with different parameters ({diff or 'another version'}); "
-        "it is never overwritten: use another root or delete it"
+        "it is never overwritten: give another folder (train.py: data.source.root=FOLDER, "
+        "captioner shapes --out FOLDER) or delete it"
     )

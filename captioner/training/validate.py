@@ -1,48 +1,34 @@
-"""Check a composed training config before any work starts, and say in one line what is wrong with it.
+"""Check a composed training config before any work starts.
 
 Every key's type, choice and range is the schema's (``captioner.config``: Hydra refuses an unknown key or
 a value of the wrong type when it composes the config, ``validate_config`` builds the typed settings and so
 runs their range checks). What is left here: rules across sections (a metric to monitor must be one the
-module logs), the few trainer values Lightning accepts without a word (``max_epochs=0`` trains nothing),
-and ``check_environment``: the files the config names, the loggers' packages and the accelerator.
-Lightning checks the rest of the trainer's, callbacks' and loggers' arguments when ``train.py`` builds them.
+module logs) and the few trainer values Lightning accepts without a word (``max_epochs=0`` trains nothing).
+The files and devices the config needs are ``training/preflight.py``'s. Lightning checks the rest of the
+trainer's, callbacks' and loggers' arguments when ``train.py`` builds them.
 
 ``ValidateConfig`` (a Hydra callback, listed first in ``conf/hydra/default.yaml``) runs ``validate_config`` as
-soon as Hydra has composed the config: a wrong value stops the run before its folder exists, before the config
-is printed and before torch is imported. ``error_line`` and ``section_error`` turn Hydra's, OmegaConf's and the
-instantiated classes' errors into the one line ``train.py`` prints.
+soon as Hydra has composed the config, then the preflight: a wrong value or a missing file stops the run before
+its folder exists, a wrong value before the config is printed and before torch is imported. ``train.py`` says
+what stopped it (``train_errors.py`` turns Hydra's and OmegaConf's errors into one line).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import enum
-import importlib.util
-import re
-import sys
-import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import OmegaConfBaseException
 
 from captioner.config import TrainConfig, from_dict
-from captioner.errors import CaptionerError, ConfigError, check_choice, check_range, first_line
+from captioner.errors import CaptionerError, ConfigError, check_choice, check_range
 from captioner.training.metrics import MONITORS  # what CaptionerModule logs, so what a callback can monitor
-
-if TYPE_CHECKING:  # the sources import torch: not needed to check a config
-    from captioner.data.sources import Source
-
-# The start of a message about a key: ``encoder.weights='x' ...`` or ``decoder.foo is not a known key``.
-_KEY = re.compile(r"[A-Za-z_][\w.]*(=| is )")
-# The optional package each logger needs, and the extra of pyproject.toml that installs it.
-LOGGER_PACKAGES: dict[str, str] = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
+from captioner.training.run_folder import first_process
 
 
 def _check_trainer(trainer: dict[str, Any]) -> None:
@@ -82,50 +68,15 @@ def validate_config(cfg: dict[str, Any]) -> TrainConfig:
     return settings
 
 
-def check_environment(cfg: dict[str, Any], source: Source) -> None:
-    """Raise ConfigError for a file the config needs that is missing, a logger's package that is not
-    installed, or an accelerator this machine lacks.
-
-    The dataset ``source`` checks its own files; ``data.vocab_file``, ``ckpt_path`` and ``init_from`` must
-    exist; the feature cache is created on first use.
-    """
-    source.check_files()
-    vocab_file = cfg["data"].get("vocab_file")
-    if vocab_file and not Path(vocab_file).is_file():
-        raise ConfigError(
-            f"data.vocab_file={vocab_file!r}: file not found (a vocabulary JSON file written by Vocabulary.save)"
-        )
-    for name, node in (cfg.get("logger") or {}).items():
-        package = LOGGER_PACKAGES.get(node["_target_"].rsplit(".", 1)[-1]) if node else None
-        if package and importlib.util.find_spec(package) is None:
-            raise ConfigError(
-                f'logger.{name} needs the {package} package, which is not installed: pip install -e ".[{package}]"'
-            )
-    for key in ("ckpt_path", "init_from"):
-        if cfg.get(key) is not None and not Path(cfg[key]).exists():
-            raise ConfigError(f"{key}={cfg[key]!r} does not exist")
-    accelerator = cfg["trainer"].get("accelerator", "auto")
-    if accelerator in ("gpu", "cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"trainer.accelerator={accelerator!r} but this machine has no usable CUDA GPU; "
-                "use trainer=cpu (or trainer.accelerator=cpu)"
-            )
-        devices = cfg["trainer"].get("devices")
-        if isinstance(devices, int) and devices > torch.cuda.device_count():
-            raise ConfigError(f"trainer.devices={devices} but this machine has {torch.cuda.device_count()} GPU(s)")
-
-
 class ValidateConfig(Callback):
-    """Hydra callback: ``validate_config`` on the composed config before anything else happens.
+    """Hydra callback: ``validate_config`` and ``preflight.check`` on the composed config before anything else
+    happens.
 
     A single run is checked in ``on_run_start``, before its folder is created (``NewRunFolder``, the next
     callback) and before the config is printed; each job of a sweep (``-m``) is checked as it starts, since
     its overrides are applied only then. Hydra turns a callback's exception into a warning and goes on, so
-    a wrong value (or an interpolation that cannot be resolved) is printed here as ``error: ...`` on stderr
-    and the process exits with status 2.
+    a wrong value (or an interpolation that cannot be resolved) is raised as ConfigRefused, which Hydra lets
+    through and ``train.py`` prints as ``error: ...`` on stderr, exit status 2.
     """
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -138,18 +89,29 @@ class ValidateConfig(Callback):
             _validate_or_exit(config)
 
 
+class ConfigRefused(SystemExit):
+    """The error that stops a run before it starts (a wrong value, a config that does not resolve, what preflight
+    found), carried past Hydra, which turns a callback's Exception into a warning; ``train.py`` prints it.
+
+    A SystemExit with status 2: uncaught, the process still ends with that status."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(2)
+        self.error = error
+
+
 def _validate_or_exit(config: DictConfig) -> None:
-    """``validate_config`` of the job's config; one line on stderr and exit status 2 when it is wrong."""
+    """``validate_config`` of the job's config, then ``preflight.check`` (in the process that starts the run);
+    ConfigRefused with the first invalid value, or with every problem preflight found."""
     try:
-        validate_config(_job_config(config))
-    except CaptionerError as exc:
-        message = str(exc)
-    except OmegaConfBaseException as exc:
-        message = error_line(exc)
-    else:
-        return
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+        plain = _job_config(config)
+        validate_config(plain)
+        if first_process():
+            from captioner.training import preflight  # reads datasets and imports torch: once the values are valid
+
+            preflight.check(plain)
+    except (CaptionerError, OmegaConfBaseException) as exc:
+        raise ConfigRefused(exc) from None
 
 
 def _job_config(config: DictConfig) -> dict[str, Any]:
@@ -167,47 +129,3 @@ def _job_config(config: DictConfig) -> dict[str, Any]:
     HydraConfig.instance().set_config(config)
     config = OmegaConf.masked_copy(config, [key for key in config if key != "hydra"])
     return OmegaConf.to_container(config, resolve=True, enum_to_str=True)
-
-
-def error_line(exc: BaseException) -> str:
-    """A Hydra or OmegaConf error (an unknown key or option, a bad override or value) as one line, from the
-    exception's type and fields; a CaptionerError that Hydra wrapped as its own message."""
-    if isinstance(exc.__cause__, CaptionerError):
-        return str(exc.__cause__)
-    schema = exc.object_type if dataclasses.is_dataclass(getattr(exc, "object_type", None)) else None
-    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)) and schema is not None:
-        fields = [f.name for f in dataclasses.fields(schema) if f.name != "_target_"]
-        return f"{exc.full_key} is not a known key; valid keys: {', '.join(fields)}"
-    if isinstance(exc, ValidationError) and schema is not None and exc.key in typing.get_type_hints(schema):
-        kind = typing.get_type_hints(schema)[exc.key]
-        if isinstance(kind, type) and issubclass(kind, enum.Enum):
-            return f"{exc.full_key}={exc.value!r} is not valid; choose one of: {', '.join(kind.__members__)}"
-        if kind is bool:
-            return f"{exc.full_key}={exc.value!r} must be true or false"
-        return f"{exc.full_key}={exc.value!r} must be {getattr(kind, '__name__', kind)}"
-    if isinstance(exc, OmegaConfBaseException):
-        return f"{exc.full_key}: {first_line(exc)}" if exc.full_key else first_line(exc)
-    if isinstance(exc, MissingConfigException):
-        options = f"; choose one of: {', '.join(exc.options)}" if exc.options else ""
-        return f"no config {exc.missing_cfg_file!r}{options}"
-    if isinstance(exc, OverrideParseException):
-        return f"cannot parse the override {exc.override!r}: {first_line(exc)}"
-    if isinstance(exc, ConfigCompositionException):  # Hydra raises it while handling OmegaConf's error
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, OmegaConfBaseException):
-            return error_line(cause)
-    return first_line(exc)
-
-
-def section_error(section: str, error: BaseException, message: str) -> ConfigError:
-    """The ConfigError for an object of config ``section`` that could not be built: ``error`` said ``message``.
-
-    This project's own messages start with the key they are about: a key inside ``section``
-    (``encoder.weights=...`` of ``model``) gets the section in front, one that already names it is kept; any
-    other message (Lightning's, a class's TypeError, one of ours about no key) follows ``section: ``.
-    """
-    if isinstance(error, CaptionerError) and message.startswith(f"{section}."):
-        return ConfigError(message)
-    if isinstance(error, CaptionerError) and _KEY.match(message):
-        return ConfigError(f"{section}.{message}")
-    return ConfigError(f"{section}: {message}")

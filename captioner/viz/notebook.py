@@ -3,28 +3,39 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 from matplotlib.figure import Figure
 from PIL import Image
 
-from captioner.data.images import load_rgb, to_rgb
-from captioner.inference import Captioned
+from captioner.inference import Captioned, to_picture
 from captioner.viz.overlay import overlay_figure
 
 
-def show_attention(result: Captioned, image: str | os.PathLike | Image.Image | torch.Tensor | None = None) -> Figure:
+def show_attention(
+    result: Captioned | Sequence[Captioned],
+    image: str | os.PathLike | Image.Image | torch.Tensor | np.ndarray | None = None,
+) -> Figure | list[Figure]:
     """The per-word attention overlay of ``result`` (from ``model.caption``): the image, then one panel per word.
 
     The image is ``image`` when given, else the one captioned: the image given in memory, or the file read
     again from ``result.path``. For hard attention decoded by argmax the attended cell is outlined. Returns
     the figure (``captioner.viz.overlay.overlay_figure``): the last expression of a notebook cell shows it
-    inline; ``fig.savefig(...)`` writes it. Raises ValueError when there is no image to draw on.
+    inline; ``fig.savefig(...)`` writes it. A list of results (``model.caption([...])``) gives a list of
+    figures, one per result (``for fig in show_attention(results): display(fig)`` shows each in a notebook).
+    Raises ValueError when there is no image to draw on, or for a result that holds an error.
     """
+    if isinstance(result, (list, tuple)):
+        if image is not None:
+            raise ValueError("image= goes with one result; a list of results draws each result's own image")
+        return [show_attention(item) for item in result]
+    if result.error is not None:
+        raise ValueError(f"{result.path or 'the image'} was not captioned ({result.error}): nothing to draw")
     source = image if image is not None else (result.image if result.image is not None else result.path)
     if source is None:
         raise ValueError("the result has neither an image nor a path: pass image=")
-    picture = load_rgb(source) if isinstance(source, (str, os.PathLike)) else to_rgb(source)
     return overlay_figure(
-        picture, result.words, result.alphas, result.grid, locations=result.locations, title=result.caption
+        to_picture(source), result.words, result.alphas, result.grid, locations=result.locations, title=result.caption
     )

@@ -26,7 +26,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
-from PIL import Image
+from PIL import Image, ImageDraw
 from torch import Tensor
 
 from captioner.fileio import atomic_write
@@ -36,6 +36,7 @@ MAX_SIDE = 448  # the image is shrunk to this longest side (pixels) before drawi
 PANEL_INCHES = 2.4  # width of one panel
 DIM_FLOOR = 0.15  # brightness left where a word puts no attention
 DPI = 100
+ASPECT_RANGE = (0.5, 2.0)  # a panel's height / width, whatever the image's
 
 
 def upsample_attention(alpha: Tensor | np.ndarray, grid: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
@@ -99,7 +100,9 @@ def overlay_figure(
     panels = 1 + len(words)
     ncols = min(MAX_COLUMNS, panels)
     nrows = math.ceil(panels / ncols)
-    panel_height = PANEL_INCHES * height / width + 0.35  # room for the word above
+    # room for the word above; a very wide or tall image is drawn inside a panel of at most ASPECT_RANGE's
+    # proportions, so that the words and the colour bar keep a readable size
+    panel_height = PANEL_INCHES * min(max(height / width, ASPECT_RANGE[0]), ASPECT_RANGE[1]) + 0.35
     fig = Figure(
         figsize=(PANEL_INCHES * ncols + (0.9 if words else 0.0), panel_height * nrows + (0.4 if title else 0.0)),
         dpi=DPI,
@@ -158,3 +161,33 @@ def draw_overlay(
     with atomic_write(out_path, "wb") as handle:
         fig.savefig(handle, format="png", dpi=DPI)
     return Path(out_path)
+
+
+def word_panels(
+    image: Image.Image,
+    words: Sequence[str],
+    alphas: Tensor | np.ndarray,
+    grid: tuple[int, int],
+    locations: Sequence[int] | None = None,
+) -> list[Image.Image]:
+    """One image per word, as the panels of :func:`overlay_figure` draw it (the image dimmed where the word's
+    attention is low, one scale for the caption, the attended cell outlined for hard attention), without
+    titles or axes: a page shows the word beside it at its own size."""
+    rows, cols = grid
+    maps = _as_alphas(alphas, len(words), grid)
+    picture = image.convert("RGB")
+    picture.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.LANCZOS)
+    width, height = picture.size
+    pixels = np.asarray(picture, dtype=np.float32) / 255.0
+    heat = [upsample_attention(maps[step], grid, (width, height)) for step in range(len(words))]
+    scale = Normalize(0.0, max([1.0 / (rows * cols), *(float(h.max()) for h in heat)]))
+    panels = []
+    for step in range(len(words)):
+        weight = np.clip(scale(heat[step]), 0.0, 1.0)[..., None]
+        panel = Image.fromarray((pixels * (DIM_FLOOR + (1.0 - DIM_FLOOR) * weight) * 255).round().astype(np.uint8))
+        if locations is not None:
+            row, col = divmod(int(locations[step]), cols)
+            box = (col * width / cols, row * height / rows, (col + 1) * width / cols - 1, (row + 1) * height / rows - 1)
+            ImageDraw.Draw(panel).rectangle(box, outline=(255, 0, 0), width=max(1, min(width, height) // 100))
+        panels.append(panel)
+    return panels

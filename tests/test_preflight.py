@@ -1,0 +1,136 @@
+"""Preflight: every file and device a training run needs is checked before its folder is made, and every
+problem is listed at once, one line each with its remedy and the guide's section."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from captioner.training.preflight import GUIDE, PreflightError, check, problems
+from conftest import ROOT, compose_plain, subprocess_env
+
+NO_WEIGHTS = "model.encoder.weights=null"
+
+
+def _lines(overrides: list[str], tmp_path: Path) -> list[str]:
+    return [str(problem) for problem in problems(compose_plain(overrides, tmp_path))]
+
+
+def _karpathy_tree(data: Path, present: dict[str, int], sizes: dict[str, int]) -> None:
+    """A Karpathy COCO split file of ``sizes`` images per split, of which ``present[split]`` exist as JPEGs."""
+    entries = []
+    for split, count in sizes.items():
+        folder = "train2014" if split == "train" else "val2014"
+        (data / "coco" / folder).mkdir(parents=True, exist_ok=True)
+        for k in range(count):
+            image_id = len(entries) + 1
+            name = f"COCO_{folder}_{image_id:012d}.jpg"
+            if k < present[split]:
+                Image.new("RGB", (8, 8), (k, 0, 0)).save(data / "coco" / folder / name)
+            sentence = {"tokens": ["a"], "raw": "a"}
+            entries.append({"filepath": folder, "filename": name, "cocoid": image_id, "split": split,
+                            "sentences": [sentence]})  # fmt: skip
+    (data / "karpathy").mkdir(parents=True)
+    (data / "karpathy" / "dataset_coco.json").write_text(json.dumps({"images": entries}))
+
+
+def test_a_missing_dataset_names_each_file_with_how_to_get_it(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    lines = _lines(["experiment=coco_soft", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu"], tmp_path)
+    split_file = data / "karpathy" / "dataset_coco.json"
+    assert lines == [
+        f"data.source.split_file='{split_file}': file not found; write it with: captioner splits coco "
+        f"--captions-dir {data / 'coco' / 'annotations'} --out {split_file} ({GUIDE}#split-files)",
+        f"data.source.image_root='{data / 'coco'}': folder not found; unzip the dataset's images there "
+        f"({GUIDE}#images)",
+    ]
+    coco = _lines(["experiment=coco_soft", "data=coco", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu"], tmp_path)
+    assert [line.split(":")[0] for line in coco] == [
+        f"data.source.splits.{split}.{key}='{data}/coco/{where}" for split in ("train", "val") for key, where in
+        (("captions", f"annotations/captions_{split}2014.json'"), ("images", f"{split}2014'"))
+    ]  # fmt: skip
+
+
+def test_each_split_s_images_are_counted_and_a_sample_decodes(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    _karpathy_tree(data, present={"train": 3, "val": 0, "test": 2}, sizes={"train": 4, "val": 5, "test": 2})
+    (data / "coco" / "val2014" / "COCO_val2014_000000000999.jpg").mkdir()  # a folder is not an image
+    broken = data / "coco" / "val2014" / "COCO_val2014_000000000011.jpg"  # the last test image
+    broken.write_bytes(b"not a jpeg")
+    lines = _lines(["experiment=coco_soft", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu"], tmp_path)
+    assert lines == [
+        f"val: 0 of 5 images found under {data / 'coco' / 'val2014'} (e.g. {data}/coco/val2014/COCO_val2014_"
+        "000000000005.jpg); unzip the dataset's images there, or point data.source at the folder that holds them "
+        f"({GUIDE}#images)",
+        f"test: a sample image does not decode: {broken}: not an image file (Pillow cannot identify its format); "
+        f"download it again ({GUIDE}#images)",
+    ]
+    # test=false: the test split is not read; train=false: nor is train
+    assert len(_lines(["experiment=coco_soft", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu", "test=false"],
+                      tmp_path)) == 1  # fmt: skip
+
+
+def test_the_files_the_config_names_and_the_loggers_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "wandb" else real(name))
+    overrides = [
+        "logger=wandb",
+        f"data.vocab_file={tmp_path}/v.json",
+        f"init_from={tmp_path}/run",
+        f"data.source.root={tmp_path}/s",
+    ]
+    assert _lines(overrides, tmp_path) == [
+        f"data.vocab_file='{tmp_path}/v.json': file not found; give a vocabulary JSON file written by "
+        f"Vocabulary.save, or null to build one from the captions ({GUIDE}#train)",
+        f"init_from='{tmp_path}/run' does not exist; give a run folder, a .ckpt or a bundle ({GUIDE}#train)",
+        f'logger.wandb needs the wandb package, which is not installed; pip install -e ".[wandb]" ({GUIDE}#train)',
+    ]
+    (tmp_path / "file.txt").write_text("x")
+    assert _lines([f"data.source.root={tmp_path}/file.txt"], tmp_path) == [
+        f"data.source: data.source.root='{tmp_path}/file.txt' is a file, not a folder; see the dataset's config "
+        f"in conf/data ({GUIDE}#split-files)"
+    ]
+    check(compose_plain([f"data.source.root={tmp_path}/shapes"], tmp_path))  # the demo needs nothing: no error
+
+
+def test_a_missing_weight_file_says_where_to_save_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no weight file there
+    lines = _lines(["model.encoder.weights=IMAGENET1K_V1", f"data.source.root={tmp_path}/s"], tmp_path)
+    assert lines == [
+        "model.encoder.weights='IMAGENET1K_V1': the ImageNet weights of resnet18 are not on disk; download "
+        "https://download.pytorch.org/models/resnet18-f37072fd.pth and save it as "
+        f"{tmp_path / 'hub' / 'checkpoints' / 'resnet18-f37072fd.pth'} (TORCH_HOME moves that folder) "
+        f"({GUIDE}#encoder-weights)"
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_an_accelerator_this_machine_lacks(tmp_path: Path) -> None:
+    with pytest.raises(PreflightError) as info:
+        check(compose_plain(["trainer=gpu", f"data.source.root={tmp_path}/s"], tmp_path))
+    assert str(info.value) == (
+        "trainer.accelerator='gpu' but this machine has no usable CUDA GPU; use trainer=cpu (slow for these "
+        f"recipes) or a machine with a GPU ({GUIDE}#gpu)"
+    )
+
+
+@pytest.mark.slow
+def test_train_py_lists_every_problem_at_once_and_makes_no_run_folder(tmp_path: Path) -> None:
+    data, logs = tmp_path / "data", tmp_path / "logs"
+    args = ["experiment=coco_soft", f"paths.data_dir={data}", f"paths.log_dir={logs}"]
+    env = {**subprocess_env(), "TORCH_HOME": str(tmp_path / "torch")}
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and all(line.startswith("error: ") for line in lines), proc.stderr
+    keys = [line.split("=")[0].removeprefix("error: ") for line in lines]
+    gpu = [] if torch.cuda.is_available() else ["trainer.accelerator"]
+    assert keys == ["data.source.split_file", "data.source.image_root", "model.encoder.weights", *gpu]
+    assert not logs.exists()
