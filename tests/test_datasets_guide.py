@@ -107,3 +107,39 @@ def test_a_tiny_coco_tree_goes_through_the_guide(tiny_shapes: Path, tmp_path: Pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "eval" / "coco_soft" / "metrics.json").read_text())
     assert metrics["images"] == SPLIT_SIZES["test"] and 0.0 <= metrics["bleu"]["bleu4"] <= 1.0
+
+
+def test_every_section_preflight_names_is_in_the_guide() -> None:
+    from captioner.training import preflight
+
+    source = Path(preflight.__file__).read_text()
+    named = set(re.findall(r'"(split-files|images|encoder-weights|gpu|train)"', source))
+    anchors = {h.lower().replace(" ", "-") for h in re.findall(r"^## (.+)$", GUIDE.read_text(), flags=re.MULTILINE)}
+    assert named == {"split-files", "images", "encoder-weights", "gpu", "train"} and named <= anchors
+    assert "issue" not in GUIDE.read_text().lower()  # nothing outside the project
+
+
+def test_the_guide_s_split_commands_write_what_the_dataset_configs_read(tmp_path: Path) -> None:
+    from captioner import cli
+    from captioner.data.splits import karpathy_coco_ids
+
+    annotations = tmp_path / "data" / "coco" / "annotations"
+    annotations.mkdir(parents=True)
+    for folder, ids in (("train2014", [1, 2]), ("val2014", [*karpathy_coco_ids("val")[:2], 3])):
+        images = [{"id": i, "file_name": f"COCO_{folder}_{i:012d}.jpg"} for i in ids]
+        captions = [{"id": i, "image_id": i, "caption": "A dog."} for i in ids]
+        (annotations / f"captions_{folder}.json").write_text(json.dumps({"images": images, "annotations": captions}))
+    text = tmp_path / "data" / "flickr8k" / "text"
+    text.mkdir(parents=True)
+    (text / "Flickr8k.token.txt").write_text("".join(f"{n}.jpg#0\tA dog .\n" for n in "abc"))
+    for split, name in (("train", "a"), ("dev", "b"), ("test", "c")):
+        (text / f"Flickr_8k.{split}Images.txt").write_text(f"{name}.jpg\n")
+    (coco,) = guide_commands("captioner splits coco")
+    (flickr8k,) = guide_commands("captioner splits flickr8k")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path)
+        assert cli.main([*shlex.split(coco)[1:], "--partial"]) == 0  # a tiny COCO: a few of the listed images
+        assert cli.main(shlex.split(flickr8k)[1:]) == 0
+    for dataset in ("coco_karpathy", "flickr8k"):
+        source = compose_plain([f"data={dataset}", f"paths.data_dir={tmp_path / 'data'}"], tmp_path)["data"]["source"]
+        assert Path(source["split_file"]).is_file(), dataset

@@ -29,7 +29,7 @@ LOGGER_PACKAGES: dict[str, str] = {"WandbLogger": "wandb", "MLFlowLogger": "mlfl
 # What writes a Karpathy split file that is missing (``captioner splits``), by its file name.
 SPLIT_COMMANDS = {
     "dataset_coco.json": ("coco", "coco/annotations"),
-    "dataset_flickr8k.json": ("flickr8k", "Flickr8k_text"),
+    "dataset_flickr8k.json": ("flickr8k", "flickr8k/text"),
 }
 
 
