@@ -18,6 +18,7 @@ import argparse
 import torch
 
 import common
+from captioner.config import DecodingConfig
 
 METHODS = (("greedy", "greedy", 1), ("beam 3", "beam", 3), ("beam 5", "beam", 5))
 THROUGHPUT_COLUMNS = [
@@ -93,9 +94,8 @@ def throughput_rows(size: common.Setup, args: argparse.Namespace) -> list[list[o
 
         def decode() -> None:
             with common.autocast(args):
-                generation, _ = model.generate_from_features(
-                    features, grid, method=method, beam_size=beam, max_len=size.decode_len
-                )
+                settings = DecodingConfig(method=method, beam_size=beam, max_len=size.decode_len)
+                generation, _ = model.generate_from_features(features, grid, settings)
             words[label] = generation.tokens.size(1)
 
         decode_flops = common.count_flops(decode)
@@ -121,7 +121,7 @@ def throughput_rows(size: common.Setup, args: argparse.Namespace) -> list[list[o
         )
     with common.EncoderCounter(model) as counter, common.OtherLoad() as others, common.autocast(args):
         total = common.measure(
-            lambda: model.generate(images, method="beam", beam_size=3, max_len=size.decode_len),
+            lambda: model.generate(images, DecodingConfig(method="beam", beam_size=3, max_len=size.decode_len)),
             args,
             warmup=0,
             repeats=1,
@@ -159,9 +159,8 @@ def beam_rows(
 
         def search() -> torch.Tensor:
             with common.autocast(args):
-                generation, _ = model.generate_from_features(
-                    features, method="beam", beam_size=beam, max_len=size.decode_len
-                )
+                settings = DecodingConfig(method="beam", beam_size=beam, max_len=size.decode_len)
+                generation, _ = model.generate_from_features(features, decoding=settings)
             return generation.tokens
 
         with common.OpCounter() as ops:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import common
+from captioner.config import DecodingConfig
 
 
 def profile_table(label: str, fn: Callable[[], object], args: argparse.Namespace) -> None:
@@ -50,9 +51,11 @@ def main(argv: list[str] | None = None) -> None:
         common.never_end(model.eval())
         features = common.random_features(model, size, size.caption_batch, args.device)
 
+        settings = DecodingConfig(method="beam", beam_size=3, max_len=size.decode_len)
+
         def search() -> None:
             with common.autocast(args):
-                model.generate_from_features(features, method="beam", beam_size=3, max_len=size.decode_len)
+                model.generate_from_features(features, decoding=settings)
 
         profile_table(f"beam search, beam 3, {size.caption_batch} images from features", search, args)
 

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from captioner.errors import ConfigError, check_range
 
 T = TypeVar("T")
+MAX_LEN = 20  # words per caption at most, <end> excluded: training's cut (DataConfig) and decoding's limit
 MAX_AUTO_WORKERS = 8  # DataConfig.num_workers=None uses at most this many loader workers
 
 
@@ -96,6 +97,20 @@ class DecodeMethod(enum.StrEnum):
     greedy = "greedy"
     beam = "beam"
     sample = "sample"
+
+
+class Compile(enum.StrEnum):
+    """What ``torch.compile`` does to the decoder's step (``model.compile``); true/false read as default/off."""
+
+    off = "off"  # eager
+    default = "default"  # inductor kernels
+    reduce_overhead = "reduce-overhead"  # inductor kernels replayed as CUDA graphs (on CUDA)
+    max_autotune = "max-autotune"  # inductor with autotuned kernels (long compiles)
+
+    @classmethod
+    def _missing_(cls, value: object) -> Compile | None:
+        """Old configs' and checkpoints' true/false."""
+        return {True: cls.default, False: cls.off}.get(value) if isinstance(value, bool) else None
 
 
 class NonFinite(enum.StrEnum):
@@ -283,12 +298,12 @@ class SchedulerConfig(Settings):
 class DecodingConfig(Settings):
     """How captions are decoded: these defaults are validation's and test's (``model.decoding``);
     captioning (``Captioner.generate``, ``caption()``, the CLI's flags) starts from ``captioning()``, the
-    same settings with ``CAPTIONING_METHOD``. ``captioner.model.decoding`` reads its defaults here."""
+    same settings with ``CAPTIONING_METHOD``. ``captioner.model.decoding`` takes one, checked here."""
 
     # greedy for validation and test (one decode per epoch, fast); captioning: CAPTIONING_METHOD
     method: DecodeMethod = DecodeMethod.greedy
     beam_size: int = 3
-    max_len: int = 20  # words at most, <end> excluded
+    max_len: int = MAX_LEN  # words at most, <end> excluded
     length_penalty: float = 0.0  # beam: score / length ** length_penalty
     temperature: float = 1.0  # sample: softmax(logits / temperature)
     min_len: int = 0  # no <end> before this many words (0: off)
@@ -300,11 +315,7 @@ class DecodingConfig(Settings):
 
         TypeError for a name that is no field (as for any unknown keyword), ConfigError naming a bad value.
         """
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = [name for name in settings if name not in fields]
-        if unknown:
-            raise TypeError(f"unknown decoding option {unknown[0]!r}; the options are: {', '.join(fields)}")
-        return from_dict(cls, {"method": CAPTIONING_METHOD, **settings})
+        return cls(**{"method": CAPTIONING_METHOD, **settings})
 
     def check(self) -> None:
         check_range("beam_size", self.beam_size, 1, kind=int)
@@ -356,7 +367,11 @@ class ModelConfig(NetConfig):
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
-    compile: bool = False  # torch.compile the decoder
+    # torch.compile the decoder's step (one LSTM step, reused for every word of training and decoding): a
+    # Compile choice (off, default, reduce-overhead, max-autotune; true/false read as default/off; typed
+    # Any for Hydra, which reads `off` as false and knows no enum value with a hyphen); on, training pads
+    # its captions to data.max_len + 2 tokens. None: reduce-overhead on CUDA, off elsewhere.
+    compile: Any = None
     # Decoding (captions and SCST samples) runs all max_len steps with finished captions masked, no early exit
     # and no host read inside the loop: the same shapes on every call, what a captured CUDA graph needs, for
     # the same captions. None: on CUDA only; on a CPU stopping once every caption has ended is cheaper
@@ -371,6 +386,11 @@ class ModelConfig(NetConfig):
     # demo_scst and coco_scst (which fine-tune a cross-entropy run's model).
     objective: Objective = Objective.cross_entropy
     scst: ScstConfig = field(default_factory=ScstConfig)
+
+    def __post_init__(self) -> None:
+        if self.compile is not None:
+            self.compile = _convert(Compile, self.compile, "compile")
+        super().__post_init__()
 
     def check(self) -> None:
         super().check()
@@ -395,7 +415,7 @@ class DataConfig(Settings):
     num_workers: int | None = None
     min_word_count: int = 5  # words seen fewer times in the training captions become <unk>
     max_vocab: int | None = 10000  # keep at most this many words (most frequent first); None: all
-    max_len: int = 20  # longer training captions are cut to this many words
+    max_len: int = MAX_LEN  # longer training captions are cut to this many words
     per_caption: bool = False  # one item per (image, caption); the CNN then runs once per caption
     augment: bool = False  # mild colour jitter / crop; never flips (captions say left and right)
     feature_cache: str | None = None  # a folder: cache the encoder's frozen stages' output there
@@ -403,7 +423,8 @@ class DataConfig(Settings):
     vocab_file: str | None = None  # load this vocabulary JSON instead of building one from the captions
     # Training captions padded to this many tokens (<start> and <end> included, so max_len + 2 holds every
     # caption) instead of the batch's longest: every step has the same shapes, what a captured CUDA graph
-    # needs; the loss is unchanged (pad steps are masked). None: the batch's longest (fewer steps on a CPU).
+    # needs; the loss is unchanged (pad steps are masked). None: the batch's longest (fewer steps on a CPU), or
+    # max_len + 2 when model.compile is on.
     pad_to: int | None = None
     # Where the recipe that trains on this dataset is: the demo's recipe (``demo``) on any dataset but the
     # built-in shapes (``recipe: null``) stops at once, naming it.
@@ -447,9 +468,12 @@ def _convert(kind: Any, value: Any, key: str) -> Any:
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         if isinstance(value, kind):
             return value
-        if value not in kind.__members__:
-            raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(kind.__members__)}")
-        return kind[value]
+        if value in kind.__members__:
+            return kind[value]
+        try:  # by value (reduce-overhead), or an old spelling the enum reads (true/false)
+            return kind(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(kind)}") from None
     if kind is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r} must be true or false")
     if kind is str and not isinstance(value, str):

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from PIL import Image
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.bundle import TrainedModel, load_trained
-from captioner.config import CAPTIONING_BATCH_SIZE
+from captioner.config import CAPTIONING_BATCH_SIZE, DecodingConfig
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.errors import check_range
@@ -71,15 +72,16 @@ class LoadedModel(TrainedModel):
     """A trained captioner ready for inference (``model`` in eval mode, ``vocab``, ``config``, ``image_size``)."""
 
     def caption(
-        self, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, **decode: object
+        self, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, **settings: Any
     ) -> Captioned | list[Captioned]:
         """Caption image files, PIL images or image tensors; see :func:`caption_images`.
 
         One image gives one :class:`Captioned` (``.caption``, ``.score``, ``.alphas`` (T, H*W) on ``.grid``),
-        a list or a batch tensor (B, 3, H, W) a list of them. ``decode`` holds ``Captioner.generate``
-        options (method, beam_size, max_len, ...).
+        a list or a batch tensor (B, 3, H, W) a list of them. ``settings`` are ``DecodingConfig`` fields over
+        captioning's defaults (method, beam_size, max_len, ...): TypeError for an unknown one, ConfigError for
+        a bad value.
         """
-        return caption_images(self, images, batch_size, **decode)
+        return caption_images(self, images, batch_size, DecodingConfig.captioning(**settings))
 
 
 def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedModel:
@@ -89,13 +91,11 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     return LoadedModel(trained.model, trained.vocab, trained.config, trained.image_size)
 
 
-def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, **decode) -> list[Captioned]:
+def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, decoding: DecodingConfig | None) -> list[Captioned]:
     """Caption preprocessed images (B, 3, S, S) in one encoder and decoder call; ``path`` left None."""
     model, vocab = loaded.model, loaded.vocab
     device = next(model.parameters()).device
-    generation, grid = model.generate(
-        pixels.to(device), start_id=vocab.start_id, end_id=vocab.end_id, unk_id=vocab.unk_id, **decode
-    )
+    generation, grid = model.generate(pixels.to(device), decoding, unk_id=vocab.unk_id)
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
     # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
     argmax = model.decoder.mode == "hard" and model.decoder.hard_inference == "argmax"
@@ -117,14 +117,14 @@ def caption_files(
     batch_size: int = CAPTIONING_BATCH_SIZE,
     workers: int = 0,
     progress: bool = False,
-    **decode,
+    decoding: DecodingConfig | None = None,
 ) -> Iterator[Captioned | Skipped]:
     """Caption ``paths`` a batch at a time, yielding one result per path in input order.
 
     Images are decoded in ``workers`` processes and resized to the model's ``image_size``; each batch
     runs the encoder and the decoder once on the model's device. An unreadable file yields
-    ``Skipped(path, reason)``. ``decode`` holds ``Captioner.generate`` options (method, beam_size,
-    max_len, temperature, length_penalty, min_len, no_repeat_ngram_size). ``progress`` shows a bar on stderr.
+    ``Skipped(path, reason)``. ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``).
+    ``progress`` shows a bar on stderr.
     """
     batches = math.ceil(len(paths) / batch_size)
     loader = DataLoader(
@@ -140,7 +140,7 @@ def caption_files(
             captioned: dict[int, Captioned] = {}
             if good:
                 pixels = torch.stack([items[i] for i in good])  # (B, 3, S, S)
-                for i, result in zip(good, _caption_batch(loaded, pixels, **decode)):
+                for i, result in zip(good, _caption_batch(loaded, pixels, decoding)):
                     result.path = paths[first + i]
                     captioned[i] = result
             for i, item in enumerate(items):
@@ -156,7 +156,10 @@ def _one_image(images: Images) -> bool:
 
 
 def caption_images(
-    loaded: LoadedModel, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, **decode
+    loaded: LoadedModel,
+    images: Images,
+    batch_size: int = CAPTIONING_BATCH_SIZE,
+    decoding: DecodingConfig | None = None,
 ) -> Captioned | list[Captioned]:
     """Caption image files, PIL images or image tensors, ``batch_size`` at a time, on the model's device.
 
@@ -165,7 +168,7 @@ def caption_images(
     brought to RGB (``data.images``) and preprocessed as in training (``data.dataset.build_transform``).
     Returns one Captioned per image (a single one for a single image): the caption, its score, the
     attention maps ``alphas`` (T, H*W) on ``grid``; an image given in memory is kept in ``image`` for
-    ``show_attention``. ``decode`` holds ``Captioner.generate`` options (method, beam_size, max_len, ...).
+    ``show_attention``. ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``).
     Raises ImageError for a file that cannot be read, TypeError or ValueError for another kind of object.
     """
     check_range("batch_size", batch_size, 1, kind=int)
@@ -177,7 +180,7 @@ def caption_images(
         chunk = items[start : start + batch_size]
         pictures = [load_rgb(item) if isinstance(item, (str, os.PathLike)) else to_rgb(item) for item in chunk]
         pixels = torch.stack([transform(picture) for picture in pictures])  # (B, 3, S, S)
-        for item, result in zip(chunk, _caption_batch(loaded, pixels, **decode)):
+        for item, result in zip(chunk, _caption_batch(loaded, pixels, decoding)):
             if isinstance(item, (str, os.PathLike)):
                 result.path = os.fspath(item)
             else:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from captioner.config import MAX_LEN
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
@@ -129,7 +130,7 @@ class FeatureCache:
 class FeatureCaptionDataset(Dataset):
     """Like ``CaptionDataset`` but yields cached ``features`` (L, C) instead of decoding the image."""
 
-    def __init__(self, records: list[Record], vocab: Vocabulary, cache: FeatureCache, max_len: int = 20,
+    def __init__(self, records: list[Record], vocab: Vocabulary, cache: FeatureCache, max_len: int = MAX_LEN,
                  per_caption: bool = False) -> None:
         self.records = records
         self.vocab = vocab
