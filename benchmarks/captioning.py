@@ -23,6 +23,7 @@ import counters
 import machine
 import options
 import tables
+from captioner.config import DecodingConfig
 
 METHODS = (("greedy", "greedy", 1), ("beam 3", "beam", 3), ("beam 5", "beam", 5))
 THROUGHPUT_COLUMNS = [
@@ -98,9 +99,8 @@ def throughput_rows(size: composed.Setup, args: argparse.Namespace) -> list[list
 
         def decode() -> None:
             with composed.autocast(args):
-                generation, _ = model.generate_from_features(
-                    features, grid, method=method, beam_size=beam, max_len=size.decode_len
-                )
+                settings = DecodingConfig(method=method, beam_size=beam, max_len=size.decode_len)
+                generation, _ = model.generate_from_features(features, grid, settings)
             words[label] = generation.tokens.size(1)
 
         decode_flops = clock.count_flops(decode)
@@ -126,7 +126,7 @@ def throughput_rows(size: composed.Setup, args: argparse.Namespace) -> list[list
         )
     with counters.EncoderCounter(model) as counter, machine.OtherLoad() as others, composed.autocast(args):
         total = clock.measure(
-            lambda: model.generate(images, method="beam", beam_size=3, max_len=size.decode_len),
+            lambda: model.generate(images, DecodingConfig(method="beam", beam_size=3, max_len=size.decode_len)),
             args,
             warmup=0,
             repeats=1,
@@ -164,9 +164,8 @@ def beam_rows(
 
         def search() -> torch.Tensor:
             with composed.autocast(args):
-                generation, _ = model.generate_from_features(
-                    features, method="beam", beam_size=beam, max_len=size.decode_len
-                )
+                settings = DecodingConfig(method="beam", beam_size=beam, max_len=size.decode_len)
+                generation, _ = model.generate_from_features(features, decoding=settings)
             return generation.tokens
 
         with counters.OpCounter() as ops:

@@ -17,6 +17,7 @@ import clock
 import composed
 import machine
 import options
+from captioner.config import DecodingConfig
 
 
 def profile_table(label: str, fn: Callable[[], object], args: argparse.Namespace) -> None:
@@ -53,9 +54,11 @@ def main(argv: list[str] | None = None) -> None:
         composed.never_end(model.eval())
         features = composed.random_features(model, size, size.caption_batch, args.device)
 
+        settings = DecodingConfig(method="beam", beam_size=3, max_len=size.decode_len)
+
         def search() -> None:
             with composed.autocast(args):
-                model.generate_from_features(features, method="beam", beam_size=3, max_len=size.decode_len)
+                model.generate_from_features(features, decoding=settings)
 
         profile_table(f"beam search, beam 3, {size.caption_batch} images from features", search, args)
 

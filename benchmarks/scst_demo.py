@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from captioner.config import DecodingConfig
 from captioner.data.shapes import shapes_records
 from captioner.data.vocab import tokenize
 from captioner.evaluation.bleu import corpus_bleu_scores
@@ -71,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         loaded = load_model(run / "bundle.pt" if run.is_dir() else run)
         label = run.parent.parent.name if run.is_dir() else run.name  # outputs/<task>/runs/<run>: the task
         for name, decode in decodings.items():
-            captions = {image_ids[c.path]: c.words for c in caption_files(loaded, list(image_ids), **decode)}
+            decoded = caption_files(loaded, list(image_ids), decoding=DecodingConfig.captioning(**decode))
+            captions = {image_ids[c.path]: c.words for c in decoded}
             row = score(captions, references)
             print(
                 f"| {label} | {name} | {row['bleu4']:.3f} | {row['cider']:.3f} | {row['repeats']:.1%} "

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.bundle import TrainedModel, load_trained
-from captioner.config import CAPTIONING_BATCH_SIZE, Attention, HardInference
+from captioner.config import CAPTIONING_BATCH_SIZE, Attention, DecodingConfig, HardInference
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.errors import check_range
@@ -93,16 +94,18 @@ class LoadedModel(TrainedModel):
     source: str | None = None
 
     def caption(
-        self, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, raise_errors: bool = False, **decode: object
+        self, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, raise_errors: bool = False, **settings: Any
     ) -> Captioned | list[Captioned]:
         """Caption image files, PIL images, image tensors or numpy arrays; see :func:`caption_images`.
 
         One image gives one :class:`Captioned` (``.caption``, ``.score``, ``.alphas`` (T, H*W) on ``.grid``),
         a list or a batch a list of them, one per input: an input of a list that cannot be captioned gets a
-        result with ``.error`` (the reason) unless ``raise_errors``. ``decode`` holds ``Captioner.generate``
-        options (method, beam_size, max_len, ...).
+        result with ``.error`` (the reason) unless ``raise_errors``. ``settings`` are ``DecodingConfig`` fields
+        over captioning's defaults (method, beam_size, max_len, ...): TypeError for an unknown one, ConfigError
+        for a bad value.
         """
-        return caption_images(self, images, batch_size, raise_errors=raise_errors, **decode)
+        decoding = DecodingConfig.captioning(**settings)
+        return caption_images(self, images, batch_size, raise_errors=raise_errors, decoding=decoding)
 
     @cached_property
     def grid(self) -> tuple[int, int]:
@@ -135,13 +138,11 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     return LoadedModel(trained.model, trained.vocab, trained.config, trained.image_size, os.fspath(path))
 
 
-def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, **decode) -> list[Captioned]:
+def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, decoding: DecodingConfig | None) -> list[Captioned]:
     """Caption preprocessed images (B, 3, S, S) in one encoder and decoder call; ``path`` left None."""
     model, vocab = loaded.model, loaded.vocab
     device = next(model.parameters()).device
-    generation, grid = model.generate(
-        pixels.to(device), start_id=vocab.start_id, end_id=vocab.end_id, unk_id=vocab.unk_id, **decode
-    )
+    generation, grid = model.generate(pixels.to(device), decoding, unk_id=vocab.unk_id)
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
     # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
     argmax = model.decoder.mode == Attention.hard and model.decoder.hard_inference == HardInference.argmax
@@ -163,14 +164,14 @@ def caption_files(
     batch_size: int = CAPTIONING_BATCH_SIZE,
     workers: int = 0,
     progress: bool = False,
-    **decode,
+    decoding: DecodingConfig | None = None,
 ) -> Iterator[Captioned | Skipped]:
     """Caption ``paths`` a batch at a time, yielding one result per path in input order.
 
     Images are decoded in ``workers`` processes and resized to the model's ``image_size``; each batch
     runs the encoder and the decoder once on the model's device. An unreadable file yields
-    ``Skipped(path, reason)``. ``decode`` holds ``Captioner.generate`` options (method, beam_size,
-    max_len, temperature, length_penalty, min_len, no_repeat_ngram_size). ``progress`` shows a bar on stderr.
+    ``Skipped(path, reason)``. ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``).
+    ``progress`` shows a bar on stderr.
     """
     batches = math.ceil(len(paths) / batch_size)
     loader = DataLoader(
@@ -186,7 +187,7 @@ def caption_files(
             captioned: dict[int, Captioned] = {}
             if good:
                 pixels = torch.stack([items[i] for i in good])  # (B, 3, S, S)
-                for i, result in zip(good, _caption_batch(loaded, pixels, **decode)):
+                for i, result in zip(good, _caption_batch(loaded, pixels, decoding)):
                     result.path = paths[first + i]
                     captioned[i] = result
             for i, item in enumerate(items):
@@ -226,7 +227,7 @@ def caption_images(
     images: Images,
     batch_size: int = CAPTIONING_BATCH_SIZE,
     raise_errors: bool = False,
-    **decode,
+    decoding: DecodingConfig | None = None,
 ) -> Captioned | list[Captioned]:
     """Caption image files, PIL images, image tensors or numpy arrays, ``batch_size`` at a time, on the model's
     device.
@@ -237,7 +238,7 @@ def caption_images(
     is brought to RGB (``data.images``) and preprocessed as in training (``data.dataset.build_transform``).
     Returns one Captioned per image (a single one for a single image): the caption, its score, the attention
     maps ``alphas`` (T, H*W) on ``grid``; an image given in memory is kept in ``image`` for ``show_attention``.
-    ``decode`` holds ``Captioner.generate`` options (method, beam_size, max_len, ...). A single image that
+    ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``). A single image that
     cannot be captioned raises ImageError (a file), TypeError or ValueError (another kind of object); in a list
     it gets a result with ``error`` set, or raises those with ``raise_errors``.
     """
@@ -258,7 +259,7 @@ def caption_images(
                 if single or raise_errors:
                     raise
                 failed[index] = _failed(item, str(exc))
-        captioned = dict(zip(good, _caption_batch(loaded, torch.stack(pixels), **decode))) if pixels else {}
+        captioned = dict(zip(good, _caption_batch(loaded, torch.stack(pixels), decoding))) if pixels else {}
         for index, item in enumerate(chunk):
             result = failed.get(index) or captioned[index]
             if result.error is None and isinstance(item, (str, os.PathLike)):

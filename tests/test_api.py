@@ -18,6 +18,7 @@ from PIL import Image
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 import captioner
+from captioner.config import DecodingConfig
 from captioner.data.images import ImageError
 from captioner.inference import Captioned, caption_files
 from conftest import ROOT, write_bundle
@@ -82,7 +83,7 @@ def test_a_path_a_pil_image_and_tensors_give_the_same_caption_and_attention(mode
         assert other.score == pytest.approx(first.score, abs=1e-5)
         assert torch.allclose(other.alphas, first.alphas, atol=1e-6)
     assert results[2].path is None and results[2].image is image  # kept for show_attention
-    (files,) = list(caption_files(model, [str(photos[1])], **GREEDY))  # the command line's path
+    (files,) = list(caption_files(model, [str(photos[1])], decoding=DecodingConfig(**GREEDY)))  # the CLI's path
     assert files.words == first.words and torch.equal(files.alphas, first.alphas)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from captioner.bundle import BUNDLE_VERSION, CHECKPOINT_KEY, load_bundle, load_trained, read_net, save_bundle
 from captioner.bundle_v1 import ABSENT_KEY_VALUES, upgrade_v1
-from captioner.config import NetConfig, from_dict, to_dict
+from captioner.config import DecodingConfig, NetConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
 from captioner.inference import load_model
@@ -38,8 +38,8 @@ def test_bundle_round_trip_generates_identically(small_model, small_vocab, bundl
     assert all(torch.equal(value, expected_state[key]) for key, value in loaded.state_dict().items())
     images = random_images(2)
     for method in ("greedy", "beam"):
-        expected, grid = small_model.generate(images, method=method, max_len=6)
-        actual, loaded_grid = loaded.generate(images, method=method, max_len=6)
+        expected, grid = small_model.generate(images, DecodingConfig(method=method, max_len=6))
+        actual, loaded_grid = loaded.generate(images, DecodingConfig(method=method, max_len=6))
         assert grid == loaded_grid
         for field in ("tokens", "scores", "alphas", "lengths"):
             assert torch.equal(getattr(actual, field), getattr(expected, field)), (method, field)
@@ -155,7 +155,8 @@ def test_load_model_reads_a_training_checkpoint_like_its_bundle(tmp_path: Path) 
     weights = from_bundle.model.state_dict()
     assert all(torch.equal(value, weights[key]) for key, value in from_checkpoint.model.state_dict().items())
     images = random_images(2, size=64)
-    greedy = [loaded.model.generate(images, method="greedy", max_len=5)[0] for loaded in (from_checkpoint, from_bundle)]
+    settings = DecodingConfig(method="greedy", max_len=5)
+    greedy = [loaded.model.generate(images, settings)[0] for loaded in (from_checkpoint, from_bundle)]
     assert torch.equal(greedy[0].tokens, greedy[1].tokens) and torch.equal(greedy[0].alphas, greedy[1].alphas)
 
 

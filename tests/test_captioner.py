@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from captioner.bundle import load_bundle, save_bundle
+from captioner.config import DecodingConfig
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
 from captioner.model.captioner import build_captioner
@@ -117,16 +118,16 @@ def test_a_partly_trained_encoder_caches_its_frozen_stages_and_trains_the_rest(s
     assert model.encoder.stages.layer1[0].conv1.weight.grad is None  # the cached one does not
     model.eval()
     with torch.no_grad():
-        generation, attention_grid = model.generate_from_features(features, grid, method="greedy", max_len=4)
+        settings = DecodingConfig(method="greedy", max_len=4)
+        generation, attention_grid = model.generate_from_features(features, grid, settings)
     assert attention_grid == (2, 2) and generation.alphas.shape[-1] == 4
 
 
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_generate_returns_per_word_alphas_on_the_grid(small_model, method):
     images = random_images(3)
-    generation, grid = small_model.generate(
-        images, method=method, max_len=7, beam_size=2, generator=torch.Generator().manual_seed(0)
-    )
+    settings = DecodingConfig(method=method, max_len=7, beam_size=2)
+    generation, grid = small_model.generate(images, settings, torch.Generator().manual_seed(0))
     assert grid == small_model.encoder.grid_size(SMALL_IMAGE_SIZE) == (2, 2)
     steps = generation.tokens.size(1)
     assert generation.alphas.shape == (3, steps, grid[0] * grid[1]) and 1 <= steps <= 7
@@ -135,9 +136,7 @@ def test_generate_returns_per_word_alphas_on_the_grid(small_model, method):
         torch.testing.assert_close(generation.alphas[row, :length].sum(-1), torch.ones(length))
         assert torch.all(generation.alphas[row, length:] == 0)
     features, _ = small_model.encode(images)
-    again, again_grid = small_model.generate_from_features(
-        features, grid, method=method, max_len=7, beam_size=2, generator=torch.Generator().manual_seed(0)
-    )
+    again, again_grid = small_model.generate_from_features(features, grid, settings, torch.Generator().manual_seed(0))
     assert again_grid == grid and torch.equal(again.tokens, generation.tokens)
 
 
@@ -145,29 +144,23 @@ def test_generate_returns_per_word_alphas_on_the_grid(small_model, method):
 def test_generate_applies_min_len_and_ngram_blocking(small_model, method):
     from captioner.model import decoding
 
-    options = dict(max_len=8, min_len=3, no_repeat_ngram_size=1)
-    generation, _ = small_model.generate(
-        random_images(3), method=method, beam_size=2, generator=torch.Generator().manual_seed(0), **options
-    )
+    settings = DecodingConfig(method=method, beam_size=2, max_len=8, min_len=3, no_repeat_ngram_size=1)
+    generation, _ = small_model.generate(random_images(3), settings, torch.Generator().manual_seed(0))
     for row in range(3):
         words = generation.tokens[row, : generation.lengths[row]].tolist()
         assert len(words) > 3 and len(set(words)) == len(words)  # 3 words before <end> at least, none twice
     features = small_model.attend_grid(small_model.encode(random_images(3))[0])
     direct = {
-        "greedy": lambda: decoding.greedy(small_model.decoder, features, start_id=1, end_id=2, **options),
-        "sample": lambda: decoding.sample(
-            small_model.decoder, features, start_id=1, end_id=2, generator=torch.Generator().manual_seed(0), **options
-        ),
-        "beam": lambda: decoding.beam_search(
-            small_model.decoder, features, start_id=1, end_id=2, beam_size=2, **options
-        ),
+        "greedy": lambda: decoding.greedy(small_model.decoder, features, settings),
+        "sample": lambda: decoding.sample(small_model.decoder, features, settings, torch.Generator().manual_seed(0)),
+        "beam": lambda: decoding.beam_search(small_model.decoder, features, settings),
     }[method]()
     assert torch.equal(generation.tokens, direct.tokens)
 
 
 def test_generate_refuses_unknown_method(small_model):
     with pytest.raises(ConfigError, match="method='topk'"):
-        small_model.generate(random_images(1), method="topk")
+        small_model.generate(random_images(1), DecodingConfig(method="topk"))
 
 
 def test_feature_norm_standardises_each_channel_in_training_and_travels_in_the_bundle(tmp_path) -> None:

@@ -127,7 +127,7 @@ def test_a_misspelt_key_in_a_config_file_fails_at_composition_with_the_key(tmp_p
         ({"decoder": {"gate": "half"}}, "model.decoder.gate='half' is not valid; choose one of: scalar, vector, none"),
         ({"decoder": {"embed_dim": "big"}}, "model.decoder.embed_dim='big' must be an int"),
         ({"decoder": {"hiden_dim": 3}}, "model.decoder.hiden_dim is not a known key; valid keys: embed_dim"),
-        ({"compile": "yes"}, "model.compile='yes' must be true or false"),
+        ({"compile": "yes"}, "model.compile='yes' is not valid; choose one of: off, default, reduce-overhead"),
         ({"scst": {"samples": 1}}, "model.scst.samples=1: baseline=mean compares each sample"),
         ({"decoding": {"min_len": 20}}, "model.decoding.min_len=20 must be < max_len=20"),
         ({"attention": "hard", "scorer": "multihead"}, "model.scorer=multihead works with soft attention only"),

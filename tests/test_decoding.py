@@ -1,5 +1,6 @@
 """Greedy, sampling and beam search: scripted chains with known answers, then a real decoder."""
 
+import dataclasses
 import itertools
 import math
 
@@ -7,10 +8,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from captioner.config import DecodingConfig
 from captioner.errors import ConfigError
 from captioner.model import decoding
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import beam_search, greedy, sample
+from captioner.model.steps import EXIT_CHECK_INTERVAL, static_steps
 from conftest import END, START, D, L, V, features_for, make_decoder, make_loss, net_config
 
 METHODS = {"greedy": greedy, "sample": sample, "beam": beam_search}
@@ -51,7 +54,7 @@ def chain_features(batch: int = 2):
 
 
 def test_greedy_follows_the_most_likely_word():
-    generation = greedy(TRAP, chain_features(), 5, START, END)
+    generation = greedy(TRAP, chain_features(), DecodingConfig(max_len=5))
     assert generation.tokens.tolist() == [[3, 2], [3, 2]]
     assert generation.lengths.tolist() == [2, 2]
     assert_close(generation.scores, torch.full((2,), math.log(0.5 * 0.4)), atol=1e-4, rtol=0)
@@ -59,17 +62,17 @@ def test_greedy_follows_the_most_likely_word():
 
 
 def test_beam_search_escapes_the_greedy_trap():
-    generation = beam_search(TRAP, chain_features(), 5, START, END, beam_size=2)
+    generation = beam_search(TRAP, chain_features(), DecodingConfig(max_len=5, beam_size=2))
     assert generation.tokens.tolist() == [[4, 2], [4, 2]]
     assert_close(generation.scores, torch.full((2,), math.log(0.4 * 0.9)), atol=1e-4, rtol=0)
     assert_close(generation.alphas[0], torch.eye(7)[[START, 4]])  # word 2 was emitted after word "b"
 
 
 def test_length_penalty_changes_the_ranking():
-    short = beam_search(LONG, chain_features(1), 8, START, END, beam_size=2)
+    short = beam_search(LONG, chain_features(1), DecodingConfig(max_len=8, beam_size=2))
     assert short.tokens.tolist() == [[3, 2]] and short.lengths.tolist() == [2]
     assert_close(short.scores, torch.tensor([math.log(0.55)]), atol=1e-4, rtol=0)
-    long = beam_search(LONG, chain_features(1), 8, START, END, beam_size=2, length_penalty=2.0)
+    long = beam_search(LONG, chain_features(1), DecodingConfig(max_len=8, beam_size=2, length_penalty=2.0))
     assert long.tokens.tolist() == [[4, 5, 6, 2]] and long.lengths.tolist() == [4]
     assert_close(long.scores, torch.tensor([math.log(0.45) / (9 / 6) ** 2]), atol=1e-4, rtol=0)
     assert_close(long.alphas[0], torch.eye(7)[[START, 4, 5, 6]])
@@ -86,8 +89,8 @@ def with_end_bias(decoder: ShowAttendTellDecoder, bias: float) -> ShowAttendTell
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_beam_of_one_is_greedy(mode, seed):
     decoder, features = make_decoder(mode, seed), features_for(6, seed)
-    expected = greedy(decoder, features, 9, START, END)
-    beam = beam_search(decoder, features, 9, START, END, beam_size=1)
+    expected = greedy(decoder, features, DecodingConfig(max_len=9))
+    beam = beam_search(decoder, features, DecodingConfig(max_len=9, beam_size=1))
     assert torch.equal(beam.tokens, expected.tokens)
     assert torch.equal(beam.scores, expected.scores)
     assert torch.equal(beam.lengths, expected.lengths)
@@ -101,9 +104,11 @@ def pad_to(tokens: torch.Tensor, width: int) -> torch.Tensor:
 @pytest.mark.parametrize("length_penalty", [0.0, 0.7])
 def test_batched_beam_equals_one_image_at_a_time(length_penalty):
     decoder, features = make_decoder(seed=3), features_for(5, seed=3)
-    batched = beam_search(decoder, features, 10, START, END, beam_size=3, length_penalty=length_penalty)
+    batched = beam_search(decoder, features, DecodingConfig(max_len=10, beam_size=3, length_penalty=length_penalty))
     for b in range(5):
-        alone = beam_search(decoder, features[b : b + 1], 10, START, END, beam_size=3, length_penalty=length_penalty)
+        alone = beam_search(
+            decoder, features[b : b + 1], DecodingConfig(max_len=10, beam_size=3, length_penalty=length_penalty)
+        )
         width = batched.tokens.size(1)
         assert torch.equal(pad_to(alone.tokens[0], width), batched.tokens[b])
         assert torch.equal(alone.lengths[0], batched.lengths[b])
@@ -116,7 +121,7 @@ def test_generation_agrees_with_teacher_forcing(beam_size, end_bias):
     """Re-scoring the returned captions with the teacher-forced decoder gives the same scores and
     alphas: the backpointers were followed correctly."""
     decoder, features = with_end_bias(make_decoder(seed=4), end_bias), features_for(5, seed=4)
-    generation = beam_search(decoder, features, 8, START, END, beam_size=beam_size)
+    generation = beam_search(decoder, features, DecodingConfig(max_len=8, beam_size=beam_size))
     captions = torch.cat([torch.full((5, 1), START), generation.tokens], dim=1)
     output = decoder(features, captions)
     mask = torch.arange(generation.tokens.size(1)) < generation.lengths.unsqueeze(1)  # (B, T)
@@ -142,7 +147,7 @@ def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_caption(leng
         end_bias,
     )
     features = features_for(2, seed=11)
-    generation = beam_search(decoder, features, 3, START, END, beam_size=27, length_penalty=length_penalty)
+    generation = beam_search(decoder, features, DecodingConfig(max_len=3, beam_size=27, length_penalty=length_penalty))
     captions = [list(words) + [END] for n in range(3) for words in itertools.product([3, 4, 5], repeat=n)]
     captions += [list(words) for words in itertools.product([3, 4, 5], repeat=3)]
     for b in range(2):
@@ -160,12 +165,12 @@ def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_caption(leng
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_beam_search_returns_a_caption_when_end_is_impossible(beam_size):
     decoder = with_end_bias(make_decoder(seed=5), float("-inf"))
-    generation = beam_search(decoder, features_for(3), 6, START, END, beam_size=beam_size)
+    generation = beam_search(decoder, features_for(3), DecodingConfig(max_len=6, beam_size=beam_size))
     assert generation.tokens.shape == (3, 6) and generation.lengths.tolist() == [6, 6, 6]
     assert not (generation.tokens == END).any()
     assert torch.isfinite(generation.scores).all()
     if beam_size == 1:
-        assert torch.equal(generation.tokens, greedy(decoder, features_for(3), 6, START, END).tokens)
+        assert torch.equal(generation.tokens, greedy(decoder, features_for(3), DecodingConfig(max_len=6)).tokens)
 
 
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
@@ -173,7 +178,7 @@ def test_pad_and_start_are_never_generated(method):
     decoder = make_decoder(seed=10)
     with torch.no_grad():
         decoder.classifier.bias[[0, START]] = 20.0  # the model prefers them by far
-    generation = METHODS[method](decoder, features_for(3), 6, START, END)
+    generation = METHODS[method](decoder, features_for(3), DecodingConfig(max_len=6))
     mask = torch.arange(generation.tokens.size(1)) < generation.lengths.unsqueeze(1)
     assert (generation.tokens[mask] > START).all()
 
@@ -183,14 +188,14 @@ def test_unk_is_never_generated_when_its_id_is_given(method):
     decoder = make_decoder(seed=10)
     with torch.no_grad():
         decoder.classifier.bias[3] = 20.0  # the model prefers <unk> by far
-    assert (METHODS[method](decoder, features_for(3), 6, START, END).tokens == 3).any()
-    generation = METHODS[method](decoder, features_for(3), 6, START, END, unk_id=3)
+    assert (METHODS[method](decoder, features_for(3), DecodingConfig(max_len=6)).tokens == 3).any()
+    generation = METHODS[method](decoder, features_for(3), DecodingConfig(max_len=6), unk_id=3)
     assert not (generation.tokens == 3).any() and torch.isfinite(generation.scores).all()
 
 
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_an_empty_batch_gives_an_empty_generation(method):
-    generation = METHODS[method](make_decoder(), features_for(0), 6, START, END)
+    generation = METHODS[method](make_decoder(), features_for(0), DecodingConfig(max_len=6))
     assert generation.tokens.shape == (0, 0) and generation.alphas.shape == (0, 0, L)
     assert generation.scores.shape == generation.lengths.shape == (0,)
 
@@ -201,7 +206,7 @@ def test_keys_are_computed_once_per_decode(method):
     key_calls, steps = [], []
     decoder.attention.key.register_forward_hook(lambda m, args, out: key_calls.append(args[0].shape[0]))
     decoder.lstm.register_forward_hook(lambda m, args, out: steps.append(1))
-    generation = METHODS[method](decoder, features_for(2), 10, START, END)
+    generation = METHODS[method](decoder, features_for(2), DecodingConfig(max_len=10))
     assert key_calls == [2] and len(steps) == 10 and generation.tokens.shape == (2, 10)
 
 
@@ -221,19 +226,21 @@ def test_no_host_synchronisation_inside_the_step_loop(monkeypatch, constraints):
     max_len = 12
     for run in METHODS.values():
         syncs.clear()
-        run(decoder, features_for(3), max_len, START, END, **constraints)
-        assert syncs == ["__bool__"] * (max_len // decoding.EXIT_CHECK_INTERVAL) + ["__int__"], run.__name__
+        run(decoder, features_for(3), DecodingConfig(max_len=max_len, **constraints))
+        assert syncs == ["__bool__"] * (max_len // EXIT_CHECK_INTERVAL) + ["__int__"], run.__name__
 
 
 def test_sampling_at_low_temperature_is_greedy_and_reproducible_with_a_generator():
     decoder, features = make_decoder(seed=9), features_for(6, seed=9)
-    expected = greedy(decoder, features, 8, START, END)
-    cold = sample(decoder, features, 8, START, END, temperature=1e-4)
+    expected = greedy(decoder, features, DecodingConfig(max_len=8))
+    cold = sample(decoder, features, DecodingConfig(max_len=8, temperature=1e-4))
     assert torch.equal(cold.tokens, expected.tokens)
     assert torch.equal(cold.scores, expected.scores)
 
     def draw(seed):
-        return sample(decoder, features, 8, START, END, temperature=2.0, generator=torch.Generator().manual_seed(seed))
+        return sample(
+            decoder, features, DecodingConfig(max_len=8, temperature=2.0), generator=torch.Generator().manual_seed(seed)
+        )
 
     first, again, other = draw(0), draw(0), draw(1)
     assert torch.equal(first.tokens, again.tokens) and torch.equal(first.scores, again.scores)
@@ -244,7 +251,7 @@ def test_sampling_at_low_temperature_is_greedy_and_reproducible_with_a_generator
 @pytest.mark.parametrize("temperature", [0.0, -1.0])
 def test_sampling_needs_a_positive_temperature(temperature):
     with pytest.raises(ConfigError, match="temperature"):
-        sample(make_decoder(), features_for(1), 4, START, END, temperature=temperature)
+        sample(make_decoder(), features_for(1), DecodingConfig(max_len=4, temperature=temperature))
 
 
 @pytest.fixture
@@ -283,7 +290,7 @@ def test_a_tiny_batch_is_memorised_and_greedy_reproduces_it(mode, one_thread):
         optimizer.step()
     decoder.eval()
     assert loss(decoder(features, TRAINING_CAPTIONS, image_index), TRAINING_CAPTIONS)["ce"] < 0.05
-    generation = greedy(decoder, features, 8, START, END)
+    generation = greedy(decoder, features, DecodingConfig(max_len=8))
     expected = TRAINING_CAPTIONS[torch.argsort(image_index), 1:]
     assert torch.equal(generation.tokens, expected[:, : generation.tokens.size(1)])
     assert generation.lengths.tolist() == (expected != 0).sum(1).tolist()
@@ -325,12 +332,12 @@ def test_beam_search_scores_the_beams_against_one_copy_of_each_image(attention, 
     features = features_for(4, seed=12)
     shapes = []
     decoder.attention.register_forward_pre_hook(lambda module, args: shapes.append([tuple(a.shape) for a in args]))
-    generation = beam_search(decoder, features, 7, START, END, beam_size=3, length_penalty=0.5)
+    generation = beam_search(decoder, features, DecodingConfig(max_len=7, beam_size=3, length_penalty=0.5))
     keys = {"multihead": 32, "mean": D}.get(attention, 16)  # multihead: keys and values; mean: the features
     # keys (B, L, A), features (B, L, D): one copy per image; the states of the K beams (B, K, H)
     assert shapes and all(seen == [(4, L, keys), (4, L, D), (4, 3, 16)] for seen in shapes)
     shapes.clear()
-    copied = beam_search(RepeatedPerBeam(decoder), features, 7, START, END, beam_size=3, length_penalty=0.5)
+    copied = beam_search(RepeatedPerBeam(decoder), features, DecodingConfig(max_len=7, beam_size=3, length_penalty=0.5))
     assert shapes and all(seen[1] == (12, L, D) for seen in shapes)  # the reference does copy them
     assert torch.equal(generation.tokens, copied.tokens) and torch.equal(generation.lengths, copied.lengths)
     assert_close(generation.scores, copied.scores)
@@ -354,9 +361,11 @@ REPEATER = ChainDecoder(
 @pytest.mark.parametrize("method, blocked", [("greedy", [3, 4, 3, 2]), ("beam", [3, 4, 2]), ("sample", [3, 4, 3, 2])])
 def test_blocking_repeated_bigrams(method, blocked):
     options = dict(temperature=1e-4) if method == "sample" else {}  # sampling that cold is greedy
-    free = METHODS[method](REPEATER, chain_features(), 8, START, END, **options)
+    free = METHODS[method](REPEATER, chain_features(), DecodingConfig(max_len=8, **options))
     assert free.tokens.tolist() == [[3, 4] * 4] * 2 and repeats_an_ngram(free.tokens[0].tolist(), 2)
-    generation = METHODS[method](REPEATER, chain_features(), 8, START, END, no_repeat_ngram_size=2, **options)
+    generation = METHODS[method](
+        REPEATER, chain_features(), DecodingConfig(max_len=8, no_repeat_ngram_size=2, **options)
+    )
     assert generation.tokens.tolist() == [blocked] * 2
     assert generation.lengths.tolist() == [len(blocked)] * 2
 
@@ -374,17 +383,10 @@ def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_allowed_capt
     decoder.classifier.bias[3] += 1.0
     decoder.classifier.bias[END] -= 1.0
     features = features_for(3, seed=12)
-    generation = beam_search(
-        decoder,
-        features,
-        4,
-        START,
-        END,
-        beam_size=24,
-        length_penalty=length_penalty,
-        min_len=min_len,
-        no_repeat_ngram_size=ngram,
+    settings = DecodingConfig(
+        max_len=4, beam_size=24, length_penalty=length_penalty, min_len=min_len, no_repeat_ngram_size=ngram
     )
+    generation = beam_search(decoder, features, settings)
     captions = [list(words) + [END] for n in range(4) for words in itertools.product([3, 4], repeat=n)]
     captions += [list(words) for words in itertools.product([3, 4], repeat=4)]
     allowed = [
@@ -408,9 +410,9 @@ def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_allowed_capt
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_min_len_forbids_end_before_it(method):
     decoder = with_end_bias(make_decoder(seed=13), 3.0)  # <end> is likely at every step
-    free = METHODS[method](decoder, features_for(6), 8, START, END)
+    free = METHODS[method](decoder, features_for(6), DecodingConfig(max_len=8))
     assert (free.lengths < 4).any()
-    generation = METHODS[method](decoder, features_for(6), 8, START, END, min_len=3)
+    generation = METHODS[method](decoder, features_for(6), DecodingConfig(max_len=8, min_len=3))
     assert (generation.lengths >= 4).all()  # 3 words at least, then <end>
     ended = generation.tokens.gather(1, (generation.lengths - 1).unsqueeze(1)).squeeze(1) == END
     assert ended.all()
@@ -419,9 +421,9 @@ def test_min_len_forbids_end_before_it(method):
 def test_constrained_beam_search_batched_equals_one_image_at_a_time():
     decoder, features = make_decoder(seed=14), features_for(5, seed=14)
     options = dict(beam_size=3, min_len=2, no_repeat_ngram_size=2)
-    batched = beam_search(decoder, features, 10, START, END, **options)
+    batched = beam_search(decoder, features, DecodingConfig(max_len=10, **options))
     for b in range(5):
-        alone = beam_search(decoder, features[b : b + 1], 10, START, END, **options)
+        alone = beam_search(decoder, features[b : b + 1], DecodingConfig(max_len=10, **options))
         assert torch.equal(pad_to(alone.tokens[0], batched.tokens.size(1)), batched.tokens[b])
         assert_close(alone.scores[0], batched.scores[b])
 
@@ -432,7 +434,7 @@ def test_constrained_beam_search_batched_equals_one_image_at_a_time():
 @pytest.mark.parametrize("method", ["greedy", "sample", "beam"])
 def test_bad_constraints_raise_config_error(method, option, value):
     with pytest.raises(ConfigError, match=option):
-        METHODS[method](make_decoder(), features_for(1), 6, START, END, **{option: value})
+        METHODS[method](make_decoder(), features_for(1), DecodingConfig(max_len=6, **{option: value}))
 
 
 # ------------------------------------------------------------------------------------------------ static shapes
@@ -460,11 +462,13 @@ class EndsAtItsStep(torch.nn.Module):
 
 def _run(method: str, decoder, features, static: bool, **options) -> decoding.Generation:
     if method == "sample":
-        options["generator"] = torch.Generator().manual_seed(3)
+        return sample(
+            decoder, features, DecodingConfig(max_len=16, **options), torch.Generator().manual_seed(3), None, static
+        )
     if method.startswith("beam"):
         options["beam_size"] = int(method[4:])
         method = "beam"
-    return METHODS[method](decoder, features, 16, START, END, static_shapes=static, **options)
+    return METHODS[method](decoder, features, DecodingConfig(max_len=16, **options), static_shapes=static)
 
 
 @pytest.mark.parametrize("mode", ["soft", "hard"])
@@ -492,11 +496,11 @@ def test_static_shapes_run_every_step_without_reading_the_device(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: reads.append(1) or original(self))
     for run in METHODS.values():
         steps.clear(), reads.clear()
-        run(decoder, features_for(3), 12, START, END, static_shapes=True)
+        run(decoder, features_for(3), DecodingConfig(max_len=12), static_shapes=True)
         assert len(steps) == 12 and reads == [], run.__name__
         steps.clear()
-        run(decoder, features_for(3), 12, START, END, static_shapes=False)
-        assert len(steps) == decoding.EXIT_CHECK_INTERVAL, run.__name__
+        run(decoder, features_for(3), DecodingConfig(max_len=12), static_shapes=False)
+        assert len(steps) == EXIT_CHECK_INTERVAL, run.__name__
 
 
 @pytest.mark.parametrize("mode", ["soft", "hard"])
@@ -507,7 +511,12 @@ def test_static_rollout_gives_the_early_exit_samples_padded_to_max_len(mode):
         torch.manual_seed(0)
         draws.append(
             decoding.rollout(
-                decoder, features_for(4), 3, 16, START, END, torch.Generator().manual_seed(1), static_shapes=static
+                decoder,
+                features_for(4),
+                3,
+                DecodingConfig(max_len=16),
+                torch.Generator().manual_seed(1),
+                static_shapes=static,
             )
         )
     dynamic, static = draws
@@ -520,33 +529,33 @@ def test_static_rollout_gives_the_early_exit_samples_padded_to_max_len(mode):
 
 def test_static_shapes_default_to_cuda_only():
     assert decoding.ModelConfig().static_shapes is None
-    assert decoding._static(None, torch.zeros(1)) is False
-    assert decoding._static(None, torch.zeros(1, device="meta")) is False
-    assert decoding._static(True, torch.zeros(1)) is True
+    assert static_steps(None, torch.zeros(1)) is False
+    assert static_steps(None, torch.zeros(1, device="meta")) is False
+    assert static_steps(True, torch.zeros(1)) is True
 
 
 def test_decode_follows_the_settings_and_the_defaults_have_one_owner():
     import inspect
 
-    from captioner.config import CAPTIONING_METHOD, DecodingConfig, ModelConfig
-    from captioner.data.vocab import Vocabulary
+    from captioner.config import CAPTIONING_METHOD, ModelConfig
 
     decoder, features = make_decoder(seed=2), features_for(3)
     settings = DecodingConfig(method="beam", beam_size=2, max_len=7, length_penalty=0.5)
-    expected = beam_search(decoder, features, 7, START, END, beam_size=2, length_penalty=0.5)
+    expected = beam_search(decoder, features, DecodingConfig(max_len=7, beam_size=2, length_penalty=0.5))
     assert torch.equal(decoding.decode(decoder, features, settings).tokens, expected.tokens)
     defaults = DecodingConfig()
-    for function in (greedy, sample, beam_search, decoding.rollout):
-        for name, parameter in inspect.signature(function).parameters.items():
-            if name == "static_shapes":
-                assert parameter.default == ModelConfig.static_shapes
-            elif hasattr(defaults, name):
-                assert parameter.default == getattr(defaults, name), (function.__name__, name)
-            if name in ("start_id", "end_id"):
-                assert parameter.default == getattr(Vocabulary, name)
+    for function in (greedy, sample, beam_search, decoding.rollout, decoding.decode):
+        parameters = inspect.signature(function).parameters
+        assert (
+            parameters["settings"].annotation == "DecodingConfig" and parameters["settings"].default is inspect._empty
+        )
+        assert parameters["static_shapes"].default == ModelConfig.static_shapes
+        # the settings come whole, the special tokens from the vocabulary
+        assert not {field.name for field in dataclasses.fields(DecodingConfig)} & set(parameters), function.__name__
+        assert not {"start_id", "end_id", "pad_id"} & set(parameters), function.__name__
     assert DecodingConfig.captioning().method == CAPTIONING_METHOD != defaults.method
     assert DecodingConfig.captioning(beam_size=5).beam_size == 5
-    with pytest.raises(TypeError, match="unknown decoding option 'beam'; the options are: method, beam_size"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'beam'"):
         DecodingConfig.captioning(beam=5)
     with pytest.raises(ConfigError, match="beam_size=0 must be >= 1"):
         DecodingConfig.captioning(beam_size=0)

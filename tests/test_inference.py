@@ -6,11 +6,13 @@ import pytest
 import torch
 from PIL import Image
 
+from captioner.config import DecodingConfig
 from captioner.data.dataset import Skipped
 from captioner.inference import Captioned, ImageFiles, LoadedModel, caption_files
 from conftest import never_ending_captioner
 
 IMAGE_SIZE = 64  # resnet18: a 2x2 grid
+BEAM = DecodingConfig(method="beam", beam_size=2, max_len=3)
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +54,15 @@ def test_batches_give_the_captions_of_one_by_one_in_input_order(loaded, files, m
     batch_sizes = []
     generate = loaded.model.generate
 
-    def spy(images, **kwargs):
+    def spy(images, *args, **kwargs):
         batch_sizes.append(images.shape[0])
-        return generate(images, **kwargs)
+        return generate(images, *args, **kwargs)
 
     monkeypatch.setattr(loaded.model, "generate", spy)
-    alone = list(caption_files(loaded, files, batch_size=1, method="beam", beam_size=2, max_len=3))
+    alone = list(caption_files(loaded, files, batch_size=1, decoding=BEAM))
     assert batch_sizes == [1] * 5
     batch_sizes.clear()
-    batched = list(caption_files(loaded, files, batch_size=4, workers=2, method="beam", beam_size=2, max_len=3))
+    batched = list(caption_files(loaded, files, batch_size=4, workers=2, decoding=BEAM))
     assert batch_sizes == [3, 2]  # the encoder and decoder run once per batch, on its readable images
     assert [r.path for r in batched] == files
     assert isinstance(batched[2], Skipped) and batched[2].path == files[2]
@@ -78,6 +80,6 @@ def test_batches_give_the_captions_of_one_by_one_in_input_order(loaded, files, m
 
 
 def test_progress_bar_on_stderr(loaded, files, capsys):
-    list(caption_files(loaded, files[:2], progress=True, method="greedy", max_len=2))
+    list(caption_files(loaded, files[:2], progress=True, decoding=DecodingConfig(method="greedy", max_len=2)))
     err = capsys.readouterr().err
     assert "captioning" in err and "2/2" in err

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from captioner.config import DecodingConfig, to_dict
 from captioner.data.readers import Box, Record
 from captioner.errors import DataError
 from captioner.evaluation.report import evaluate_split
 from captioner.inference import LoadedModel
 from conftest import never_ending_captioner
 
-GREEDY = {"method": "greedy", "max_len": 3}
+GREEDY = DecodingConfig(method="greedy", max_len=3)
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +44,13 @@ def test_each_image_is_scored_against_its_references_and_written(
     loaded: LoadedModel, records: list[Record], tmp_path: Path
 ) -> None:
     out = tmp_path / "eval"
-    metrics, skipped = evaluate_split(loaded, records, out, batch_size=2, coco=False, **GREEDY)
+    metrics, skipped = evaluate_split(loaded, records, out, batch_size=2, coco=False, decoding=GREEDY)
     assert [s.path for s in skipped] == [records[2].image_path] and skipped[0].reason == "file not found"
     assert json.loads((out / "results.json").read_text()) == [
         {"image_id": 1, "caption": "circle circle circle"},
         {"image_id": 2, "caption": "circle circle circle"},
     ]
-    assert metrics["images"] == 2 and metrics["skipped_images"] == 1 and metrics["decoding"] == GREEDY
+    assert metrics["images"] == 2 and metrics["skipped_images"] == 1 and metrics["decoding"] == to_dict(GREEDY)
     # 3 of the 6 words match (all of image 2's, none of image 1's), both captions as long as a reference
     assert metrics["bleu"]["bleu1"] == pytest.approx(0.5) and "coco_caption" not in metrics
     correctness = metrics["attention_correctness"]  # the box covers the image: all the attention falls in it
@@ -69,7 +70,7 @@ def test_a_split_without_a_decodable_image_is_refused(
     loaded: LoadedModel, records: list[Record], tmp_path: Path
 ) -> None:
     with pytest.raises(DataError, match="the split has no images to evaluate"):
-        evaluate_split(loaded, [], tmp_path / "none", coco=False, **GREEDY)
+        evaluate_split(loaded, [], tmp_path / "none", coco=False, decoding=GREEDY)
     with pytest.raises(DataError, match="none of the 1 images could be decoded"):
-        evaluate_split(loaded, records[2:], tmp_path / "gone", coco=False, **GREEDY)
+        evaluate_split(loaded, records[2:], tmp_path / "gone", coco=False, decoding=GREEDY)
     assert not (tmp_path / "none").exists() and not (tmp_path / "gone").exists()

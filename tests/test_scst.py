@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from captioner.config import ModelConfig, from_dict
+from captioner.config import DecodingConfig, ModelConfig, from_dict
 from captioner.data.vocab import PAD_ID
 from captioner.errors import ConfigError
-from captioner.model import decoding
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import rollout
 from captioner.model.losses import SelfCriticalLoss
+from captioner.model.steps import EXIT_CHECK_INTERVAL
 from conftest import END, START, features_for, logged, make_decoder, run_train, tiny_overrides
 
 
@@ -35,7 +35,7 @@ def teacher_forced_log_probs(
 def test_rollout_samples_k_captions_per_image_with_their_log_probs() -> None:
     decoder, features = make_decoder().eval(), features_for(3)
     torch.manual_seed(0)
-    drawn = rollout(decoder, features, 4, 9, START, END)
+    drawn = rollout(decoder, features, 4, DecodingConfig(max_len=9))
     rows, steps = drawn.tokens.shape
     assert rows == 12 and steps <= 9 and drawn.log_probs.shape == (12, steps) and drawn.lengths.shape == (12,)
     mask = torch.arange(steps) < drawn.lengths.unsqueeze(1)
@@ -65,21 +65,23 @@ def test_rollout_runs_all_samples_at_once_without_host_reads_per_step(monkeypatc
 
     for name in ("__bool__", "item", "tolist", "__int__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, counted(name))
-    rollout(decoder, features_for(3), 5, 12, START, END)
+    rollout(decoder, features_for(3), 5, DecodingConfig(max_len=12))
     assert steps == [15] * 12  # one decoder step per word for the 3 x 5 captions together
-    assert reads == ["__bool__"] * (12 // decoding.EXIT_CHECK_INTERVAL)  # only the early-exit checks
+    assert reads == ["__bool__"] * (12 // EXIT_CHECK_INTERVAL)  # only the early-exit checks
 
 
 def test_hard_attention_rollout_carries_the_sampled_locations_in_the_policy_gradient() -> None:
     decoder, features = make_decoder("hard").train(), features_for(2)
     torch.manual_seed(1)
-    drawn = rollout(decoder, features, 3, 6, START, END)
+    drawn = rollout(decoder, features, 3, DecodingConfig(max_len=6))
     drawn.log_probs.sum().backward()
     # a sampled location a_s reaches the words without any gradient to the attention scorer: its
     # gradient comes from log alpha(s), the location's own log-probability
     assert decoder.attention.query.weight.grad.abs().sum() > 0
     decoder.zero_grad()
-    drawn = rollout(decoder.eval(), features, 3, 6, START, END)  # eval: the most likely location, no sampling
+    drawn = rollout(
+        decoder.eval(), features, 3, DecodingConfig(max_len=6)
+    )  # eval: the most likely location, no sampling
     drawn.log_probs.sum().backward()
     assert decoder.attention.query.weight.grad is None or decoder.attention.query.weight.grad.abs().sum() == 0
 
@@ -114,7 +116,7 @@ def test_self_critical_gradient_raises_samples_above_the_baseline_and_lowers_tho
 def test_one_self_critical_step_makes_the_better_sample_likelier_and_the_worse_less_likely(mode: str) -> None:
     decoder, features = make_decoder(mode, seed=3).train(), features_for(1, seed=3)
     torch.manual_seed(4)
-    drawn = rollout(decoder, features, 2, 6, START, END)
+    drawn = rollout(decoder, features, 2, DecodingConfig(max_len=6))
     assert not torch.equal(drawn.tokens[0], drawn.tokens[1])
     decoder.eval()  # scored without location sampling: the words' probabilities alone
     before = teacher_forced_log_probs(decoder, features, drawn.tokens, 2).detach()
@@ -163,7 +165,9 @@ def test_self_critical_training_raises_the_greedy_captions_cider(attention: str)
 
     def greedy_cider() -> float:
         module.eval()
-        generation, _ = module.model.generate_from_features(features, method="greedy", max_len=6, end_id=END)
+        generation, _ = module.model.generate_from_features(
+            features, decoding=DecodingConfig(method="greedy", max_len=6)
+        )
         module.train()
         return module.cider.score([vocab.decode(row) for row in generation.tokens.tolist()], range(8)).mean().item()
 

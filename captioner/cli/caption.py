@@ -13,6 +13,7 @@ from captioner.cli import options
 from captioner.cli.inputs import Inputs, expand_inputs
 from captioner.cli.output import Output
 from captioner.cli.parser import DEFAULT_NAME
+from captioner.config import DecodingConfig
 from captioner.data.dataset import Skipped
 from captioner.errors import ConfigError
 from captioner.inference import Captioned, caption_files
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def captioned(
-    args: argparse.Namespace, found: Inputs, output: Output, decode: dict, device: torch.device
+    args: argparse.Namespace, found: Inputs, output: Output, decode: DecodingConfig, device: torch.device
 ) -> Iterator[Captioned]:
     """The captioned images of ``found`` in order; its input errors and unreadable images go to ``output`` as
     failures, its skipped files to its summary. The model is loaded only when there is an image to caption."""
@@ -60,7 +61,7 @@ def captioned(
     loaded = options.load(args, device)
     output.start(len(found.paths))
     show = options.progress(args, len(found.paths))
-    for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, **decode):
+    for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, decode):
         if isinstance(result, Skipped):
             output.failure(result)
         else:
@@ -103,7 +104,7 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
     paths = [record.image_path for record in records]
     output.start(len(paths))
     captions: dict[int, str] = {}
-    results = caption_files(loaded, paths, args.batch_size, args.workers, options.progress(args, len(paths)), **decode)
+    results = caption_files(loaded, paths, args.batch_size, args.workers, options.progress(args, len(paths)), decode)
     for record, result in zip(records, results):
         if isinstance(result, Skipped):
             output.failure(result)

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         args.workers,
         coco=not args.no_coco,
         progress=options.progress(args, len(records)),
-        **decode,
+        decoding=decode,
     )
     for item in skipped:
         print(f"error: {item.path}: {item.reason}", file=sys.stderr)

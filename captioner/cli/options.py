@@ -12,7 +12,7 @@ import torch
 
 from captioner import load_model
 from captioner.cli import parser
-from captioner.config import DecodingConfig, to_dict
+from captioner.config import DecodingConfig
 from captioner.errors import ConfigError, check_range
 
 if TYPE_CHECKING:
@@ -37,13 +37,13 @@ def device(name: str) -> torch.device:
     return chosen
 
 
-def decode_options(args: argparse.Namespace) -> dict:
-    """Check the decoding and batching options; return the ``Captioner.generate`` keywords."""
+def decode_options(args: argparse.Namespace) -> DecodingConfig:
+    """Check the decoding and batching options; return the decoding settings."""
     check_range("--batch-size", args.batch_size, 1, kind=int)
     check_range("--workers", args.workers, 0, kind=int)
     fields = [field.name for field in dataclasses.fields(DecodingConfig)]
     try:  # checked where the decoding settings are defined; the messages name the flags
-        return to_dict(DecodingConfig(**{field: getattr(args, field) for field in fields}))
+        return DecodingConfig(**{field: getattr(args, field) for field in fields})
     except ConfigError as exc:
         message = str(exc)
         for field in fields:

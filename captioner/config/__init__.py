@@ -12,8 +12,15 @@ The network's defaults are those of the built-in demo (``python train.py``); its
 """
 
 from captioner.config.data import MAX_AUTO_WORKERS, DataConfig, FeatureDtype
-from captioner.config.decoding import CAPTIONING_BATCH_SIZE, CAPTIONING_METHOD, DecodeMethod, DecodingConfig
+from captioner.config.decoding import (
+    CAPTIONING_BATCH_SIZE,
+    CAPTIONING_METHOD,
+    MAX_LEN,
+    DecodeMethod,
+    DecodingConfig,
+)
 from captioner.config.model import (
+    Compile,
     LossConfig,
     ModelConfig,
     NonFinite,
@@ -44,8 +51,10 @@ __all__ = [
     "CAPTIONING_BATCH_SIZE",
     "CAPTIONING_METHOD",
     "MAX_AUTO_WORKERS",
+    "MAX_LEN",
     "SCHEMAS",
     "Attention",
+    "Compile",
     "DataConfig",
     "DecodeMethod",
     "DecoderConfig",

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from captioner.config.decoding import MAX_LEN
 from captioner.config.settings import Settings
 from captioner.errors import check_range
 
@@ -33,7 +34,7 @@ class DataConfig(Settings):
     num_workers: int | None = None
     min_word_count: int = 5  # words seen fewer times in the training captions become <unk>
     max_vocab: int | None = 10000  # keep at most this many words (most frequent first); None: all
-    max_len: int = 20  # longer training captions are cut to this many words
+    max_len: int = MAX_LEN  # longer training captions are cut to this many words
     per_caption: bool = False  # one item per (image, caption); the CNN then runs once per caption
     augment: bool = False  # mild colour jitter / crop; never flips (captions say left and right)
     feature_cache: str | None = None  # a folder: cache the encoder's frozen stages' output there
@@ -41,7 +42,8 @@ class DataConfig(Settings):
     vocab_file: str | None = None  # load this vocabulary JSON instead of building one from the captions
     # Training captions padded to this many tokens (<start> and <end> included, so max_len + 2 holds every
     # caption) instead of the batch's longest: every step has the same shapes, what a captured CUDA graph
-    # needs; the loss is unchanged (pad steps are masked). None: the batch's longest (fewer steps on a CPU).
+    # needs; the loss is unchanged (pad steps are masked). None: the batch's longest (fewer steps on a CPU), or
+    # max_len + 2 when model.compile is on.
     pad_to: int | None = None
     # Where the recipe that trains on this dataset is: the demo's recipe (``demo``) on any dataset but the
     # built-in shapes (``recipe: null``) stops at once, naming it.

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
 
-from captioner.config.settings import Settings, from_dict
+from captioner.config.settings import Settings
 from captioner.errors import ConfigError, check_range
+
+MAX_LEN = 20  # words per caption at most, <end> excluded: training's cut (DataConfig) and decoding's limit
 
 
 class DecodeMethod(enum.StrEnum):
@@ -23,12 +24,12 @@ class DecodeMethod(enum.StrEnum):
 class DecodingConfig(Settings):
     """How captions are decoded: these defaults are validation's and test's (``model.decoding``);
     captioning (``Captioner.generate``, ``caption()``, the CLI's flags) starts from ``captioning()``, the
-    same settings with ``CAPTIONING_METHOD``. ``captioner.model.decoding`` reads its defaults here."""
+    same settings with ``CAPTIONING_METHOD``. ``captioner.model.decoding`` takes one, checked here."""
 
     # greedy for validation and test (one decode per epoch, fast); captioning: CAPTIONING_METHOD
     method: DecodeMethod = DecodeMethod.greedy
     beam_size: int = 3
-    max_len: int = 20  # words at most, <end> excluded
+    max_len: int = MAX_LEN  # words at most, <end> excluded
     length_penalty: float = 0.0  # beam: score / length ** length_penalty
     temperature: float = 1.0  # sample: softmax(logits / temperature)
     min_len: int = 0  # no <end> before this many words (0: off)
@@ -40,11 +41,7 @@ class DecodingConfig(Settings):
 
         TypeError for a name that is no field (as for any unknown keyword), ConfigError naming a bad value.
         """
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = [name for name in settings if name not in fields]
-        if unknown:
-            raise TypeError(f"unknown decoding option {unknown[0]!r}; the options are: {', '.join(fields)}")
-        return from_dict(cls, {"method": CAPTIONING_METHOD, **settings})
+        return cls(**{"method": CAPTIONING_METHOD, **settings})
 
     def check(self) -> None:
         check_range("beam_size", self.beam_size, 1, kind=int)

@@ -5,11 +5,26 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from captioner.config.decoding import DecodingConfig
 from captioner.config.network import NetConfig
-from captioner.config.settings import Settings
+from captioner.config.settings import Settings, _convert
 from captioner.errors import ConfigError, check_range
+
+
+class Compile(enum.StrEnum):
+    """What ``torch.compile`` does to the decoder's step (``model.compile``); true/false read as default/off."""
+
+    off = "off"  # eager
+    default = "default"  # inductor kernels
+    reduce_overhead = "reduce-overhead"  # inductor kernels replayed as CUDA graphs (on CUDA)
+    max_autotune = "max-autotune"  # inductor with autotuned kernels (long compiles)
+
+    @classmethod
+    def _missing_(cls, value: object) -> Compile | None:
+        """Old configs' and checkpoints' true/false."""
+        return {True: cls.default, False: cls.off}.get(value) if isinstance(value, bool) else None
 
 
 class ReinforceReward(enum.StrEnum):
@@ -130,7 +145,11 @@ class ModelConfig(NetConfig):
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     decoding: DecodingConfig = field(default_factory=DecodingConfig)
-    compile: bool = False  # torch.compile the decoder
+    # torch.compile the decoder's step (one LSTM step, reused for every word of training and decoding): a
+    # Compile choice (off, default, reduce-overhead, max-autotune; true/false read as default/off; typed
+    # Any for Hydra, which reads `off` as false and knows no enum value with a hyphen); on, training pads
+    # its captions to data.max_len + 2 tokens. None: reduce-overhead on CUDA, off elsewhere.
+    compile: Any = None
     # Decoding (captions and SCST samples) runs all max_len steps with finished captions masked, no early exit
     # and no host read inside the loop: the same shapes on every call, what a captured CUDA graph needs, for
     # the same captions. None: on CUDA only; on a CPU stopping once every caption has ended is cheaper
@@ -145,6 +164,11 @@ class ModelConfig(NetConfig):
     # demo_scst and coco_scst (which fine-tune a cross-entropy run's model).
     objective: Objective = Objective.cross_entropy
     scst: ScstConfig = field(default_factory=ScstConfig)
+
+    def __post_init__(self) -> None:
+        if self.compile is not None:
+            self.compile = _convert(Compile, self.compile, "compile")
+        super().__post_init__()
 
     def check(self) -> None:
         super().check()

@@ -44,9 +44,12 @@ def _convert(kind: Any, value: Any, key: str) -> Any:
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         if isinstance(value, kind):
             return value
-        if value not in kind.__members__:
-            raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(kind.__members__)}")
-        return kind[value]
+        if value in kind.__members__:
+            return kind[value]
+        try:  # by value (reduce-overhead), or an old spelling the enum reads (true/false)
+            return kind(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(kind)}") from None
     if kind is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r} must be true or false")
     if kind is str and not isinstance(value, str):

@@ -17,6 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
+from captioner.config import MAX_LEN
 from captioner.data.images import ImageError, load_rgb
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
@@ -67,7 +68,7 @@ class CaptionDataset(Dataset):
         records: Sequence[Record],
         vocab: Vocabulary,
         transform: Callable[[Image.Image], torch.Tensor],
-        max_len: int = 20,
+        max_len: int = MAX_LEN,
         per_caption: bool = False,
     ) -> None:
         check_range("max_len", max_len, 1, kind=int)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from captioner.config import MAX_LEN
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
@@ -149,7 +150,7 @@ class FeatureCaptionDataset(Dataset):
         records: list[Record],
         vocab: Vocabulary,
         cache: FeatureCache,
-        max_len: int = 20,
+        max_len: int = MAX_LEN,
         per_caption: bool = False,
     ) -> None:
         self.records = records

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from captioner.config import CAPTIONING_BATCH_SIZE
+from captioner.config import CAPTIONING_BATCH_SIZE, DecodingConfig, to_dict
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Record
 from captioner.data.vocab import tokenize
@@ -31,7 +31,7 @@ def evaluate_split(
     workers: int = 0,
     coco: bool = True,
     progress: bool = False,
-    **decode,
+    decoding: DecodingConfig | None = None,
 ) -> tuple[dict, list[Skipped]]:
     """Decode ``records``; write ``results.json`` (COCO server format), ``metrics.json`` and ``per_image.json``.
 
@@ -42,15 +42,17 @@ def evaluate_split(
     its file, caption, references and the same scores for it alone (``COCOEvalCap.imgToEval``'s), to sort
     and read the worst captions. Unreadable images are left out (counted in ``skipped_images``). Returns the
     metrics, with a printable ``table`` (scores are fractions in [0, 1]), and the unreadable images.
+    ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``).
     Raises DataError when there are no records or none could be decoded.
     """
+    decoding = DecodingConfig.captioning() if decoding is None else decoding
     if not records:
         raise DataError("the split has no images to evaluate")
     by_path = {r.image_path: r for r in records}
     captions: dict[int, list[str]] = {}
     correctness = AttentionCorrectness()
     skipped: list[Skipped] = []
-    for result in caption_files(loaded, list(by_path), batch_size, workers, progress, **decode):
+    for result in caption_files(loaded, list(by_path), batch_size, workers, progress, decoding):
         if isinstance(result, Skipped):
             skipped.append(result)
             continue
@@ -64,7 +66,8 @@ def evaluate_split(
     write_results(out_dir / RESULTS_FILE, hypotheses)
     scored = [r for r in records if r.image_id in captions]
     references = {r.image_id: [tokenize(c) for c in r.captions] for r in scored}
-    metrics: dict = {"scale": SCALE, "images": len(scored), "skipped_images": len(skipped), "decoding": decode}
+    metrics: dict = {"scale": SCALE, "images": len(scored), "skipped_images": len(skipped)}
+    metrics["decoding"] = to_dict(decoding)
     metrics["bleu"] = corpus_bleu_scores(references, captions)
     per_image = {
         r.image_id: {

@@ -6,13 +6,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from captioner.config import DecodingConfig, ModelConfig, NetConfig
-from captioner.data.vocab import END_ID, START_ID
 from captioner.model.decoder import DecoderOutput, ShowAttendTellDecoder
 from captioner.model.decoding import Generation, decode
 from captioner.model.encoder import Encoder
@@ -98,41 +96,43 @@ class Captioner(nn.Module):
         return self.decoder(self.attend_grid(features, grid), captions, image_index)
 
     @torch.no_grad()
-    def generate(self, images: Tensor, **options: Any) -> tuple[Generation, Grid]:
+    def generate(
+        self,
+        images: Tensor,
+        decoding: DecodingConfig | None = None,
+        generator: torch.Generator | None = None,
+        unk_id: int | None = None,
+        static_shapes: bool | None = ModelConfig.static_shapes,
+    ) -> tuple[Generation, Grid]:
         """Caption images (B, 3, H_img, W_img) without gradients; call ``.eval()`` first.
 
-        ``options``: the keywords of ``generate_from_features`` (the decoding settings and their defaults are
-        written there once). Returns the Generation (tokens, scores, per-word alphas (B, T, L), lengths) and
-        the (H, W) grid that the L attention weights of each word lie on.
+        The options are ``generate_from_features``'. Returns the Generation (tokens, scores, per-word alphas
+        (B, T, L), lengths) and the (H, W) grid that the L attention weights of each word lie on.
         """
         features, grid = self.encode(images)  # (B, L', C')
-        return self.generate_from_features(features, grid, **options)
+        return self.generate_from_features(features, grid, decoding, generator, unk_id, static_shapes)
 
     @torch.no_grad()
     def generate_from_features(
         self,
         features: Tensor,
         grid: Grid | None = None,
+        decoding: DecodingConfig | None = None,
         generator: torch.Generator | None = None,
-        start_id: int = START_ID,
-        end_id: int = END_ID,
         unk_id: int | None = None,
         static_shapes: bool | None = ModelConfig.static_shapes,
-        **settings: Any,
     ) -> tuple[Generation, Grid]:
         """Caption (cached) ``encode`` output (B, L', C') on its grid (default square) without gradients.
 
-        ``settings`` are ``DecodingConfig`` fields over captioning's defaults (``DecodingConfig.captioning``:
-        beam search): ``method`` "greedy", "sample" (``temperature``, ``generator``) or "beam" (``beam_size``,
-        ``length_penalty``); every method takes ``max_len``, ``min_len`` (no <end> before that many words) and
-        ``no_repeat_ngram_size`` (no n-gram of that size twice in a caption); ConfigError names a bad one.
-        ``static_shapes``: see ``ModelConfig.static_shapes``. ``unk_id`` (the vocabulary's <unk>) is never
-        generated when given. Returns the Generation and the grid the attention weights lie on.
+        ``decoding``: the method and its options (None: captioning's, ``DecodingConfig.captioning()``);
+        ``generator`` serves sampling; ``unk_id`` (the vocabulary's <unk>) is never generated when given;
+        ``static_shapes``: see ``ModelConfig.static_shapes``. Returns the Generation and the grid the
+        attention weights lie on.
         """
-        decoding = DecodingConfig.captioning(**settings)
         features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         features = self.attend_grid(features, grid)  # (B, L, C)
-        return decode(self.decoder, features, decoding, generator, start_id, end_id, unk_id, static_shapes), grid
+        settings = DecodingConfig.captioning() if decoding is None else decoding
+        return decode(self.decoder, features, settings, generator, unk_id, static_shapes), grid
 
 
 def build_captioner(net: NetConfig, vocab_size: int) -> Captioner:

@@ -6,6 +6,7 @@ V vocabulary size, T teacher-forced steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -13,10 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Categorical
 
-from captioner.config import Attention, Gate, HardEstimator, HardInference, NetConfig
+from captioner.config import Attention, Compile, Gate, HardEstimator, HardInference, NetConfig
 from captioner.model.attention import build_attention
 
 State = tuple[Tensor, Tensor]
+# logits, the new state, alpha, the sampled location's log-probability and alpha's entropy (hard, training)
+StepOutput = tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]
 
 
 @dataclass
@@ -53,7 +56,9 @@ class ShowAttendTellDecoder(nn.Module):
         self.hard_inference = settings.hard_inference
         self.hard_estimator = settings.hard_estimator
         self.gumbel_tau_start, self.gumbel_tau_min = settings.gumbel_tau, settings.gumbel_tau_min
-        self.gumbel_tau = settings.gumbel_tau  # annealed by ``anneal`` during training
+        # annealed by ``anneal`` during training; a tensor, so that a compiled step reads it rather than
+        # compiling again for each value
+        self.register_buffer("gumbel_tau", torch.tensor(settings.gumbel_tau), persistent=False)
         self.embedding = nn.Embedding(vocab_size, embed_dim)  # E
         self.attention = build_attention(
             config.scorer, feature_dim, hidden_dim, settings.attention_dim, settings.attention_heads
@@ -71,21 +76,29 @@ class ShowAttendTellDecoder(nn.Module):
         else:
             self.deep_h = self.deep_z = None
             self.classifier = nn.Linear(hidden_dim, vocab_size)
+        self.compiled_step: Callable[..., StepOutput] | None = None  # ``compile_step``'s; None: eager
+
+    def compile_step(self, mode: Compile) -> None:
+        """Run every step (teacher-forced or decoding, one word each) through ``torch.compile(mode=mode)``
+        of the one-word step, whole (``fullgraph``), with its inputs' batch dimension dynamic: one
+        compilation per train/eval mode and state shape serves every caption length, batch size and word.
+        ``Compile.off``: eager again."""
+        self.compiled_step = None
+        if mode != Compile.off:
+            self.compiled_step = torch.compile(self._eager_step, mode=mode.value, fullgraph=True)
 
     def anneal(self, progress: float) -> None:
         """Set the Gumbel-softmax temperature for ``progress`` in [0, 1] of training: it falls
         geometrically from ``gumbel_tau`` at 0 to ``gumbel_tau_min`` at 1."""
         progress = min(max(progress, 0.0), 1.0)
-        self.gumbel_tau = self.gumbel_tau_start * (self.gumbel_tau_min / self.gumbel_tau_start) ** progress
+        self.gumbel_tau.fill_(self.gumbel_tau_start * (self.gumbel_tau_min / self.gumbel_tau_start) ** progress)
 
     def init_state(self, features: Tensor) -> State:
         """h_0 = tanh(f_init,h(mean_i a_i)), c_0 = tanh(f_init,c(mean_i a_i)), each (B, H)."""
         mean = features.mean(dim=1)  # (B, D)
         return torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean))
 
-    def step(
-        self, tokens: Tensor, state: State, features: Tensor, keys: Tensor
-    ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
+    def step(self, tokens: Tensor, state: State, features: Tensor, keys: Tensor) -> StepOutput:
         """One decoding step from the previous tokens (B,) and state (B, H) x 2 of the features (B, L, D)
         and keys (B, L, A).
 
@@ -130,7 +143,17 @@ class ShowAttendTellDecoder(nn.Module):
 
     def _step(
         self, embedded: Tensor, state: State, features: Tensor, keys: Tensor, expect: Tensor | None
-    ) -> tuple[Tensor, State, Tensor, Tensor | None, Tensor | None]:
+    ) -> StepOutput:
+        """One word for the embedded previous words (B, [K,] E): compiled when ``compile_step`` asked."""
+        if self.compiled_step is None:
+            return self._eager_step(embedded, state, features, keys, expect)
+        for tensor in (embedded, *state, features, keys, *([] if expect is None else [expect])):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)  # B (or N): the last batch, beams' images, captions
+        return self.compiled_step(embedded, state, features, keys, expect)
+
+    def _eager_step(
+        self, embedded: Tensor, state: State, features: Tensor, keys: Tensor, expect: Tensor | None
+    ) -> StepOutput:
         h, c = state  # (B, H) x 2 or (B, K, H) x 2: h_{t-1}, c_{t-1}
         z, alpha, log_prob, entropy = self._attend(features, keys, h, expect)  # (B, [K,] D), (B, [K,] L)
         if self.f_beta is not None:

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
-from captioner.config import ModelConfig, Objective, to_dict
+from captioner.config import Compile, ModelConfig, Objective, to_dict
 from captioner.data.dataset import SkipCounter
 from captioner.data.features import FeatureCache
 from captioner.data.vocab import Vocabulary
@@ -60,9 +60,20 @@ class CaptionerModule(L.LightningModule):
 
     # ----------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
-        """Compile the decoder step when asked (``model.compile=true``)."""
-        if self.settings.compile and stage == "fit":
-            self.model.decoder = torch.compile(self.model.decoder)
+        """Compile the decoder's step (``model.compile``; None: reduce-overhead on CUDA, off elsewhere); with it
+        on, training captions are padded to ``data.max_len`` + 2 tokens (``data.pad_to``) unless set."""
+        mode = self.settings.compile
+        if mode is None:  # the model is not on its device yet: ask the strategy where it goes
+            mode = Compile.reduce_overhead if self.trainer.strategy.root_device.type == "cuda" else Compile.off
+        if mode == Compile.off:
+            return
+        self.model.decoder.compile_step(mode)
+        log.info("model.compile=%s: the decoder's step is compiled", mode)
+        datamodule = self.trainer.datamodule
+        if datamodule is not None and datamodule.settings.pad_to is None:
+            # one caption width: CUDA graphs replay the steps of a training batch as they were recorded
+            datamodule.settings.pad_to = datamodule.settings.max_len + 2
+            log.info("captions padded to data.pad_to=%d tokens", datamodule.settings.pad_to)
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The non-finite-loss guard, in every run, with this model's ``nonfinite`` settings."""
@@ -114,7 +125,7 @@ class CaptionerModule(L.LightningModule):
             batch,
             self.dtype,
             settings.scst,
-            settings.decoding.max_len,
+            settings.decoding,
             self.vocab,
             settings.static_shapes,
         )
@@ -160,16 +171,12 @@ class CaptionerModule(L.LightningModule):
     # --------------------------------------------------------------- evaluation
     def generate(self, batch: dict) -> tuple[Generation, tuple[int, int]]:
         """Decode a batch with the configured method (never teacher-forced)."""
-        kwargs = dict(
-            **to_dict(self.settings.decoding),
-            start_id=self.vocab.start_id,
-            end_id=self.vocab.end_id,
-            unk_id=self.vocab.unk_id,
-            static_shapes=self.settings.static_shapes,
+        options = dict(
+            decoding=self.settings.decoding, unk_id=self.vocab.unk_id, static_shapes=self.settings.static_shapes
         )
         if "features" in batch:
-            return self.model.generate_from_features(objectives.cached_features(batch, self.dtype), **kwargs)
-        return self.model.generate(batch["images"], **kwargs)
+            return self.model.generate_from_features(objectives.cached_features(batch, self.dtype), **options)
+        return self.model.generate(batch["images"], **options)
 
     def _eval_step(self, batch: dict, split: str) -> None:
         self.skips.add(batch["skipped"])

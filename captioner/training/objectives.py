@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from captioner.config import ScstBaseline, ScstConfig
+from captioner.config import DecodingConfig, ScstBaseline, ScstConfig
 from captioner.data.vocab import Vocabulary
 from captioner.evaluation.cider import CiderD
 from captioner.model.captioner import Captioner
@@ -47,26 +47,23 @@ def self_critical_terms(
     batch: dict,
     dtype: torch.dtype,
     scst: ScstConfig,
-    max_len: int,
+    decoding: DecodingConfig,
     vocab: Vocabulary,
     static_shapes: bool | None,
 ) -> dict[str, torch.Tensor]:
-    """SCST loss terms of a batch: ``scst.samples`` captions of at most ``max_len`` words sampled per image,
-    scored by CIDEr-D against its references (``cider``'s rows ``batch["indices"]``); ``static_shapes`` as
-    ``ModelConfig.static_shapes`` says."""
+    """SCST loss terms of a batch: ``scst.samples`` captions of at most ``decoding.max_len`` words sampled per
+    image (a greedy baseline decoded as ``decoding`` constrains it), scored by CIDEr-D against its references
+    (``cider``'s rows ``batch["indices"]``); ``static_shapes`` as ``ModelConfig.static_shapes`` says."""
     encoded = (cached_features(batch, dtype),) if "features" in batch else model.encode(batch["images"])
     features = model.attend_grid(*model.finish_encoding(*encoded))  # (B, L, C)
     samples, images = scst.samples, batch["indices"]  # images: rows of the reward's corpus
-    ids = dict(
-        max_len=max_len, start_id=vocab.start_id, end_id=vocab.end_id, unk_id=vocab.unk_id, static_shapes=static_shapes
-    )
-    drawn = rollout(model.decoder, features, samples, **ids)
+    drawn = rollout(model.decoder, features, samples, decoding, unk_id=vocab.unk_id, static_shapes=static_shapes)
     rewards = caption_rewards(cider, drawn.tokens, drawn.lengths, images.repeat_interleave(samples), vocab.end_id)
     greedy_rewards = None
     if scst.baseline == ScstBaseline.greedy:
         model.decoder.eval()  # no dropout; hard attention takes the most likely location
         try:
-            best = greedy(model.decoder, features.detach(), **ids)
+            best = greedy(model.decoder, features.detach(), decoding, vocab.unk_id, static_shapes)
         finally:
             model.decoder.train()
         greedy_rewards = caption_rewards(cider, best.tokens, best.lengths, images, vocab.end_id)

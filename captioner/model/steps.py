@@ -1,0 +1,102 @@
+"""What every decoding method shares: its result, the constraints on a caption, the allowed words'
+log-probabilities and the one step loop (``run_steps``) that greedy, sampling, rollouts and beam search
+advance a word at a time.
+
+The loop never shrinks the batch: finished rows are masked. Dynamic shapes: every ``EXIT_CHECK_INTERVAL``
+steps one host read asks whether every row is done, and the loop stops early. Static shapes: all
+``max_len`` steps run and nothing is read back inside the loop, so every call has the same shapes and
+kernels, what a captured CUDA graph needs; the captions, scores and alphas are the same either way (the
+extra steps only add <pad>).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from captioner.config import DecodingConfig
+from captioner.data.vocab import END_ID, PAD_ID, START_ID
+
+EXIT_CHECK_INTERVAL = 4  # steps between the host checks for "every row is done"
+
+
+@dataclass
+class Generation:
+    """Generated captions, T = the longest of them."""
+
+    tokens: Tensor  # (B, T) long: no <start>, <end> where emitted, <pad> after it
+    scores: Tensor  # (B,) sum of the tokens' log-probabilities (beam: over the length penalty)
+    alphas: Tensor  # (B, T, L) attention of each returned token, 0 after the end
+    lengths: Tensor  # (B,) long, the <end> token included
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What a caption may not do: end before ``min_len`` words, repeat an n-gram (n = ``no_repeat_ngram_size``)."""
+
+    min_len: int = 0
+    no_repeat_ngram_size: int = 0
+
+    @classmethod
+    def of(cls, settings: DecodingConfig) -> Constraints:
+        """The constraints ``settings`` asks for."""
+        return cls(settings.min_len, settings.no_repeat_ngram_size)
+
+    def apply(self, log_probs: Tensor, words: Tensor | None, step: int) -> Tensor:
+        """Set -inf, in place, in the log-probs (..., V) of step ``step`` (0-based) for the words the
+        constraints forbid after ``words`` (..., step), each row's caption so far; return them.
+
+        A word is blocked when the last n - 1 words followed by it form an n-gram that already occurs
+        in the row. A row left with no word gets its <end> back. No value is read back to the host.
+        """
+        if not (self.min_len or self.no_repeat_ngram_size):
+            return log_probs
+        end = log_probs[..., END_ID].clone()  # (...,)
+        if step < self.min_len:
+            log_probs[..., END_ID] = float("-inf")
+        n = self.no_repeat_ngram_size
+        if n and step >= n:
+            ngrams = words.unfold(-1, n, 1)  # (..., step - n + 1, n): every n-gram so far
+            prefix = words[..., step - n + 1 :].unsqueeze(-2)  # (..., 1, n - 1): the next n-gram's first words
+            repeats = (ngrams[..., :-1] == prefix).all(-1)  # (..., step - n + 1)
+            # the word each repeat would complete; the others point at <pad>, which is -inf already
+            blocked = torch.where(repeats, ngrams[..., -1], PAD_ID)
+            log_probs.scatter_(-1, blocked, float("-inf"))
+        stuck = log_probs.isneginf().all(-1)  # (...,)
+        log_probs[..., END_ID] = torch.where(stuck, end, log_probs[..., END_ID])
+        return log_probs
+
+
+def word_log_probs(logits: Tensor, unk_id: int | None) -> Tensor:
+    """log p(word) (..., V) in float32; -inf for <pad>, <start> and <unk>, which are never generated."""
+    log_probs = logits.float().log_softmax(dim=-1)
+    log_probs[..., PAD_ID] = float("-inf")
+    log_probs[..., START_ID] = float("-inf")
+    if unk_id is not None:
+        log_probs[..., unk_id] = float("-inf")
+    return log_probs
+
+
+def static_steps(static_shapes: bool | None, features: Tensor) -> bool:
+    """Whether to run every step (static shapes): as asked, or when None on CUDA only."""
+    return features.is_cuda if static_shapes is None else bool(static_shapes)
+
+
+def run_steps(max_len: int, static: bool, step: Callable[[int], Tensor]) -> int:
+    """Call ``step(t)`` for t = 0, 1, ... ``max_len`` - 1, each call one word of every row; it returns
+    which rows (any shape) are done. Without ``static``, stop after a multiple of ``EXIT_CHECK_INTERVAL``
+    steps once every row is done (the loop's only host reads). Returns the number of steps run."""
+    for t in range(max_len):
+        done = step(t)
+        if not static and (t + 1) % EXIT_CHECK_INTERVAL == 0 and done.all():
+            return t + 1
+    return max_len
+
+
+def trimmed(generation: Generation) -> Generation:
+    """Drop the trailing steps where every caption has ended (one host sync, after decoding)."""
+    steps = int(generation.lengths.max()) if generation.lengths.numel() else 0
+    return Generation(generation.tokens[:, :steps], generation.scores, generation.alphas[:, :steps], generation.lengths)
