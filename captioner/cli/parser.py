@@ -11,7 +11,7 @@ from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_METHOD, DecodeMet
 from captioner.data.splits import SPLITS
 from captioner.errors import ConfigError
 
-DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a dataset.
+DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a dataset, prepare datasets.
 
     captioner caption IMAGE_OR_FOLDER_OR_GLOB... --model bundle.pt [--beam-size 3] [--json]
     find photos -name '*.jpg' | captioner caption - --model bundle.pt
@@ -232,11 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     shapes = command("shapes", "generate the built-in shapes dataset, of a chosen size, into a chosen folder")
     shapes.add_argument("--out", required=True, metavar="DIR", help="the dataset's folder (new, or empty)")
     built_in = "(default: the built-in set's, as python train.py generates it)"
-    shapes.add_argument("--train", type=int, dest="n_train", help=f"training images {built_in}")
-    shapes.add_argument("--val", type=int, dest="n_val", help=f"validation images {built_in}")
-    shapes.add_argument("--test", type=int, dest="n_test", help=f"test images {built_in}")
-    shapes.add_argument("--image-size", type=int, dest="image_size", help=f"image side in pixels {built_in}")
-    shapes.add_argument("--seed", type=int, help=f"the same seed, the same images {built_in}")
+    shapes.add_argument("--train", type=int, metavar="N", dest="n_train", help=f"training images {built_in}")
+    shapes.add_argument("--val", type=int, metavar="N", dest="n_val", help=f"validation images {built_in}")
+    shapes.add_argument("--test", type=int, metavar="N", dest="n_test", help=f"test images {built_in}")
+    shapes.add_argument(
+        "--image-size", type=int, metavar="N", dest="image_size", help=f"image side in pixels {built_in}"
+    )
+    shapes.add_argument("--seed", type=int, metavar="N", help=f"the same seed, the same images {built_in}")
     splits = command(
         "splits",
         "write Karpathy's split file of COCO (from the official COCO 2014 caption files) or Flickr8k (from its "
