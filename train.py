@@ -33,7 +33,7 @@ from hydra.errors import CompactHydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from captioner.config import SCHEMAS
+from captioner.config import SCHEMAS, DecodeMethod, DecodingConfig, to_dict
 from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
 from captioner.training.validate import error_line, section_error
 
@@ -103,6 +103,8 @@ def train(cfg: DictConfig) -> float | None:
             or None
         )
         checkpoint_note = quick_checks.checkpoint_note(trainer, datamodule)
+    epochs_decoding = module.settings.decoding
+    module.settings.decoding = final_decoding(epochs_decoding)  # the scores `captioner evaluate` gives
     evaluate = {"datamodule": datamodule, "ckpt_path": ckpt_path, "weights_only": True, "verbose": False}
     metrics = next(iter(trainer.validate(module, **evaluate)), {})  # none: no validation batch
     if cfg.test:
@@ -120,8 +122,25 @@ def train(cfg: DictConfig) -> float | None:
         for split, wanted in ((VAL, True), (TEST, cfg.test))
         if (reason := quick_checks.not_computed(metrics, split, wanted, trainer)) is not None
     }
-    print(summary(metrics, ckpt_path, bundle, output_dir, missing, checkpoint_note))
+    decoded = f"{describe(module.settings.decoding)} as `captioner evaluate` decodes"
+    if cfg.train and epochs_decoding != module.settings.decoding:
+        decoded += f"; each epoch's validation, which picked the checkpoint: {describe(epochs_decoding)}"
+    print(summary(metrics, ckpt_path, bundle, output_dir, missing, checkpoint_note, decoded))
     return metrics.get(metric(VAL, PROGRESS))
+
+
+def final_decoding(decoding: DecodingConfig) -> DecodingConfig:
+    """How a run's final scores (its summary, metrics.json, test) are decoded: its ``model.decoding`` with
+    captioning's method, as ``captioner evaluate`` and ``captioner caption`` decode. Each epoch's validation
+    keeps ``model.decoding`` (greedy by default: cheaper every epoch, and it ranks checkpoints alike)."""
+    return DecodingConfig.captioning(**{key: value for key, value in to_dict(decoding).items() if key != "method"})
+
+
+def describe(decoding: DecodingConfig) -> str:
+    """``decoding``'s method in words ("beam search (beam 3)", "greedy")."""
+    if decoding.method == DecodeMethod.beam:
+        return f"beam search (beam {decoding.beam_size})"
+    return str(decoding.method)
 
 
 def fit(trainer: object, module: object, datamodule: object, ckpt_path: str | None) -> None:
