@@ -30,6 +30,7 @@ BASE = [
     *(f"data.source.{key}={getattr(SPEC, key)}" for key in ("n_train", "n_val", "n_test")),
     "trainer.max_epochs=1",
     "model.objective=cross_entropy",
+    "model.decoding.max_len=8",
     "data.num_workers=0",
     "trainer.enable_progress_bar=false",
     "logger=csv",
