@@ -91,10 +91,10 @@ def train(cfg: DictConfig) -> float | None:
 
     checkpoint_note = None
     if cfg.train:
-        for note in filter(None, [quick_checks.fit_val_fraction(trainer, datamodule)]):
-            log.warning(note)
-        for note in quick_checks.start_notes(trainer, module.settings, datamodule):
-            log.warning(note)
+        fraction = quick_checks.fit_val_fraction(trainer, datamodule)  # first: the notes read the limit it sets
+        for note in [fraction, *quick_checks.start_notes(trainer, module.settings, datamodule)]:
+            if note is not None:
+                log.warning(note)
         fit(trainer, module, datamodule, ckpt_path)
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         ckpt_path = (
@@ -132,7 +132,7 @@ def train(cfg: DictConfig) -> float | None:
 def final_decoding(decoding: DecodingConfig) -> DecodingConfig:
     """How a run's final scores (its summary, metrics.json, test) are decoded: its ``model.decoding`` with
     captioning's method, as ``captioner evaluate`` and ``captioner caption`` decode. Each epoch's validation
-    keeps ``model.decoding`` (greedy by default: cheaper every epoch, and it ranks checkpoints alike)."""
+    keeps ``model.decoding`` (greedy by default: the cheaper, paid every epoch)."""
     return DecodingConfig.captioning(**{key: value for key, value in to_dict(decoding).items() if key != "method"})
 
 

@@ -60,17 +60,16 @@ def summary(
     ckpt_path: str | None,
     bundle: Path,
     output_dir: Path,
-    missing: dict[str, str] | None = None,
-    checkpoint_note: str | None = None,
-    decoded: str = "decoded, not teacher-forced",
+    missing: dict[str, str],
+    checkpoint_note: str | None,
+    decoded: str,
 ) -> str:
     """The lines a user acts on: the scores that exist, why the others were not computed, where the files are.
 
     ``missing``: split -> why its scores are not in ``metrics`` (``quick_checks.not_computed``);
-    ``checkpoint_note``: why ``ckpt_path`` is the run's last checkpoint rather than its best; ``decoded``: how
-    the captions scored were decoded.
+    ``checkpoint_note``: why ``ckpt_path`` is the run's last checkpoint rather than its best (None: it is the
+    best); ``decoded``: how the captions scored were decoded (never teacher-forced).
     """
-    missing = missing or {}
     lines = [""]
     if metric(VAL, BLEU[-1]) not in metrics:
         lines.append(f"validation scores: not computed ({missing.get(VAL, 'no validation ran')})")
