@@ -12,10 +12,15 @@ import json
 import runpy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from captioner.data.shapes import ShapesSpec, generate_shapes
+from captioner.training.callbacks import BestCheckpoint
 from conftest import ROOT
 
 SPEC = ShapesSpec(n_train=40, n_val=8, n_test=8)  # 10 training batches of 4: an epoch that max_steps can cut
@@ -25,6 +30,7 @@ BASE = [
     *(f"data.source.{key}={getattr(SPEC, key)}" for key in ("n_train", "n_val", "n_test")),
     "trainer.max_epochs=1",
     "model.objective=cross_entropy",
+    "model.decoding.max_len=8",
     "data.num_workers=0",
     "trainer.enable_progress_bar=false",
     "logger=csv",
@@ -120,3 +126,19 @@ def test_a_quick_check_override_finishes_and_says_what_it_left_out(
     assert (run / "val_captions.json").is_file() == validated
     tested = override != "debug=fast"
     assert (TESTED in out) == tested and ("test/bleu4" in metrics) == tested
+
+
+def test_a_validation_without_the_monitored_metric_is_no_candidate_for_the_best(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    validated = SimpleNamespace(_has_run=True)  # Lightning raises once a validation has run
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(val_loop=validated)))
+    trainer.current_epoch, trainer.global_step = 2, 30
+    metrics = {"val/bleu4": torch.tensor(0.5)}  # no val/attention_correctness: no caption named a boxed object
+    options = {"dirpath": tmp_path, "monitor": "val/attention_correctness", "mode": "max"}
+    with pytest.raises(MisconfigurationException, match="could not find the monitored key"):
+        ModelCheckpoint(**options)._save_topk_checkpoint(trainer, metrics)
+    best = BestCheckpoint(**options)
+    best._save_topk_checkpoint(trainer, metrics)
+    assert best.best_model_path == "" and list(tmp_path.iterdir()) == []
+    assert "epoch 2, step 30: no val/attention_correctness, so no candidate for the best checkpoint" in caplog.text

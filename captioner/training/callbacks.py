@@ -1,4 +1,5 @@
-"""Training callbacks of the captioner: the non-finite guard.
+"""Training callbacks of the captioner: the non-finite guard, and the best checkpoint of the epochs that have
+its metric.
 
 A NaN/inf loss, or NaN/inf gradients, are handled without reading them back every step (a host
 synchronisation that stalls a GPU): the optimiser skips its step on the device, and the host looks at the
@@ -18,6 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from captioner.config import NonFinite
 from captioner.errors import CaptionerError
@@ -147,6 +149,25 @@ def skip_flagged_step(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor 
             optimizer.found_inf = nonfinite.float()  # 1.0: skip (GradScaler's convention)
     elif nonfinite is not None and bool(nonfinite):
         optimizer.zero_grad(set_to_none=True)  # parameters without gradients are not updated
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint``, for which a validation without the monitored metric (an attention
+    correctness that no caption allowed, a metric a quick-check override left out) makes that epoch no
+    candidate for the best checkpoint, with a warning, where Lightning raises once a validation has run.
+    ``last.ckpt`` is written all the same."""
+
+    def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        """Lightning's top-k save, skipped when ``monitor`` is not among this save's metrics."""
+        if self.monitor is not None and self.save_top_k != 0 and self.monitor not in monitor_candidates:
+            log.warning(
+                "epoch %d, step %d: no %s, so no candidate for the best checkpoint",
+                trainer.current_epoch,
+                trainer.global_step,
+                self.monitor,
+            )
+            return
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str | None:

@@ -60,20 +60,21 @@ def summary(
     ckpt_path: str | None,
     bundle: Path,
     output_dir: Path,
-    missing: dict[str, str] | None = None,
-    checkpoint_note: str | None = None,
+    missing: dict[str, str],
+    checkpoint_note: str | None,
+    decoded: str,
 ) -> str:
     """The lines a user acts on: the scores that exist, why the others were not computed, where the files are.
 
     ``missing``: split -> why its scores are not in ``metrics`` (``quick_checks.not_computed``);
-    ``checkpoint_note``: why ``ckpt_path`` is the run's last checkpoint rather than its best.
+    ``checkpoint_note``: why ``ckpt_path`` is the run's last checkpoint rather than its best (None: it is the
+    best); ``decoded``: how the captions scored were decoded (never teacher-forced).
     """
-    missing = missing or {}
     lines = [""]
     if metric(VAL, BLEU[-1]) not in metrics:
         lines.append(f"validation scores: not computed ({missing.get(VAL, 'no validation ran')})")
     else:
-        lines.append("validation BLEU (0-1, nltk corpus BLEU over all references, decoded, not teacher-forced):")
+        lines.append(f"validation BLEU (0-1, nltk corpus BLEU over all references; {decoded}):")
         lines.append("  " + _bleu(metrics, VAL))
         lines.append(f"  CIDEr-D {metrics[metric(VAL, CIDER)]:.4f} (coco-caption's CIDEr on these tokens)")
         if metric(VAL, CORRECTNESS) in metrics:

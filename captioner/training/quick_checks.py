@@ -108,7 +108,7 @@ def checkpoint_note(trainer: L.Trainer, datamodule: Any) -> str | None:
     if trainer.fast_dev_run:
         why = "trainer.fast_dev_run selects no best checkpoint"
     else:
-        why = no_validation_reason(trainer, datamodule) or "training stopped before its first validation"
+        why = no_validation_reason(trainer, datamodule) or "no validation during training computed it"
     return f"the last one: no epoch logged {callback.monitor}; {why}"
 
 
