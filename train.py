@@ -37,9 +37,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from captioner.config import DecodeMethod, DecodingConfig, to_dict
 from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
+from captioner.training.command_line import error_line, refused_override, section_error
 from captioner.training.schemas import register_schemas
 from captioner.training.validate import ConfigRefused
-from train_errors import error_line, refused_override, section_error
 
 log = logging.getLogger("train")
 
@@ -238,14 +238,14 @@ def main(cfg: DictConfig) -> float | None:
 
 def cli() -> None:
     """``python train.py``: Hydra's composition errors, a wrong value and what preflight found (before ``main``
-    runs) also become one line each, exit 2; ``--help`` shows the settings (``train_help.py``).
+    runs) also become one line each, exit 2; ``--help`` shows the settings (``training/command_line.py``).
 
     Hydra prints its errors over several lines and exits with status 1; with ``HYDRA_FULL_ERROR=1`` it raises
     them instead, so they are caught here. A user who sets ``HYDRA_FULL_ERROR=1`` gets Hydra's full report.
     """
     args = sys.argv[1:]
     if "--help" in args or "-h" in args:
-        from train_help import help_page
+        from captioner.training.command_line import help_page
 
         print(help_page())
         return

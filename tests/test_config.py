@@ -25,9 +25,9 @@ from captioner.config import (
     to_dict,
 )
 from captioner.errors import ConfigError
+from captioner.training.command_line import error_line
 from captioner.training.schemas import register_schemas
 from conftest import ROOT, compose_plain
-from train_errors import error_line
 
 CONF = ROOT / "conf"
 GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig}

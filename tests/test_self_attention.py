@@ -15,8 +15,8 @@ from captioner.model.self_attention import (
     clipped_offset_index,
     sinusoidal_grid_encoding,
 )
+from captioner.training.command_line import error_line
 from conftest import compose_cfg, net_v1
-from train_errors import error_line
 
 GRID = (2, 3)  # H, W -> L = 6
 

@@ -1,5 +1,5 @@
 """Checks of a composed training config before any work starts: every value (validate_config), and the
-one line train.py prints for each kind of mistake (train_errors.py). What a config refers to on this machine
+one line train.py prints for each kind of mistake (training/command_line.py). What a config refers to on this machine
 is test_preflight.py's."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 import train
 from captioner.errors import ConfigError
+from captioner.training.command_line import error_line, section_error
 from captioner.training.validate import validate_config
 from conftest import ROOT, compose_cfg, compose_plain, run_train
-from train_errors import error_line, section_error
 
 
 def config_error(overrides: list[str], tmp_path: Path) -> str:

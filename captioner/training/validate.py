@@ -10,7 +10,7 @@ trainer's, callbacks' and loggers' arguments when ``train.py`` builds them.
 ``ValidateConfig`` (a Hydra callback, listed first in ``conf/hydra/default.yaml``) runs ``validate_config`` as
 soon as Hydra has composed the config, then the preflight: a wrong value or a missing file stops the run before
 its folder exists, a wrong value before the config is printed and before torch is imported. ``train.py`` says
-what stopped it (``train_errors.py`` turns Hydra's and OmegaConf's errors into one line).
+what stopped it (``training/command_line.py`` turns Hydra's and OmegaConf's errors into one line).
 """
 
 from __future__ import annotations
