@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from captioner.config import CAPTIONING_BATCH_SIZE, DataConfig, ModelConfig, TrainConfig, from_dict
 from captioner.data.scenes import ShapesSpec, make_scene
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import END_ID, SPECIALS, START_ID, UNK_ID, Vocabulary
 from captioner.model.captioner import Captioner
 from captioner.model.decoder import DecoderOutput
 from captioner.training.schemas import register_schemas
@@ -77,7 +77,7 @@ def vocabulary(data: DataConfig) -> Vocabulary:
     spec = getattr(instantiate(data.source), "spec", None)  # ShapesSource's generator parameters
     if spec is not None:
         return shapes_vocabulary(spec, data.min_word_count, data.max_vocab)
-    first = len(Vocabulary.SPECIALS)
+    first = len(SPECIALS)
     return Vocabulary([f"w{i}" for i in range(first, first + (data.max_vocab or 10_000))])
 
 
@@ -183,7 +183,7 @@ def never_end(model: Captioner) -> Captioner:
     """Make ``model`` never emit <end> (a -1e4 bias on its logit), so that decoding always runs ``max_len``
     words: the worst case, and the same work whatever the batch. Untrained weights end at random steps."""
     with torch.no_grad():
-        model.decoder.classifier.bias[Vocabulary.end_id] = -1e4
+        model.decoder.classifier.bias[END_ID] = -1e4
     return model
 
 
@@ -206,9 +206,9 @@ def random_captions(size: Setup, images: int, device: torch.device) -> tuple[Ten
     Each is ``<start>``, ``data.max_len`` random words and ``<end>``: no padding, every step counts.
     """
     count = images * CAPTIONS_PER_IMAGE
-    words = torch.randint(Vocabulary.unk_id + 1, len(size.vocab), (count, size.data.max_len), device=device)
-    start = torch.full((count, 1), Vocabulary.start_id, device=device)
-    end = torch.full((count, 1), Vocabulary.end_id, device=device)
+    words = torch.randint(UNK_ID + 1, len(size.vocab), (count, size.data.max_len), device=device)
+    start = torch.full((count, 1), START_ID, device=device)
+    end = torch.full((count, 1), END_ID, device=device)
     index = torch.arange(images, device=device).repeat_interleave(CAPTIONS_PER_IMAGE)
     return torch.cat([start, words, end], dim=1), index
 

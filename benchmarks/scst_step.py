@@ -29,7 +29,7 @@ import composed
 import machine
 import options
 import tables
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import SPECIALS, Vocabulary
 from captioner.evaluation.cider import CiderD
 from captioner.training.module import CaptionerModule
 
@@ -74,7 +74,7 @@ class Stopwatch:
 def random_references(images: int, vocab: Vocabulary, seed: int = 0) -> list[list[list[str]]]:
     """Five random captions per image over the vocabulary's words, the frequent ones likelier (Zipf)."""
     generator = torch.Generator().manual_seed(seed)
-    words = vocab.itos[len(Vocabulary.SPECIALS) :]
+    words = vocab.itos[len(SPECIALS) :]
     weights = 1.0 / torch.arange(1, len(words) + 1, dtype=torch.float64)
     low, high = REFERENCE_LENGTH
     lengths = torch.randint(low, high + 1, (images * 5,), generator=generator)

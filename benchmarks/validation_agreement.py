@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from captioner.config import DecodingConfig, ModelConfig, to_dict
 from captioner.data.dataset import build_transform
 from captioner.data.images import load_rgb
-from captioner.data.vocab import tokenize
+from captioner.data.vocab import END_ID, START_ID, UNK_ID, tokenize
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.report import evaluate_split
 from captioner.inference import LoadedModel, load_model
@@ -62,9 +62,9 @@ def decode_all(
         with torch.no_grad():
             generation, _ = model.generate_from_features(
                 features_of(images),
-                start_id=vocab.start_id,
-                end_id=vocab.end_id,
-                unk_id=vocab.unk_id,
+                start_id=START_ID,
+                end_id=END_ID,
+                unk_id=UNK_ID,
                 static_shapes=ModelConfig.static_shapes,
                 **settings,
             )

@@ -22,6 +22,7 @@ from captioner.bundle import TrainedModel, load_trained
 from captioner.config import CAPTIONING_BATCH_SIZE, Attention, DecodingConfig, HardInference
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
+from captioner.data.vocab import UNK_ID
 from captioner.errors import check_range
 
 # a file, a PIL image, a tensor (3, H, W) or a numpy array (H, W, 3) of uint8 (as PIL and OpenCV give, in RGB)
@@ -142,7 +143,7 @@ def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, decoding: Decoding
     """Caption preprocessed images (B, 3, S, S) in one encoder and decoder call; ``path`` left None."""
     model, vocab = loaded.model, loaded.vocab
     device = next(model.parameters()).device
-    generation, grid = model.generate(pixels.to(device), decoding, unk_id=vocab.unk_id)
+    generation, grid = model.generate(pixels.to(device), decoding, unk_id=UNK_ID)
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
     # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
     argmax = model.decoder.mode == Attention.hard and model.decoder.hard_inference == HardInference.argmax

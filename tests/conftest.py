@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, read_net, save_bundle
 from captioner.config import EncoderConfig, LossConfig, NetConfig, from_dict
 from captioner.data.shapes import ShapesSpec, generate_shapes
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import END_ID, PAD_ID, START_ID, Vocabulary
 from captioner.fileio import save_torch
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoder import ShowAttendTellDecoder
@@ -64,7 +64,7 @@ RUN_NET = {
 
 # The small decoder of the decoding and SCST tests: V words, D feature channels, L grid locations.
 V, D, L = 12, 6, 4
-START, END = Vocabulary.start_id, Vocabulary.end_id
+START, END = START_ID, END_ID
 
 
 # ------------------------------------------------------------------------------------- the tiny dataset
@@ -198,7 +198,7 @@ def never_ending_captioner(
     config = {**SMALL_NET, "decoder": {**SMALL_NET["decoder"], "mode": mode}}
     model = build_captioner(net_v1(config), len(vocab)).eval()
     with torch.no_grad():
-        model.decoder.classifier.bias[vocab.end_id] = -1e4
+        model.decoder.classifier.bias[END_ID] = -1e4
         for word in favoured:
             model.decoder.classifier.bias[vocab.stoi[word]] += 20.0
     return model, vocab, config
@@ -269,7 +269,7 @@ def make_decoder(attention: str = "soft", seed: int = 0, **options: Any) -> Show
     return ShowAttendTellDecoder(V, D, settings).eval()
 
 
-def make_loss(pad_id: int = Vocabulary.pad_id, unk_id: int | None = None, **options: Any) -> CaptionLoss:
+def make_loss(pad_id: int = PAD_ID, unk_id: int | None = None, **options: Any) -> CaptionLoss:
     """A CaptionLoss with the paper's ds_lambda = 1 unless ``options`` (LossConfig fields) say otherwise."""
     return CaptionLoss(LossConfig(**{"ds_lambda": 1.0, **options}), pad_id, unk_id)
 

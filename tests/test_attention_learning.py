@@ -22,13 +22,13 @@ import torch
 from torch import Tensor
 
 from captioner.config import LossConfig
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import END_ID, PAD_ID, START_ID, UNK_ID
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.losses import CaptionLoss
 from conftest import net_config
 
 L, D, K = 16, 16, 4  # locations, feature channels, object words
-PAD, START, END, UNK = Vocabulary.pad_id, Vocabulary.start_id, Vocabulary.end_id, Vocabulary.unk_id
+PAD, START, END, UNK = PAD_ID, START_ID, END_ID, UNK_ID
 NOTHING = 4 + K  # the word of an image with no object; ids 4 .. 4 + K - 1, after the specials, name the objects
 V = NOTHING + 1
 EMPTY = 0.2  # share of images with no object

@@ -7,7 +7,7 @@ import torch
 
 from captioner.bundle import load_bundle, save_bundle
 from captioner.config import DecodingConfig
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import END_ID, START_ID, Vocabulary
 from captioner.errors import ConfigError
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import SelfAttentionStack
@@ -16,8 +16,8 @@ from conftest import CAPTIONER_NET, SMALL_IMAGE_SIZE, net_v1, random_images
 
 def _captions(n: int, length: int = 6, vocab_size: int = 11) -> torch.Tensor:
     captions = torch.randint(4, vocab_size, (n, length), generator=torch.Generator().manual_seed(1))
-    captions[:, 0] = Vocabulary.start_id
-    captions[:, -1] = Vocabulary.end_id
+    captions[:, 0] = START_ID
+    captions[:, -1] = END_ID
     return captions  # (N, T+1)
 
 

@@ -22,7 +22,7 @@ from captioner.data.dataset import (
     collate,
 )
 from captioner.data.readers import Record
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import UNK_ID, Vocabulary
 from conftest import features_for, make_decoder, make_loss
 
 SIZE = 8
@@ -158,7 +158,7 @@ def test_collate_shapes_and_values(files, vocab):
     dataset = CaptionDataset(records, vocab, build_transform(SIZE, train=False))
     batch = collate([dataset[i] for i in (0, 1, 4, 5)])
     a, red, blue, big, square = (vocab.stoi[w] for w in ("a", "red", "blue", "big", "square"))
-    u = vocab.unk_id
+    u = UNK_ID
     expected = torch.tensor(
         [
             [1, a, red, square, 2, 0],

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from captioner.config import ModelConfig, NonFinite, from_dict
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import PAD_ID, UNK_ID, Vocabulary
 from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import SelfAttentionStack
 from captioner.training.callbacks import NonFiniteLossError, NonFiniteLossGuard, skip_flagged_step
@@ -38,7 +38,7 @@ def test_self_attention_blocks_are_built_only_when_asked(vocab, self_attention, 
 
 def test_unk_is_excluded_from_the_loss(vocab):
     module = CaptionerModule(vocab, from_dict(ModelConfig, dict(encoder=SMALL)))
-    assert module.criterion.unk_id == vocab.unk_id and module.criterion.pad_id == vocab.pad_id
+    assert module.criterion.unk_id == UNK_ID and module.criterion.pad_id == PAD_ID
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -20,7 +20,7 @@ from torchvision.transforms import v2
 from captioner.config import MAX_LEN
 from captioner.data.images import ImageError, load_rgb
 from captioner.data.readers import Record
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import PAD_ID, Vocabulary
 from captioner.errors import check_range
 
 # The input normalisation the torchvision ImageNet weights expect (per RGB channel, on [0, 1] pixels): every
@@ -121,11 +121,11 @@ def collate(items: list[dict | Skipped], pad_to: int | None = None) -> dict:
     captions = [c for item in kept for c in item["captions"]]
     counts = torch.tensor([len(item["captions"]) for item in kept])
     key = "features" if "features" in kept[0] else "image"
-    padded = pad_sequence(captions, batch_first=True, padding_value=Vocabulary.pad_id)  # (N, longest)
+    padded = pad_sequence(captions, batch_first=True, padding_value=PAD_ID)  # (N, longest)
     if pad_to is not None:
         if padded.size(1) > pad_to:
             raise ValueError(f"a caption of {padded.size(1)} tokens does not fit pad_to={pad_to}")
-        padded = F.pad(padded, (0, pad_to - padded.size(1)), value=Vocabulary.pad_id)  # (N, pad_to)
+        padded = F.pad(padded, (0, pad_to - padded.size(1)), value=PAD_ID)  # (N, pad_to)
     return {
         "images" if key == "image" else "features": torch.stack([item[key] for item in kept]),
         "captions": padded,  # (N, T)

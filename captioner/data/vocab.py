@@ -31,18 +31,15 @@ def tokenize(text: str) -> list[str]:
 class Vocabulary:
     """Word <-> id mapping; ids 0..3 are ``<pad>``, ``<start>``, ``<end>``, ``<unk>``."""
 
-    PAD, START, END, UNK, SPECIALS = PAD, START, END, UNK, SPECIALS
-    pad_id, start_id, end_id, unk_id = PAD_ID, START_ID, END_ID, UNK_ID
-
     def __init__(self, words: Sequence[str]) -> None:
         """``words`` in id order; the four specials are put first unless ``words`` starts with them."""
         words = list(words)
-        if tuple(words[:4]) == self.SPECIALS:
+        if tuple(words[:4]) == SPECIALS:
             words = words[4:]
-        repeated = sorted(w for w, n in Counter(words).items() if n > 1 or w in self.SPECIALS)
+        repeated = sorted(w for w, n in Counter(words).items() if n > 1 or w in SPECIALS)
         if repeated:
             raise ValueError(f"vocabulary words repeat or clash with the specials: {repeated[:5]}")
-        self.itos: list[str] = [*self.SPECIALS, *words]
+        self.itos: list[str] = [*SPECIALS, *words]
         self.stoi: dict[str, int] = {w: i for i, w in enumerate(self.itos)}
 
     @classmethod
@@ -62,17 +59,17 @@ class Vocabulary:
 
     def encode(self, caption: str, max_len: int) -> list[int]:
         """``[<start>] + ids of the first max_len words (unknown -> <unk>) + [<end>]``."""
-        ids = [self.stoi.get(word, self.unk_id) for word in tokenize(caption)[:max_len]]
-        return [self.start_id, *ids, self.end_id]
+        ids = [self.stoi.get(word, UNK_ID) for word in tokenize(caption)[:max_len]]
+        return [START_ID, *ids, END_ID]
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         """Words of ``ids``, skipping ``<start>``/``<pad>`` and stopping at ``<end>``."""
         words = []
         for i in ids:
             i = int(i)
-            if i == self.end_id:
+            if i == END_ID:
                 break
-            if i not in (self.start_id, self.pad_id):
+            if i not in (START_ID, PAD_ID):
                 words.append(self.itos[i])
         return words
 
@@ -98,8 +95,8 @@ class Vocabulary:
         words = d.get("words")
         if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
             raise DataError('vocabulary "words" must be a list of non-empty strings')
-        if tuple(words[:4]) != cls.SPECIALS:
-            raise DataError(f'vocabulary "words" must start with {", ".join(cls.SPECIALS)}')
+        if tuple(words[:4]) != SPECIALS:
+            raise DataError(f'vocabulary "words" must start with {", ".join(SPECIALS)}')
         try:
             return cls(words)
         except ValueError as exc:

@@ -21,7 +21,7 @@ from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
 from captioner.config import Compile, ModelConfig, Objective, to_dict
 from captioner.data.dataset import SkipCounter
 from captioner.data.features import FeatureCache
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import PAD_ID, UNK_ID, Vocabulary
 from captioner.errors import DataError
 from captioner.evaluation.cider import CiderD
 from captioner.model.captioner import Captioner, build_captioner
@@ -49,7 +49,7 @@ class CaptionerModule(L.LightningModule):
         self.vocab = vocab
         self.net = self.settings.net()  # what the bundle stores
         self.model: Captioner = build_captioner(self.net, len(vocab))
-        self.criterion = CaptionLoss(self.settings.loss, vocab.pad_id, vocab.unk_id)
+        self.criterion = CaptionLoss(self.settings.loss, PAD_ID, UNK_ID)
         self.self_critical = SelfCriticalLoss(self.settings.scst.baseline)
         self.cider: CiderD | None = None  # the SCST reward: CIDEr-D against the training references
         self.skips = SkipCounter()
@@ -171,9 +171,7 @@ class CaptionerModule(L.LightningModule):
     # --------------------------------------------------------------- evaluation
     def generate(self, batch: dict) -> tuple[Generation, tuple[int, int]]:
         """Decode a batch with the configured method (never teacher-forced)."""
-        options = dict(
-            decoding=self.settings.decoding, unk_id=self.vocab.unk_id, static_shapes=self.settings.static_shapes
-        )
+        options = dict(decoding=self.settings.decoding, unk_id=UNK_ID, static_shapes=self.settings.static_shapes)
         if "features" in batch:
             return self.model.generate_from_features(objectives.cached_features(batch, self.dtype), **options)
         return self.model.generate(batch["images"], **options)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from captioner.config import DecodingConfig, ScstBaseline, ScstConfig
-from captioner.data.vocab import Vocabulary
+from captioner.data.vocab import END_ID, UNK_ID, Vocabulary
 from captioner.evaluation.cider import CiderD
 from captioner.model.captioner import Captioner
 from captioner.model.decoding import greedy, rollout
@@ -57,16 +57,16 @@ def self_critical_terms(
     encoded = (cached_features(batch, dtype),) if "features" in batch else model.encode(batch["images"])
     features = model.attend_grid(*model.finish_encoding(*encoded))  # (B, L, C)
     samples, images = scst.samples, batch["indices"]  # images: rows of the reward's corpus
-    drawn = rollout(model.decoder, features, samples, decoding, unk_id=vocab.unk_id, static_shapes=static_shapes)
-    rewards = caption_rewards(cider, drawn.tokens, drawn.lengths, images.repeat_interleave(samples), vocab.end_id)
+    drawn = rollout(model.decoder, features, samples, decoding, unk_id=UNK_ID, static_shapes=static_shapes)
+    rewards = caption_rewards(cider, drawn.tokens, drawn.lengths, images.repeat_interleave(samples), END_ID)
     greedy_rewards = None
     if scst.baseline == ScstBaseline.greedy:
         model.decoder.eval()  # no dropout; hard attention takes the most likely location
         try:
-            best = greedy(model.decoder, features.detach(), decoding, vocab.unk_id, static_shapes)
+            best = greedy(model.decoder, features.detach(), decoding, UNK_ID, static_shapes)
         finally:
             model.decoder.train()
-        greedy_rewards = caption_rewards(cider, best.tokens, best.lengths, images, vocab.end_id)
+        greedy_rewards = caption_rewards(cider, best.tokens, best.lengths, images, END_ID)
     return criterion(drawn.log_probs, drawn.lengths, rewards.view(-1, samples), greedy_rewards)
 
 
