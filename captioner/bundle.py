@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from captioner.bundle_v1 import upgrade_v1
-from captioner.config import NetConfig, from_dict, to_dict
+from captioner.config import MIN_IMAGE_SIZE, NetConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
@@ -65,7 +65,7 @@ def _check_preprocess(preprocess: object) -> dict:
             raise ConfigError(f"unknown preprocess key {key!r}; valid keys: {', '.join(PREPROCESS_KEYS)}")
     if "image_size" not in preprocess:
         raise ConfigError("preprocess has no image_size")
-    check_range("preprocess.image_size", preprocess["image_size"], 1, kind=int)
+    check_range("preprocess.image_size", preprocess["image_size"], MIN_IMAGE_SIZE, kind=int)
     return {"image_size": preprocess["image_size"]}
 
 

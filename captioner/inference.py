@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.bundle import TrainedModel, load_trained
-from captioner.config import CAPTIONING_BATCH_SIZE, Attention, DecodingConfig, HardInference
+from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_WORKERS, Attention, DecodingConfig, HardInference
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.data.vocab import UNK_ID
@@ -163,7 +163,7 @@ def caption_files(
     loaded: LoadedModel,
     paths: Sequence[str],
     batch_size: int = CAPTIONING_BATCH_SIZE,
-    workers: int = 0,
+    workers: int = CAPTIONING_WORKERS,
     progress: bool = False,
     decoding: DecodingConfig | None = None,
 ) -> Iterator[Captioned | Skipped]:

@@ -191,7 +191,7 @@ def _checkpoint_without(key: str | None) -> Callable[[dict], None]:
         (
             "bundle.pt",
             lambda raw: raw.update(preprocess={"image_size": 0}),
-            "malformed preprocessing settings \\(preprocess.image_size=0 must be >= 1\\)",
+            "malformed preprocessing settings \\(preprocess.image_size=0 must be >= 32\\)",
         ),
         ("bundle.pt", lambda raw: raw.update(format="other"), "neither a captioner bundle nor a training checkpoint"),
     ],

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from captioner import __version__
-from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_METHOD, DecodeMethod, DecodingConfig
+from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_METHOD, CAPTIONING_WORKERS, DecodeMethod, DecodingConfig
 from captioner.data.splits import SPLITS
 from captioner.errors import ConfigError
 
@@ -154,7 +154,9 @@ def _common(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--batch-size", type=int, default=CAPTIONING_BATCH_SIZE, help="images encoded and decoded together"
     )
-    sub.add_argument("--workers", type=int, default=2, help="image-decoding processes; 0 decodes in this one")
+    sub.add_argument(
+        "--workers", type=int, default=CAPTIONING_WORKERS, help="image-decoding processes; 0 decodes in this one"
+    )
     sub.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     sub.add_argument(
         "--no-progress",

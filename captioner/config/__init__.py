@@ -11,10 +11,11 @@ The network's defaults are those of the built-in demo (``python train.py``); its
 ``conf/experiment/demo.yaml``, and ``conf/experiment/coco_*`` set the paper's.
 """
 
-from captioner.config.data import MAX_AUTO_WORKERS, DataConfig, FeatureDtype
+from captioner.config.data import MAX_AUTO_WORKERS, MIN_IMAGE_SIZE, DataConfig, FeatureDtype
 from captioner.config.decoding import (
     CAPTIONING_BATCH_SIZE,
     CAPTIONING_METHOD,
+    CAPTIONING_WORKERS,
     MAX_LEN,
     DecodeMethod,
     DecodingConfig,
@@ -50,8 +51,10 @@ from captioner.config.train import SCHEMAS, TrainConfig
 __all__ = [
     "CAPTIONING_BATCH_SIZE",
     "CAPTIONING_METHOD",
+    "CAPTIONING_WORKERS",
     "MAX_AUTO_WORKERS",
     "MAX_LEN",
+    "MIN_IMAGE_SIZE",
     "SCHEMAS",
     "Attention",
     "Compile",

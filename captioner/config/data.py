@@ -10,6 +10,7 @@ from captioner.config.decoding import MAX_LEN
 from captioner.config.settings import Settings
 from captioner.errors import check_range
 
+MIN_IMAGE_SIZE = 32  # pixels per side at least: every image the model reads, generates or stores
 MAX_AUTO_WORKERS = 8  # DataConfig.num_workers=None uses at most this many loader workers
 
 
@@ -50,7 +51,7 @@ class DataConfig(Settings):
     recipe: str | None = "experiment=coco_soft"
 
     def check(self) -> None:
-        check_range("image_size", self.image_size, 32, kind=int)
+        check_range("image_size", self.image_size, MIN_IMAGE_SIZE, kind=int)
         check_range("batch_size", self.batch_size, 1, kind=int)
         if self.eval_batch_size is not None:
             check_range("eval_batch_size", self.eval_batch_size, 1, kind=int)

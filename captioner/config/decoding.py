@@ -58,3 +58,4 @@ class DecodingConfig(Settings):
 # captions than greedy decoding, for a cost paid once per image rather than every epoch.
 CAPTIONING_METHOD = DecodeMethod.beam
 CAPTIONING_BATCH_SIZE = 32  # images encoded and decoded together (caption(), `captioner caption --batch-size`)
+CAPTIONING_WORKERS = 2  # processes decoding image files while the model captions (`--workers`; 0: this one)

@@ -33,9 +33,9 @@ def build_transform(image_size: int, train: bool, augment: bool = False) -> v2.C
     """PIL RGB image -> normalised float tensor (3, image_size, image_size).
 
     With ``train`` and ``augment``: a mild random resized crop (80-100 % of the area) and colour
-    jitter. Never a horizontal flip: captions say "left" and "right".
+    jitter. Never a horizontal flip: captions say "left" and "right". ``image_size`` is one its owner checked
+    (``DataConfig``, a bundle's ``preprocess``: at least ``MIN_IMAGE_SIZE``).
     """
-    check_range("image_size", image_size, 1, kind=int)
     if train and augment:
         steps = [
             v2.RandomResizedCrop((image_size, image_size), scale=(0.8, 1.0), antialias=True),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
+from captioner.config import MIN_IMAGE_SIZE
 from captioner.data.readers import SPLITS
 from captioner.errors import check_range
 
@@ -69,7 +70,7 @@ class ShapesSpec:
     def __post_init__(self) -> None:
         for split in SPLITS:
             check_range(f"n_{split}", getattr(self, f"n_{split}"), 1, kind=int)
-        check_range("image_size", self.image_size, 24, kind=int)
+        check_range("image_size", self.image_size, MIN_IMAGE_SIZE, kind=int)
         check_range("seed", self.seed, 0, kind=int)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from captioner.config import CAPTIONING_BATCH_SIZE, DecodingConfig, to_dict
+from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_WORKERS, DecodingConfig, to_dict
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Record
 from captioner.data.vocab import tokenize
@@ -28,7 +28,7 @@ def evaluate_split(
     records: Sequence[Record],
     out_dir: Path,
     batch_size: int = CAPTIONING_BATCH_SIZE,
-    workers: int = 0,
+    workers: int = CAPTIONING_WORKERS,
     coco: bool = True,
     progress: bool = False,
     decoding: DecodingConfig | None = None,
