@@ -9,18 +9,15 @@ runs once per caption.
 
     python benchmarks/train_step.py                      # CPU: --quick by default
     python benchmarks/train_step.py --device cuda --precision bf16 --channels-last
-    python benchmarks/train_step.py --compile reduce-overhead   # and the decoder-only step eager vs compiled
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import common
-from captioner.config import Compile
 
 TRAIN_COLUMNS = [
     "size",
@@ -51,16 +48,6 @@ DECODER_COLUMNS = [
     "peak MiB",
     "step MiB",
     "others %",
-]
-COMPILE_COLUMNS = [
-    "size",
-    "attention",
-    "images x captions",
-    "compile",
-    "first step s",
-    "eager ms",
-    "compiled ms",
-    "speed-up",
 ]
 DECODER_BATCH = 64
 SOURCES = {"images": "images", "per_caption": "images, per caption", "features": "cached features"}
@@ -123,25 +110,6 @@ def decoder_row(size: common.Setup, images: int, args: argparse.Namespace) -> li
     ]
 
 
-def compile_row(size: common.Setup, images: int, mode: Compile, args: argparse.Namespace) -> list[object]:
-    """The decoder-only training step eager, then with its step compiled (``model.compile=mode``): the first
-    compiled step's seconds (compilation included) and both medians."""
-    module = common.build_module(size, args)
-    decoder = module.model.decoder
-    height, width, channels = common.grid_shape(size)
-    features = torch.randn(images, height * width, channels, device=args.device).relu()  # (B, L, C)
-    captions, index = common.random_captions(size, images, args.device)
-    step = common.make_train_step(module, decoder, lambda: decoder(features, captions, index), captions, args)
-    eager = common.measure(step, args).median
-    decoder.compile_step(mode)
-    start = time.perf_counter()
-    common.measure(step, args, warmup=0, repeats=1)
-    first = time.perf_counter() - start
-    compiled = common.measure(step, args).median
-    row = [size.name, size.model.attention.value, f"{images} x {captions.size(0)}", mode.value, first]
-    return [*row, eager * 1e3, compiled * 1e3, eager / compiled]
-
-
 def decoder_batch(size: common.Setup, args: argparse.Namespace) -> int:
     """64 images, except the COCO size under --quick (its batch) and --tiny (the tiny batch)."""
     if args.tiny or (args.quick and size.name.startswith("coco")):
@@ -151,14 +119,7 @@ def decoder_batch(size: common.Setup, args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the training-step table and the decoder-only table."""
-    parser = common.make_parser(__doc__.split("\n")[0])
-    parser.add_argument(
-        "--compile",
-        choices=[mode.value for mode in Compile if mode != Compile.off],
-        default=None,
-        help="also time the decoder-only step with its step compiled this way (model.compile)",
-    )
-    args = common.parse(parser, argv)
+    args = common.parse(common.make_parser(__doc__.split("\n")[0]), argv)
     soft, hard = common.setups(args, "soft"), common.setups(args, "hard")
     common.print_environment(
         "Training step",
@@ -182,10 +143,6 @@ def main(argv: list[str] | None = None) -> None:
         common.print_table("Training step: encoder + decoder + loss + backward + Adam", TRAIN_COLUMNS, rows)
         rows = [decoder_row(size, decoder_batch(size, args), args) for pair in zip(soft, hard) for size in pair]
         common.print_table("Decoder-only training step given features", DECODER_COLUMNS, rows)
-        if args.compile:
-            mode = Compile(args.compile)
-            rows = [compile_row(size, decoder_batch(size, args), mode, args) for size in soft + hard]
-            common.print_table("Decoder-only training step, eager vs compiled step", COMPILE_COLUMNS, rows)
 
 
 if __name__ == "__main__":
