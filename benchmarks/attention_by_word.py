@@ -27,6 +27,7 @@ import torch
 from pycocotools.coco import COCO
 
 from captioner import load_model
+from captioner.config import DecodingConfig
 from captioner.data.readers import Box, coco_box
 from captioner.data.shapes import COLOURS, SHAPES
 from captioner.evaluation.correctness import box_coverage
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = sorted(coco.imgs)
     paths = [str(args.data / "images" / args.split / coco.imgs[i]["file_name"]) for i in ids]
     with torch.inference_mode():
-        results = caption_images(loaded, paths, method="greedy")
+        results = caption_images(loaded, paths, decoding=DecodingConfig.captioning(method="greedy"))
 
     by_size: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for image_id, result in zip(ids, results):
