@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     references = {r.image_id: [tokenize(c) for c in r.captions] for r in records}
     image_ids = {r.image_path: r.image_id for r in records}
     decodings = {
-        "greedy": {"method": "greedy"},
-        f"beam {args.beam_size}": {"method": "beam", "beam_size": args.beam_size},
+        "greedy": DecodingConfig.captioning(method="greedy"),
+        f"beam {args.beam_size}": DecodingConfig.captioning(method="beam", beam_size=args.beam_size),
     }
     print(
         f"{len(records)} {args.split} images; BLEU-4: nltk corpus BLEU against all references; CIDEr-D: "
@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded = load_model(run / "bundle.pt" if run.is_dir() else run)
         label = run.parent.parent.name if run.is_dir() else run.name  # outputs/<task>/runs/<run>: the task
         for name, decode in decodings.items():
-            decoded = caption_files(loaded, list(image_ids), decoding=DecodingConfig.captioning(**decode))
-            captions = {image_ids[c.path]: c.words for c in decoded}
+            captions = {image_ids[c.path]: c.words for c in caption_files(loaded, list(image_ids), decoding=decode)}
             row = score(captions, references)
             print(
                 f"| {label} | {name} | {row['bleu4']:.3f} | {row['cider']:.3f} | {row['repeats']:.1%} "

@@ -38,45 +38,37 @@ def step_inputs(decoder: ShowAttendTellDecoder, batch: int) -> tuple:
     return decoder.embedding(tokens), decoder.init_state(features), features, decoder.attention.keys(features), expect
 
 
-@pytest.fixture
-def fresh_dynamo() -> None:
-    """No compiled code of an earlier test's decoder (dynamo keeps a few per code object, then runs eager)."""
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("mode", MODES)
-def test_the_training_step_is_one_graph_without_breaks(mode, fresh_dynamo):
-    """Teacher forcing (training mode: hard attention samples); the decoding steps are the next test's."""
+def test_the_step_compiles_whole_for_training_and_every_decoding_method(mode):
+    """One graph without breaks for teacher forcing (training mode: hard attention samples), and with
+    fullgraph (a break would raise) for greedy, sampling, beam search and rollouts, which decode as eager does.
+    Three graphs serve them all: (B, H) states without and with autograd (rollouts), beams' (B, K, H)."""
+    torch._dynamo.reset()  # dynamo keeps a few compilations per code object, then runs it eagerly
     decoder = make_decoder(**MODES[mode]).train()
     explained = torch._dynamo.explain(decoder._eager_step)(*step_inputs(decoder, 3))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("method", ["greedy", "sample", "beam", "rollout"])
-def test_every_decoding_method_runs_whole_compiled_steps(mode, method, fresh_dynamo):
-    """fullgraph: a break would raise. The step compiles once per state shape: (B, H) or beams' (B, K, H)."""
-    decoder = make_decoder(**MODES[mode])
+    decoder.eval()
+    eager = copy.deepcopy(decoder)
     counter = CompileCounter()
     decoder.compiled_step = torch.compile(decoder._eager_step, backend=counter, fullgraph=True)
-    eager = copy.deepcopy(decoder)
-    eager.compiled_step = None
     for batch in (3, 5):  # the batch dimension is dynamic
         features = features_for(batch)
         for static in (False, True):
-            if method == "rollout":
-                compiled = rollout(decoder, features, 2, SETTINGS["greedy"], torch.Generator().manual_seed(0))
-                expected = rollout(eager, features, 2, SETTINGS["greedy"], torch.Generator().manual_seed(0))
-                assert torch.equal(compiled.log_probs, expected.log_probs)
-            elif method == "sample":
-                compiled = sample(decoder, features, SETTINGS[method], torch.Generator().manual_seed(0), None, static)
-                expected = sample(eager, features, SETTINGS[method], torch.Generator().manual_seed(0), None, static)
-            else:
-                run = greedy if method == "greedy" else beam_search
-                compiled = run(decoder, features, SETTINGS[method], static_shapes=static)
-                expected = run(eager, features, SETTINGS[method], static_shapes=static)
-            assert torch.equal(compiled.tokens, expected.tokens)
-    assert counter.frame_count == 1
+            drawn = [
+                rollout(d, features, 2, SETTINGS["greedy"], torch.Generator().manual_seed(0), None, static)
+                for d in (decoder, eager)
+            ]
+            assert torch.equal(drawn[0].tokens, drawn[1].tokens)
+            assert torch.equal(drawn[0].log_probs, drawn[1].log_probs)
+            for method, run in (("greedy", greedy), ("beam", beam_search)):
+                outputs = [run(d, features, SETTINGS[method], static_shapes=static) for d in (decoder, eager)]
+                assert torch.equal(outputs[0].tokens, outputs[1].tokens)
+            outputs = [
+                sample(d, features, SETTINGS["sample"], torch.Generator().manual_seed(0), None, static)
+                for d in (decoder, eager)
+            ]
+            assert torch.equal(outputs[0].tokens, outputs[1].tokens)
+    assert counter.frame_count == 3
 
 
 # ----------------------------------------------------------------------------------- inductor, as trained

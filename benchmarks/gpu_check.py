@@ -1,0 +1,81 @@
+"""Everything a lent GPU has to check, in one command and one report: the GPU-only tests, the demo, and the
+tables of docs/performance.md.
+
+    python benchmarks/gpu_check.py              # on a GPU machine prepared as ../shared/gpu/README.md says
+
+Runs, each in its own process, with its wall time: ``pytest tests/test_gpu.py`` (CUDA-graph training step and
+decoding against eager, 16-mixed and bf16-mixed steps with clipping and an empty batch); ``python train.py
+trainer=gpu`` (the demo: its wall time and BLEU-4); ``benchmarks/train_step.py`` in bf16 (the training step and
+the decoder-only step); ``benchmarks/compile_step.py`` (that step and decoding, eager against reduce-overhead);
+``benchmarks/captioning.py`` in bf16 (greedy, beam 3 and beam 5 against
+the encoder alone, beam 3 at batch 1 to 128); ``benchmarks/data_loading.py`` (the loader's images/s against what
+the step consumes). The tables carry peak memory and FLOP/s against the card's measured bf16 matmul rate. Its
+whole output is what docs/performance.md's GPU section takes, pasted. Without a CUDA device it prints one line
+on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ["--device", "cuda", "--precision", "bf16"]
+# (title, arguments of python, seconds at most): together under nine minutes
+PARTS = [
+    ("GPU-only tests", ["-m", "pytest", "tests/test_gpu.py", "-q", "-rA", "-p", "no:cacheprovider"], 90),
+    ("The demo: python train.py trainer=gpu", ["train.py", "trainer=gpu"], 170),
+    ("Training step", ["benchmarks/train_step.py", *BENCH, "--channels-last"], 90),
+    ("Compiled decoder step", ["benchmarks/compile_step.py", *BENCH], 60),
+    ("Captioning", ["benchmarks/captioning.py", *BENCH], 70),
+    ("Data loading", ["benchmarks/data_loading.py", *BENCH], 50),
+]
+BLEU4 = re.compile(r"BLEU-4 ([0-9.]+)")  # the first is validation's, in train.py's summary
+SUMMARY = "validation BLEU"  # where train.py's summary starts: the demo's report prints it on
+
+
+def run_part(title: str, args: list[str], limit: int) -> bool:
+    """Run one part, print its output under its title with its wall time; whether it succeeded."""
+    print(f"\n## {title}\n\n$ python {' '.join(args)}", flush=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as exc:
+        partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        print(f"{partial[-4000:]}\n-> FAILED: timed out after {limit} s", flush=True)
+        return False
+    seconds = time.perf_counter() - start
+    output = proc.stdout
+    if args[0] == "train.py" and SUMMARY in output:
+        output = output[output.index(SUMMARY) :]  # the config tree and the epochs' lines are the run folder's
+    if proc.returncode != 0:
+        output = proc.stdout[-6000:] + proc.stderr[-6000:]
+    print(output.rstrip())
+    bleu = BLEU4.findall(proc.stdout) if args[0] == "train.py" else []
+    summary = f"val BLEU-4 {bleu[0]}, " if bleu else ""
+    print(f"-> {'ok' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'}: {summary}{seconds:.0f} s wall")
+    return proc.returncode == 0
+
+
+def main() -> int:
+    """Run every part and print the report; 0 when all passed, 1 when one failed, 2 without CUDA."""
+    if not torch.cuda.is_available():
+        print("error: gpu_check needs a CUDA device and torch sees none on this machine", file=sys.stderr)
+        return 2
+    print(f"# GPU check: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    start = time.perf_counter()
+    results = [run_part(title, args, limit) for title, args, limit in PARTS]
+    failed = [title for (title, _, _), ok in zip(PARTS, results) if not ok]
+    print(f"\n# {len(PARTS) - len(failed)}/{len(PARTS)} parts passed in {time.perf_counter() - start:.0f} s")
+    for title in failed:
+        print(f"failed: {title}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
