@@ -21,7 +21,11 @@ from collections.abc import Callable
 import torch
 from torch._dynamo.utils import counters
 
-import common
+import clock
+import composed
+import machine
+import options
+import tables
 from captioner.config import Compile, DecodingConfig
 from captioner.model.decoding import Generation, decode
 
@@ -40,38 +44,38 @@ def compare(
     eager: Callable[[], object], compiled: Callable[[], object], args: argparse.Namespace
 ) -> tuple[float, float, float, float]:
     """First compiled call (wall s, CPU s), then the eager and compiled medians (s)."""
-    common.synchronize(args.device)
+    clock.synchronize(args.device)
     start, cpu = time.perf_counter(), cpu_seconds()
     compiled()
-    common.synchronize(args.device)
+    clock.synchronize(args.device)
     first, first_cpu = time.perf_counter() - start, cpu_seconds() - cpu
-    return first, first_cpu, common.measure(eager, args).median, common.measure(compiled, args).median
+    return first, first_cpu, clock.measure(eager, args).median, clock.measure(compiled, args).median
 
 
-def rows(size: common.Setup, mode: Compile, args: argparse.Namespace) -> list[list[object]]:
+def rows(size: composed.Setup, mode: Compile, args: argparse.Namespace) -> list[list[object]]:
     """The training step and the two decodings of ``size``, eager against ``mode``."""
-    module = common.build_module(size, args)
+    module = composed.build_module(size, args)
     eager = module.model.decoder
     compiled = copy.deepcopy(eager)
     compiled.compile_step(mode)
-    height, width, channels = common.grid_shape(size)
+    height, width, channels = composed.grid_shape(size)
     features = torch.randn(IMAGES, height * width, channels, device=args.device).relu()  # (B, L, C)
-    captions, index = common.random_captions(size, IMAGES, args.device)
+    captions, index = composed.random_captions(size, IMAGES, args.device)
 
     def train(decoder: torch.nn.Module) -> Callable[[], None]:
-        return common.make_train_step(module, decoder, lambda: decoder(features, captions, index), captions, args)
+        return composed.make_train_step(module, decoder, lambda: decoder(features, captions, index), captions, args)
 
     head = [size.name, size.model.attention.value]
     graphs = counters["stats"]["unique_graphs"]
     first, first_cpu, eager_s, compiled_s = compare(train(eager), train(compiled), args)
     for words in (3, 7, 11, 15):  # other caption lengths: no new graph
         short = captions[:, : words + 1]
-        with common.autocast(args):
+        with composed.autocast(args):
             module.criterion(compiled(features, short, index), short)["loss"].backward()
     work = f"training step, {IMAGES} x {captions.size(0)}"
     table = [[*head, work, mode.value, first, first_cpu, eager_s * 1e3, compiled_s * 1e3, eager_s / compiled_s]]
     table[-1].append(counters["stats"]["unique_graphs"] - graphs)
-    common.never_end(module.model.eval())
+    composed.never_end(module.model.eval())
     compiled.eval()
     for label, settings in (
         ("greedy", DecodingConfig(method="greedy", max_len=size.decode_len)),
@@ -94,26 +98,26 @@ def _decode(
     decoder: torch.nn.Module, features: torch.Tensor, settings: DecodingConfig, args: argparse.Namespace
 ) -> Generation:
     """Decode with static shapes, as on CUDA (every word computed: the same work each call)."""
-    with common.autocast(args):
+    with composed.autocast(args):
         return decode(decoder, features, settings, static_shapes=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Print the eager-against-compiled table."""
-    parser = common.make_parser(__doc__.split("\n")[0])
+    parser = options.make_parser(__doc__.split("\n")[0])
     parser.add_argument(
         "--compile",
         choices=[mode.value for mode in Compile if mode != Compile.off],
         default=None,
         help="how to compile (default: reduce-overhead on CUDA, default elsewhere)",
     )
-    args = common.parse(parser, argv)
+    args = options.parse(parser, argv)
     mode = Compile(args.compile or ("reduce-overhead" if args.device.type == "cuda" else "default"))
-    sizes = [common.setup("demo", args, attention) for attention in ("soft", "hard")]
-    common.print_environment("Compiled decoder step", args, [size.describe() for size in sizes])
-    with common.timed_section():
+    sizes = [composed.setup("demo", args, attention) for attention in ("soft", "hard")]
+    machine.print_environment("Compiled decoder step", args, [size.describe() for size in sizes])
+    with machine.timed_section():
         table = [row for size in sizes for row in rows(size, mode, args)]
-        common.print_table("The decoder's step compiled against eager", COLUMNS, table)
+        tables.print_table("The decoder's step compiled against eager", COLUMNS, table)
 
 
 if __name__ == "__main__":

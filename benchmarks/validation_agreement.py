@@ -27,10 +27,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from captioner.config import DecodingConfig, ModelConfig, to_dict
+from captioner.config import DecodingConfig
 from captioner.data.dataset import build_transform
 from captioner.data.images import load_rgb
-from captioner.data.vocab import END_ID, START_ID, UNK_ID, tokenize
+from captioner.data.vocab import UNK_ID, tokenize
 from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.report import evaluate_split
 from captioner.inference import LoadedModel, load_model
@@ -54,20 +54,13 @@ def decode_all(
     turning a batch of them into what ``generate_from_features`` takes."""
     model, vocab = loaded.model, loaded.vocab
     transform = build_transform(loaded.image_size, train=False)
-    settings = {**to_dict(DecodingConfig()), **decode}
+    settings = DecodingConfig(**decode)
     captions: dict[int, list[str]] = {}
     for start in range(0, len(records), BATCH):
         chunk = records[start : start + BATCH]
         images = torch.stack([transform(load_rgb(r.image_path)) for r in chunk])
         with torch.no_grad():
-            generation, _ = model.generate_from_features(
-                features_of(images),
-                start_id=START_ID,
-                end_id=END_ID,
-                unk_id=UNK_ID,
-                static_shapes=ModelConfig.static_shapes,
-                **settings,
-            )
+            generation, _ = model.generate_from_features(features_of(images), decoding=settings, unk_id=UNK_ID)
         for row, record in enumerate(chunk):
             captions[record.image_id] = vocab.decode(generation.tokens[row].tolist())
     return captions
