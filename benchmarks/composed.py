@@ -24,8 +24,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 from torch import Tensor, nn
 
-from captioner.config import CAPTIONING_BATCH_SIZE, DataConfig, ModelConfig, TrainConfig, from_dict
-from captioner.data.scenes import ShapesSpec, make_scene
+from captioner.config import CAPTIONING_BATCH_SIZE, DataConfig, ModelConfig, ShapesSpec, TrainConfig, from_dict
+from captioner.data.scenes import make_scene
 from captioner.data.vocab import END_ID, SPECIALS, START_ID, UNK_ID, Vocabulary
 from captioner.model.captioner import Captioner
 from captioner.model.decoder import DecoderOutput

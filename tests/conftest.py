@@ -22,8 +22,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, read_net, save_bundle
-from captioner.config import EncoderConfig, LossConfig, NetConfig, from_dict
-from captioner.data.shapes import ShapesSpec, generate_shapes
+from captioner.config import EncoderConfig, LossConfig, NetConfig, ShapesSpec, from_dict
+from captioner.data.shapes import generate_shapes
 from captioner.data.vocab import END_ID, PAD_ID, START_ID, Vocabulary
 from captioner.fileio import save_torch
 from captioner.model.captioner import Captioner, build_captioner

@@ -27,7 +27,8 @@ from PIL import Image
 
 from captioner import cli
 from captioner.cli.inputs import expand_inputs
-from captioner.data.shapes import ShapesSpec, generate_shapes
+from captioner.config import ShapesSpec
+from captioner.data.shapes import generate_shapes
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.evaluation.cococaption import java_available
 from captioner.inference import load_model

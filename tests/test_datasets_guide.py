@@ -121,7 +121,7 @@ def test_every_section_preflight_names_is_in_the_guide() -> None:
 
 def test_the_guide_s_split_commands_write_what_the_dataset_configs_read(tmp_path: Path) -> None:
     from captioner import cli
-    from captioner.data.splits import karpathy_coco_ids
+    from captioner.data.split_files import karpathy_coco_ids
 
     annotations = tmp_path / "data" / "coco" / "annotations"
     annotations.mkdir(parents=True)

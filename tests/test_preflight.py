@@ -94,7 +94,7 @@ def test_the_files_the_config_names_and_the_loggers_packages(tmp_path: Path, mon
     ]
     (tmp_path / "file.txt").write_text("x")
     assert _lines([f"data.source.root={tmp_path}/file.txt"], tmp_path) == [
-        f"data.source: data.source.root='{tmp_path}/file.txt' is a file, not a folder; see the dataset's config "
+        f"data.source.root='{tmp_path}/file.txt' is a file, not a folder; see the dataset's config "
         f"in conf/data ({GUIDE}#split-files)"
     ]
     check(compose_plain([f"data.source.root={tmp_path}/shapes"], tmp_path))  # the demo needs nothing: no error

@@ -19,7 +19,8 @@ import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from captioner.data.shapes import ShapesSpec, generate_shapes
+from captioner.config import ShapesSpec
+from captioner.data.shapes import generate_shapes
 from captioner.training.callbacks import BestCheckpoint
 from conftest import ROOT
 

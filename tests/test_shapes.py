@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from captioner.config import ShapesSpec
 from captioner.data import scenes, shapes
 from captioner.data.readers import read_karpathy
-from captioner.data.scenes import CELLS, COLOURS, SHAPES, ShapesSpec, make_scene
+from captioner.data.scenes import CELLS, COLOURS, SHAPES, make_scene
 from captioner.data.shapes import generate_shapes, shapes_records
 from captioner.errors import ConfigError, DataError
 from conftest import snapshot

@@ -7,7 +7,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from captioner.data.shapes import META, ShapesSpec, generate_shapes
+from captioner.config import ShapesSpec
+from captioner.data.shapes import META, generate_shapes
 from captioner.errors import ConfigError
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from captioner.config.decoding import MAX_LEN
 from captioner.config.settings import Settings
+from captioner.data.splits import SPLITS
 from captioner.errors import check_range
 
 MIN_IMAGE_SIZE = 32  # pixels per side at least: every image the model reads, generates or stores
@@ -63,3 +64,21 @@ class DataConfig(Settings):
         check_range("max_len", self.max_len, 1, kind=int)
         if self.pad_to is not None:
             check_range("pad_to", self.pad_to, self.max_len + 2, kind=int)
+
+
+@dataclass(frozen=True)
+class ShapesSpec:
+    """The built-in dataset's generator parameters (``data.source`` of ``conf/data/shapes.yaml``, stored in its
+    meta.json): its size per split, image side and seed; the defaults are the demo's."""
+
+    n_train: int = 3000
+    n_val: int = 250
+    n_test: int = 250
+    image_size: int = 96
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for split in SPLITS:
+            check_range(f"n_{split}", getattr(self, f"n_{split}"), 1, kind=int)
+        check_range("image_size", self.image_size, MIN_IMAGE_SIZE, kind=int)
+        check_range("seed", self.seed, 0, kind=int)

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from captioner.config import MIN_IMAGE_SIZE
-from captioner.data.readers import SPLITS
-from captioner.errors import check_range
+from captioner.config import ShapesSpec
+from captioner.data.splits import SPLITS
 
 COLOURS = {
     "red": (215, 48, 39),
@@ -55,23 +54,6 @@ _LIST3 = (
     "three shapes: a {a}, a {b} and a {c}",
     "a {a}, a {b} and a {c} on a plain background",
 )
-
-
-@dataclass(frozen=True)
-class ShapesSpec:
-    """The generator parameters (stored in meta.json); the defaults are the built-in dataset's."""
-
-    n_train: int = 3000
-    n_val: int = 250
-    n_test: int = 250
-    image_size: int = 96
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for split in SPLITS:
-            check_range(f"n_{split}", getattr(self, f"n_{split}"), 1, kind=int)
-        check_range("image_size", self.image_size, MIN_IMAGE_SIZE, kind=int)
-        check_range("seed", self.seed, 0, kind=int)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+from captioner.config import ShapesSpec
 from captioner.data.readers import SPLITS, Record, read_coco
-from captioner.data.scenes import SHAPES, Scene, ShapesSpec, make_scene, render
+from captioner.data.scenes import SHAPES, Scene, make_scene, render
 from captioner.data.vocab import tokenize
 from captioner.errors import DataError
 from captioner.fileio import atomic_write, read_json, write_json

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from captioner.config import ShapesSpec
 from captioner.data.readers import SPLITS, Record, read_coco, read_karpathy
-from captioner.data.scenes import ShapesSpec
 from captioner.data.shapes import generate_shapes, shapes_records
 from captioner.errors import ConfigError, DataError, check_choice
 
@@ -120,7 +120,7 @@ class KarpathySource:
 class ShapesSource:
     """The built-in synthetic dataset ``spec``, generated under ``root`` on first use (never overwritten).
 
-    Built from the keys of ``conf/data/shapes.yaml``: ``root`` and the fields of ``ShapesSpec``, whose
+    Built from ``data.source`` (``conf/data/shapes.yaml``): ``root`` and the fields of ``ShapesSpec``, whose
     defaults are the built-in dataset's.
     """
 

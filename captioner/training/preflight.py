@@ -149,7 +149,7 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
         built = _build_source(source)
         built.check_files()
     except (CaptionerError, TypeError) as exc:
-        return [Problem(f"data.source: {first_line(exc)}", "see the dataset's config in conf/data", "split-files")]
+        return [Problem(first_line(exc), "see the dataset's config in conf/data", "split-files")]  # names its key
     if source["_target_"].endswith("ShapesSource"):
         return []  # generated on first use
     needed = [split for split in SPLITS if split == "val" or cfg.get(split, True)]

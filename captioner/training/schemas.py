@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from hydra.core.config_store import ConfigStore
+import dataclasses
 
-from captioner.config import SCHEMAS
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from captioner.config import SCHEMAS, ShapesSpec
 
 
 def register_schemas() -> None:
-    """Store each schema as ``<name>_schema`` (``conf/config.yaml`` reads ``train_schema``, the groups theirs).
+    """Store each schema as ``<name>_schema`` (``conf/config.yaml`` reads ``train_schema``, the groups theirs),
+    and the built-in dataset's source as ``shapes_source_schema``: ``ShapesSource`` with ``ShapesSpec``'s
+    fields and defaults (``conf/data/shapes.yaml`` sets its root only).
 
     Stored outside any group, so that ``python train.py --help`` lists only the groups a user selects.
     Storing again replaces the same node, so any number of calls is one registration.
@@ -16,3 +21,5 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     for name, schema in SCHEMAS.items():
         store.store(name=f"{name}_schema", node=schema)
+    source = {"_target_": "captioner.data.sources.ShapesSource", "root": MISSING, **dataclasses.asdict(ShapesSpec())}
+    store.store(name="shapes_source_schema", node=source)
