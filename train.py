@@ -35,7 +35,6 @@ from hydra.errors import CompactHydraException, InstantiationException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from captioner.config import DecodeMethod, DecodingConfig, to_dict
 from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
 from captioner.training.command_line import error_line, refused_override, section_error
 from captioner.training.schemas import register_schemas
@@ -99,7 +98,7 @@ def train(cfg: DictConfig) -> float | None:
         )
         checkpoint_note = quick_checks.checkpoint_note(trainer, datamodule)
     epochs_decoding = module.settings.decoding
-    module.settings.decoding = final_decoding(epochs_decoding)  # the scores `captioner evaluate` gives
+    module.settings.decoding = epochs_decoding.for_captioning()  # the scores `captioner evaluate` gives
     evaluate = {"datamodule": datamodule, "ckpt_path": ckpt_path, "weights_only": True, "verbose": False}
     metrics = next(iter(trainer.validate(module, **evaluate)), {})  # none: no validation batch
     if settings.test:
@@ -117,25 +116,11 @@ def train(cfg: DictConfig) -> float | None:
         for split, wanted in ((VAL, True), (TEST, settings.test))
         if (reason := quick_checks.not_computed(metrics, split, wanted, trainer)) is not None
     }
-    decoded = f"{describe(module.settings.decoding)} as `captioner evaluate` decodes"
+    decoded = f"{module.settings.decoding.describe()} as `captioner evaluate` decodes"
     if settings.train and epochs_decoding != module.settings.decoding:
-        decoded += f"; each epoch's validation, which picked the checkpoint: {describe(epochs_decoding)}"
+        decoded += f"; each epoch's validation, which picked the checkpoint: {epochs_decoding.describe()}"
     print(summary(metrics, ckpt_path, bundle, output_dir, missing, checkpoint_note, decoded))
     return metrics.get(metric(VAL, PROGRESS))
-
-
-def final_decoding(decoding: DecodingConfig) -> DecodingConfig:
-    """How a run's final scores (its summary, metrics.json, test) are decoded: its ``model.decoding`` with
-    captioning's method, as ``captioner evaluate`` and ``captioner caption`` decode. Each epoch's validation
-    keeps ``model.decoding`` (greedy by default: the cheaper, paid every epoch)."""
-    return DecodingConfig.captioning(**{key: value for key, value in to_dict(decoding).items() if key != "method"})
-
-
-def describe(decoding: DecodingConfig) -> str:
-    """``decoding``'s method in words ("beam search (beam 3)", "greedy")."""
-    if decoding.method == DecodeMethod.beam:
-        return f"beam search (beam {decoding.beam_size})"
-    return str(decoding.method)
 
 
 def fit(trainer: object, module: object, datamodule: object, ckpt_path: str | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,18 @@ class DecodingConfig(Settings):
         TypeError for a name that is no field (as for any unknown keyword), ConfigError naming a bad value.
         """
         return cls(**{"method": CAPTIONING_METHOD, **settings})
+
+    def for_captioning(self) -> DecodingConfig:
+        """These settings with captioning's method: how ``captioner evaluate`` decodes, and so a run's final
+        scores (its summary, metrics.json, test); each epoch's validation keeps ``method`` (greedy by default:
+        the cheaper, paid every epoch)."""
+        return dataclasses.replace(self, method=CAPTIONING_METHOD)
+
+    def describe(self) -> str:
+        """The method in words: "beam search (beam 3)", "greedy", "sample"."""
+        if self.method == DecodeMethod.beam:
+            return f"beam search (beam {self.beam_size})"
+        return str(self.method)
 
     def check(self) -> None:
         check_range("beam_size", self.beam_size, 1, kind=int)
