@@ -88,8 +88,10 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_script(args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """``python train.py ARGS`` in this process: its exit status."""
+    """``python train.py ARGS`` in this process: its exit status. The environment variable its ``cli()`` sets
+    (HYDRA_FULL_ERROR) is restored afterwards, as a process of its own would leave it."""
     monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *args])
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
     try:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     except SystemExit as exc:
