@@ -150,7 +150,9 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
         built.check_files()
     except (CaptionerError, TypeError) as exc:
         return [Problem(first_line(exc), "see the dataset's config in conf/data", "split-files")]  # names its key
-    if source["_target_"].endswith("ShapesSource"):
+    from captioner.data.sources import ShapesSource  # imported with the source above, not before a config error
+
+    if isinstance(built, ShapesSource):
         return []  # generated on first use
     needed = [split for split in SPLITS if split == "val" or cfg.get(split, True)]
     return [problem for split in needed for problem in _split_problems(built, split)]
