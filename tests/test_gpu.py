@@ -16,14 +16,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from captioner.config import Compile, DecodingConfig
-from captioner.data.vocab import Vocabulary
 from captioner.model.decoding import beam_search, greedy
-from captioner.training.module import CaptionerModule
 from conftest import ROOT, V, features_for, make_decoder, subprocess_env
+from test_precision import one_batch, tiny_module
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
-WORDS = [f"w{i}" for i in range(12)]
 
 
 @pytest.fixture(scope="module")
@@ -64,38 +62,21 @@ def test_cuda_graph_decoding_equals_eager(graphed_pair):
                 mine, theirs = run(graphed, features, settings), run(eager, features, settings)  # static on CUDA
                 assert torch.equal(mine.tokens, theirs.tokens)
                 torch.testing.assert_close(mine.scores, theirs.scores, rtol=1e-4, atol=1e-4)
+            tokens = torch.randint(4, V, (batch, 18), device=CUDA)
+            with torch.no_grad():  # validation's teacher forcing: every step a new CUDA-graph iteration
+                mine, theirs = graphed(features, tokens), eager(features, tokens)
+            torch.testing.assert_close(mine.logits, theirs.logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(mine.alphas, theirs.alphas, rtol=1e-4, atol=1e-4)
     finally:
         graphed.train(), eager.train()
-
-
-def _batch(channels: int, empty: bool = False) -> dict:
-    """Four images' cached features (4, 4, C), two captions each; ``empty``: every image unreadable."""
-    generator = torch.Generator().manual_seed(0)
-    images = 0 if empty else 4
-    words = torch.randint(4, 4 + len(WORDS), (2 * images, 5), generator=generator)
-    captions = torch.cat([torch.ones(2 * images, 1, dtype=torch.long), words, torch.full((2 * images, 1), 2)], 1)
-    return {
-        "features": torch.randn(images, 4, channels, generator=generator),
-        "captions": captions,  # (8, 7), or (0, 7)
-        "image_index": torch.arange(images).repeat_interleave(2),
-        "skipped": ["unreadable.jpg"] * (4 - images),
-    }
 
 
 @needs_cuda
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_mixed_precision_steps_clip_and_survive_an_empty_batch(precision):
-    torch.manual_seed(0)
-    module = CaptionerModule(
-        Vocabulary(WORDS),
-        encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
-        decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0},
-        optimizer={"lr": 0.01},
-        scheduler={"name": "none"},
-        compile="off",
-    )
+    module = tiny_module(compile="off")  # the module tests/test_precision.py trains on the CPU, so it cannot go stale
     channels = module.model.encoder.out_channels
-    batches = [_batch(channels, empty=step in (0, 2)) for step in range(6)]
+    batches = [one_batch(channels, empty=step in (0, 2)) for step in range(6)]
     trainer = L.Trainer(
         accelerator="gpu",
         devices=1,

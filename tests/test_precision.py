@@ -61,7 +61,7 @@ class GradientNorms(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _batch(channels: int, nan: bool = False, empty: bool = False) -> dict:
+def one_batch(channels: int, nan: bool = False, empty: bool = False) -> dict:
     """Four images' cached features (4, 4, C) (a 2x2 grid), two captions each; none when ``empty`` (all four
     images unreadable)."""
     generator = torch.Generator().manual_seed(0)
@@ -77,8 +77,9 @@ def _batch(channels: int, nan: bool = False, empty: bool = False) -> dict:
     }
 
 
-def tiny_module(kind: type[CaptionerModule] = CaptionerModule) -> CaptionerModule:
-    """The tiny captioner of these tests (resnet18's layer1 pooled to a 2x2 grid, a 16-wide decoder)."""
+def tiny_module(kind: type[CaptionerModule] = CaptionerModule, **settings) -> CaptionerModule:
+    """The tiny captioner of these tests (resnet18's layer1 pooled to a 2x2 grid, a 16-wide decoder); ``settings``:
+    other ``model`` settings (tests/test_gpu.py uses it too)."""
     torch.manual_seed(0)
     return kind(
         Vocabulary(WORDS),
@@ -91,6 +92,7 @@ def tiny_module(kind: type[CaptionerModule] = CaptionerModule) -> CaptionerModul
                 optimizer={"lr": 0.01},
                 scheduler={"name": "none"},
                 nonfinite="skip",
+                **settings,
             ),
         ),
     )
@@ -100,7 +102,7 @@ def train_steps(devices: int = 1, **trainer_options) -> dict:
     """``STEPS`` optimiser steps of a tiny captioner on one batch (NaN at ``NAN_STEP``), clipping at ``CLIP``."""
     module = tiny_module()
     channels = module.model.encoder.out_channels
-    batches = [_batch(channels, nan=step == NAN_STEP) for step in range(STEPS)]
+    batches = [one_batch(channels, nan=step == NAN_STEP) for step in range(STEPS)]
     recorder = GradientNorms()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -242,7 +244,7 @@ def fit_faulty(
     module.fault = fault
     channels = module.model.encoder.out_channels
     empty = {"empty batch at step 0": 0, "empty batch at step 2": FAULT_STEP}.get(fault)
-    batches = [_batch(channels, empty=step == empty) for step in range(steps)]
+    batches = [one_batch(channels, empty=step == empty) for step in range(steps)]
     recorder = WeightChanges()
     trainer = L.Trainer(
         accelerator="cpu",

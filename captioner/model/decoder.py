@@ -77,6 +77,7 @@ class ShowAttendTellDecoder(nn.Module):
             self.deep_h = self.deep_z = None
             self.classifier = nn.Linear(hidden_dim, vocab_size)
         self.compiled_step: Callable[..., StepOutput] | None = None  # ``compile_step``'s; None: eager
+        self.graphed = False  # whether the compiled step replays CUDA graphs (reduce-overhead, max-autotune)
 
     def compile_step(self, mode: Compile) -> None:
         """Run every step (teacher-forced or decoding, one word each) through ``torch.compile(mode=mode)``
@@ -84,6 +85,7 @@ class ShowAttendTellDecoder(nn.Module):
         compilation per train/eval mode and state shape serves every caption length, batch size and word.
         ``Compile.off``: eager again."""
         self.compiled_step = None
+        self.graphed = mode in (Compile.reduce_overhead, Compile.max_autotune)
         if mode != Compile.off:
             self.compiled_step = torch.compile(self._eager_step, mode=mode.value, fullgraph=True)
 
@@ -149,7 +151,14 @@ class ShowAttendTellDecoder(nn.Module):
             return self._eager_step(embedded, state, features, keys, expect)
         for tensor in (embedded, *state, features, keys, *([] if expect is None else [expect])):
             torch._dynamo.maybe_mark_dynamic(tensor, 0)  # B (or N): the last batch, beams' images, captions
-        return self.compiled_step(embedded, state, features, keys, expect)
+        output = self.compiled_step(embedded, state, features, keys, expect)
+        if self.graphed and not torch.is_grad_enabled():
+            # Without a backward to wait for, every call of a CUDA-graphed step starts a new iteration that
+            # reuses the last one's output memory: the next word's inputs (the state) and what the loop keeps
+            # (logits, alpha) must be copied out first.
+            logits, (h, c), alpha, log_prob, entropy = output
+            output = logits.clone(), (h.clone(), c.clone()), alpha.clone(), _clone(log_prob), _clone(entropy)
+        return output
 
     def _eager_step(
         self, embedded: Tensor, state: State, features: Tensor, keys: Tensor, expect: Tensor | None
@@ -202,3 +211,8 @@ class ShowAttendTellDecoder(nn.Module):
         if weights.dim() == 2:
             return torch.bmm(weights.unsqueeze(1), features).squeeze(1)  # (B, D)
         return torch.bmm(weights, features)  # (B, K, D)
+
+
+def _clone(tensor: Tensor | None) -> Tensor | None:
+    """A copy of ``tensor`` (None stays None)."""
+    return None if tensor is None else tensor.clone()
