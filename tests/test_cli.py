@@ -781,6 +781,31 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
     assert cli.main(args) == 2 and "pass --force" in capsys.readouterr().err
 
 
+def test_evaluate_says_what_hard_attention_read(bundles, shapes, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("captioner.evaluation.report.java_available", lambda: False)
+    common = ["evaluate", "--shapes", str(shapes), "--split", "val", "--method", "greedy", "--max-len", MAX_LEN]
+    common += ["--workers", "0"]
+    metrics = {}
+    for mode in ("argmax", "expectation", None):
+        out = tmp_path / str(mode)
+        chosen = [] if mode is None else ["--hard-inference", mode]
+        assert cli.main([*common, "--model", bundles["hard"], "--out", str(out), *chosen]) == 0
+        stdout = capsys.readouterr().out
+        metrics[mode] = json.loads((out / "metrics.json").read_text())
+        read = "the most likely location" if mode != "expectation" else "the expected context"
+        assert f"decoded with hard attention reading {read} ({mode or 'argmax'})" in stdout
+    assert metrics["argmax"]["hard_inference"] == "argmax" and metrics[None]["hard_inference"] == "argmax"
+    assert metrics["expectation"]["hard_inference"] == "expectation"
+    assert metrics[None]["bleu"] == metrics["argmax"]["bleu"]  # the bundle's own mode is argmax
+    soft = tmp_path / "soft"
+    assert cli.main([*common, "--model", bundles["soft"], "--out", str(soft), "--hard-inference", "argmax"]) == 2
+    message = f"--hard-inference argmax: {bundles['soft']} uses soft attention; the option chooses what a hard"
+    assert capsys.readouterr().err.startswith(f"error: {message}") and not soft.exists()
+    evaluated = cli.main([*common, "--model", bundles["soft"], "--out", str(soft)])
+    assert evaluated == 0 and "hard_inference" not in json.loads((soft / "metrics.json").read_text())
+    assert "hard attention" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "dataset, message",
     [

@@ -218,11 +218,13 @@ def test_mlflow_logger_to_a_local_folder(tiny_shapes: Path, tmp_path: Path) -> N
         ],
     ],
 )
-def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path) -> None:
+def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path, capsys) -> None:
     import train
 
     cfg = compose_cfg([*tiny_overrides(tiny_shapes, tmp_path), "debug=fast", *extra], tmp_path)
     train.train(cfg)
+    hard = "; hard attention reading the most likely location (argmax)"  # what the final scores were decoded with
+    assert (hard in capsys.readouterr().out) == (extra == ["model=hard"])
     out = Path(cfg.paths.output_dir)
     assert (out / "bundle.pt").is_file()
     assert yaml.safe_load((out / "config.yaml").read_text()) == OmegaConf.to_container(cfg, resolve=True)

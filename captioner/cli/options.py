@@ -12,7 +12,7 @@ import torch
 
 from captioner import load_model
 from captioner.cli import parser
-from captioner.config import DecodingConfig
+from captioner.config import Attention, DecodingConfig, HardInference
 from captioner.errors import ConfigError, check_range
 
 if TYPE_CHECKING:
@@ -53,9 +53,16 @@ def decode_options(args: argparse.Namespace) -> DecodingConfig:
 
 def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
     """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``; torch's generators seeded
-    with ``--seed`` when given."""
+    with ``--seed`` when given; a hard attention model reading what ``--hard-inference`` asks."""
     loaded = load_model(args.model, map_location="cpu")
     loaded.model.to(on)
+    if getattr(args, "hard_inference", None) is not None:
+        if loaded.model.decoder.mode != Attention.hard:
+            raise ConfigError(
+                f"--hard-inference {args.hard_inference}: {args.model} uses {loaded.model.decoder.mode} attention; "
+                "the option chooses what a hard attention model reads"
+            )
+        loaded.model.decoder.hard_inference = HardInference(args.hard_inference)
     if getattr(args, "seed", None) is not None:
         torch.manual_seed(args.seed)
     return loaded

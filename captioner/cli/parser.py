@@ -7,7 +7,14 @@ import sys
 from collections.abc import Sequence
 
 from captioner import __version__
-from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_METHOD, CAPTIONING_WORKERS, DecodeMethod, DecodingConfig
+from captioner.config import (
+    CAPTIONING_BATCH_SIZE,
+    CAPTIONING_METHOD,
+    CAPTIONING_WORKERS,
+    DecodeMethod,
+    DecodingConfig,
+    HardInference,
+)
 from captioner.data.splits import SPLITS
 from captioner.errors import ConfigError
 
@@ -156,6 +163,12 @@ def _common(sub: argparse.ArgumentParser) -> None:
     )
     sub.add_argument(
         "--workers", type=int, default=CAPTIONING_WORKERS, help="image-decoding processes; 0 decodes in this one"
+    )
+    sub.add_argument(
+        "--hard-inference",
+        choices=list(HardInference),
+        help="hard attention models: read the most likely location (argmax) or the expected context "
+        "(expectation) at each word (default: the model's own, model.decoder.hard_inference)",
     )
     sub.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     sub.add_argument(

@@ -49,6 +49,11 @@ class HardInference(enum.StrEnum):
     argmax = "argmax"  # the most likely location
     expectation = "expectation"  # the expected context, as soft attention
 
+    def describe(self) -> str:
+        """What is read, in words, with the setting's value: what a reported figure says it used."""
+        read = "the most likely location" if self == HardInference.argmax else "the expected context"
+        return f"hard attention reading {read} ({self.value})"
+
 
 class HardEstimator(enum.StrEnum):
     """How hard attention's location choice is trained."""

@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_WORKERS, DecodingConfig, to_dict
+from captioner.config import (
+    CAPTIONING_BATCH_SIZE,
+    CAPTIONING_WORKERS,
+    Attention,
+    DecodingConfig,
+    HardInference,
+    to_dict,
+)
 from captioner.data.dataset import Skipped
 from captioner.data.readers import Record
 from captioner.data.vocab import tokenize
@@ -68,6 +75,8 @@ def evaluate_split(
     references = {r.image_id: [tokenize(c) for c in r.captions] for r in scored}
     metrics: dict = {"scale": SCALE, "images": len(scored), "skipped_images": len(skipped)}
     metrics["decoding"] = to_dict(decoding)
+    if loaded.model.decoder.mode == Attention.hard:
+        metrics["hard_inference"] = str(loaded.model.decoder.hard_inference)
     metrics["bleu"] = corpus_bleu_scores(references, captions)
     per_image = {
         r.image_id: {
@@ -102,6 +111,8 @@ def format_table(metrics: dict, out_dir: Path) -> str:
         f"{metrics['images']} images ({metrics['skipped_images']} unreadable, skipped); "
         f"scores on the 0-1 scale (x100 for the paper's tables; CIDEr may exceed 1)"
     ]
+    if "hard_inference" in metrics:
+        lines.append(f"  decoded with {HardInference(metrics['hard_inference']).describe()}")
     lines += [f"  nltk {name.upper():<10} {value:.4f}" for name, value in metrics["bleu"].items()]
     suite = metrics.get("coco_caption")
     if isinstance(suite, dict):
