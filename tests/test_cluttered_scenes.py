@@ -10,14 +10,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hydra.utils import instantiate
 from PIL import Image
 
+from captioner import cli
 from captioner.config import SceneKind, ShapesSpec
 from captioner.data import cluttered
 from captioner.data.cluttered import COLOURS, KINDS, PLURALS, make_cluttered_scene, relations, render_cluttered
 from captioner.data.shapes import generate_shapes, shapes_records
 from captioner.data.vocab import tokenize
 from captioner.errors import ConfigError, DataError
+from captioner.training.validate import validate_config
+from conftest import ROOT, compose_plain
 
 SPEC = ShapesSpec(scenes=SceneKind.cluttered)
 SCENES = [(split, i, make_cluttered_scene(SPEC, split, i)) for split in ("train", "val") for i in range(150)]
@@ -219,3 +223,35 @@ def test_generation_is_byte_identical(tmp_path):
         return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
     assert files(generate_shapes(tmp_path / "a", spec)) == files(generate_shapes(tmp_path / "b", spec))
+
+
+def test_captioner_shapes_writes_cluttered_scenes_and_says_how_to_train_on_them(tmp_path, capsys):
+    out = tmp_path / "scenes"
+    args = ["shapes", "--scenes", "cluttered", "--out", str(out), "--train", "4", "--val", "2", "--test", "2"]
+    assert cli.main([*args, "--width", "200"]) == 0
+    assert capsys.readouterr().err == (
+        f"{out}: generated, 4 train, 2 val and 2 test images of 200x120 px cluttered scenes (seed 0); train on it "
+        f"with: python train.py experiment=scenes data.source.root={out} data.source.n_train=4 data.source.n_val=2 "
+        "data.source.n_test=2 data.source.width=200 data.source.height=120 data.source.seed=0\n"
+    )
+    with Image.open(out / "images" / "train" / "000001.png") as image:
+        assert image.size == (200, 120)
+    assert cli.main(args) == 2 and "(width=200 (asked 160))" in capsys.readouterr().err
+    assert cli.main([*args, "--height", "8"]) == 2
+    assert capsys.readouterr().err == "error: --height=8 must be >= 32\n"
+
+
+def test_data_scenes_composes_the_benchmark_and_the_source_builds_its_spec(tmp_path):
+    cfg = compose_plain(["experiment=scenes", "model=hard"], tmp_path)
+    settings = validate_config(cfg)  # demo: false, so the scenes' own recipe passes TrainConfig's checks
+    assert settings.data.image_size == 128 and cfg["data"]["source"]["root"] == f"{ROOT}/data/scenes"
+    assert settings.model.attention == "hard" and settings.model.encoder.grid == 16
+    assert settings.model.objective == "cross_entropy" and not settings.demo
+    assert cfg["trainer"]["max_epochs"] == 20 and cfg["trainer"]["gradient_clip_val"] == 5.0
+    assert compose_plain(["experiment=scenes"], tmp_path)["model"]["attention"] == "soft"
+    with pytest.raises(ConfigError, match="for this dataset train with experiment=scenes"):
+        validate_config(compose_plain(["data=scenes"], tmp_path))  # the demo's recipe refuses these scenes
+    source = instantiate(cfg["data"]["source"])
+    assert source.spec == ShapesSpec(n_train=1600, n_val=200, n_test=200, scenes="cluttered", width=160, height=120)
+    max_len = settings.data.max_len
+    assert all(len(tokenize(c)) <= max_len for _, _, scene in SCENES for c in scene.captions)
