@@ -187,11 +187,12 @@ def relations(a: Item, b: Item, width: int, height: int) -> list[str]:
     """What ``a`` is relative to ``b`` (some of RELATIONS): each one only when the centres are at least
     ``_RELATION_MARGIN`` of the image's width (for left/right) or height (above/below) apart."""
     (ax, ay), (bx, by) = a.centre, b.centre
+    left, right, above, below = RELATIONS
     found = []
     if abs(ax - bx) >= _RELATION_MARGIN * width:
-        found.append("to the left of" if ax < bx else "to the right of")
+        found.append(left if ax < bx else right)
     if abs(ay - by) >= _RELATION_MARGIN * height:
-        found.append("above" if ay < by else "below")
+        found.append(above if ay < by else below)
     return found
 
 
