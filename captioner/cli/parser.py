@@ -14,6 +14,7 @@ from captioner.config import (
     DecodeMethod,
     DecodingConfig,
     HardInference,
+    SceneKind,
 )
 from captioner.data.splits import SPLITS
 from captioner.errors import ConfigError
@@ -254,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--image-size", type=int, metavar="N", dest="image_size", help=f"image side in pixels {built_in}"
     )
     shapes.add_argument("--seed", type=int, metavar="N", help=f"the same seed, the same images {built_in}")
+    shapes.add_argument(
+        "--scenes",
+        choices=[kind.value for kind in SceneKind],
+        help="simple: 1-3 shapes in a 3x3 grid (the demo's); cluttered: 2-4 shapes of six kinds placed freely "
+        f"among clutter, captions with counts and relations (data=scenes) {built_in}",
+    )
+    shapes.add_argument("--width", type=int, metavar="N", help=f"cluttered scenes: image width in pixels {built_in}")
+    shapes.add_argument("--height", type=int, metavar="N", help=f"cluttered scenes: image height in pixels {built_in}")
     splits = command(
         "splits",
         "write Karpathy's split file of COCO (from the official COCO 2014 caption files) or Flickr8k (from its "

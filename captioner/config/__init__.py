@@ -11,7 +11,7 @@ The network's defaults are those of the built-in demo (``python train.py``); its
 ``conf/experiment/demo.yaml``, and ``conf/experiment/coco_*`` set the paper's.
 """
 
-from captioner.config.data import MAX_AUTO_WORKERS, MIN_IMAGE_SIZE, DataConfig, FeatureDtype, ShapesSpec
+from captioner.config.data import MAX_AUTO_WORKERS, MIN_IMAGE_SIZE, DataConfig, FeatureDtype, SceneKind, ShapesSpec
 from captioner.config.decoding import (
     CAPTIONING_BATCH_SIZE,
     CAPTIONING_METHOD,
@@ -81,6 +81,7 @@ __all__ = [
     "ScstBaseline",
     "ScstConfig",
     "SelfAttentionConfig",
+    "SceneKind",
     "ShapesSpec",
     "Settings",
     "TrainConfig",

@@ -9,7 +9,7 @@ from typing import Any
 from captioner.config.decoding import MAX_LEN
 from captioner.config.settings import Settings
 from captioner.data.splits import SPLITS
-from captioner.errors import check_range
+from captioner.errors import check_choice, check_range
 
 MIN_IMAGE_SIZE = 32  # pixels per side at least: every image the model reads, generates or stores
 MAX_AUTO_WORKERS = 8  # DataConfig.num_workers=None uses at most this many loader workers
@@ -66,19 +66,49 @@ class DataConfig(Settings):
             check_range("pad_to", self.pad_to, self.max_len + 2, kind=int)
 
 
+class SceneKind(enum.StrEnum):
+    """Which scenes the built-in dataset holds."""
+
+    simple = "simple"  # one to three shapes of three kinds in a 3x3 grid (captioner.data.scenes): the demo's
+    cluttered = "cluttered"  # two to four shapes of six kinds placed freely, with clutter (captioner.data.cluttered)
+
+
 @dataclass(frozen=True)
 class ShapesSpec:
-    """The built-in dataset's generator parameters (``data.source`` of ``conf/data/shapes.yaml``, stored in its
-    meta.json): its size per split, image side and seed; the defaults are the demo's."""
+    """The built-in dataset's generator parameters (``data.source`` of ``conf/data/shapes.yaml`` and
+    ``conf/data/scenes.yaml``, stored in its meta.json): its kind of scenes, size per split, image size and
+    seed; the defaults are the demo's."""
 
-    n_train: int = 3000
-    n_val: int = 250
-    n_test: int = 250
-    image_size: int = 96
-    seed: int = 0
+    n_train: int = 3000  # training images
+    n_val: int = 250  # validation images
+    n_test: int = 250  # test images
+    image_size: int = 96  # simple scenes: the square images' side in pixels
+    seed: int = 0  # the same seed, the same files
+    scenes: SceneKind = SceneKind.simple  # which scenes (the grid of the demo, or the harder cluttered ones)
+    width: int = 160  # cluttered scenes: image width in pixels
+    height: int = 120  # cluttered scenes: image height in pixels
 
     def __post_init__(self) -> None:
+        check_choice("scenes", self.scenes, tuple(SceneKind))
+        object.__setattr__(self, "scenes", SceneKind(self.scenes))  # a name given as a string becomes the member
         for split in SPLITS:
             check_range(f"n_{split}", getattr(self, f"n_{split}"), 1, kind=int)
         check_range("image_size", self.image_size, MIN_IMAGE_SIZE, kind=int)
         check_range("seed", self.seed, 0, kind=int)
+        check_range("width", self.width, MIN_IMAGE_SIZE, kind=int)
+        check_range("height", self.height, MIN_IMAGE_SIZE, kind=int)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """The images' (width, height) in pixels."""
+        if self.scenes is SceneKind.simple:
+            return self.image_size, self.image_size
+        return self.width, self.height
+
+    def params(self) -> dict[str, Any]:
+        """The parameters its kind of scenes uses, as meta.json stores them (a simple dataset's are the five
+        it has always stored, so its meta.json is unchanged)."""
+        common = {"n_train": self.n_train, "n_val": self.n_val, "n_test": self.n_test}
+        if self.scenes is SceneKind.simple:
+            return {**common, "image_size": self.image_size, "seed": self.seed}
+        return {**common, "width": self.width, "height": self.height, "seed": self.seed, "scenes": str(self.scenes)}

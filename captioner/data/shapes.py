@@ -1,13 +1,15 @@
-"""Built-in dataset: coloured shapes on a 3x3 layout, written as COCO and Karpathy files.
+"""Built-in dataset: coloured shapes on a 3x3 layout, or cluttered scenes, written as COCO and Karpathy files.
 
 Each image holds one to three shapes in distinct cells of a 3x3 grid and five captions that say which
-shape is where (``captioner.data.scenes`` makes them). Generation is deterministic for a seed
+shape is where (``captioner.data.scenes`` makes them), or, with ``ShapesSpec.scenes=cluttered``, two to
+four objects of six kinds placed freely among clutter, with captions that count them and relate them
+(``captioner.data.cluttered``). Generation is deterministic for a seed
 (byte-identical files), every file is written atomically, a finished dataset is never overwritten, and an
 interrupted one resumes.
 
 Layout under ``root``::
 
-    images/<split>/<image id>.png            image_size x image_size RGB
+    images/<split>/<image id>.png            RGB, image_size x image_size (cluttered: width x height)
     annotations/captions_<split>.json        COCO captions format
     annotations/instances_<split>.json       COCO instances format (a bbox per shape, plus its colour)
     dataset_shapes.json                      Karpathy split-file format
@@ -18,10 +20,10 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 
-from captioner.config import ShapesSpec
+from captioner.config import SceneKind, ShapesSpec
+from captioner.data.cluttered import KINDS, ClutteredScene, Item, make_cluttered_scene, render_cluttered
 from captioner.data.readers import SPLITS, Record, read_coco
 from captioner.data.scenes import SHAPES, Scene, make_scene, render
 from captioner.data.vocab import tokenize
@@ -31,6 +33,7 @@ from captioner.fileio import atomic_write, read_json, write_json
 META, PARTIAL = "meta.json", ".generating.json"
 _FORMAT, _VERSION = "captioner-shapes", 1
 _WRITERS = 8  # threads writing image files
+AnyScene = Scene | ClutteredScene
 _INFO = {"description": "captioner built-in shapes dataset", "version": str(_VERSION)}
 
 
@@ -47,7 +50,8 @@ def generate_shapes(root: str | Path, spec: ShapesSpec = ShapesSpec()) -> Path:
     karpathy = []
     first_id = 1
     for split in SPLITS:
-        scenes = [make_scene(spec, split, i) for i in range(getattr(spec, f"n_{split}"))]
+        make = make_scene if spec.scenes is SceneKind.simple else make_cluttered_scene
+        scenes = [make(spec, split, i) for i in range(getattr(spec, f"n_{split}"))]
         ids = range(first_id, first_id + len(scenes))
         first_id += len(scenes)
         _write_images(root / "images" / split, spec, split, ids, scenes)
@@ -76,10 +80,10 @@ def shapes_records(root: str | Path, split: str) -> list[Record]:
 
 def _meta(spec: ShapesSpec) -> dict:
     """The meta.json content: format, version and the generator parameters."""
-    return {"format": _FORMAT, "version": _VERSION, "params": asdict(spec)}
+    return {"format": _FORMAT, "version": _VERSION, "params": spec.params()}
 
 
-def _write_images(folder: Path, spec: ShapesSpec, split: str, ids: range, scenes: list[Scene]) -> None:
+def _write_images(folder: Path, spec: ShapesSpec, split: str, ids: range, scenes: list[AnyScene]) -> None:
     """Write each image that is not there yet (an interrupted run resumes where it stopped).
 
     Threads overlap the PNG encoding and the fsync of each atomic write; the files do not depend on
@@ -90,7 +94,8 @@ def _write_images(folder: Path, spec: ShapesSpec, split: str, ids: range, scenes
         path = folder / _file_name(ids[index])
         if not path.exists():
             with atomic_write(path) as handle:
-                render(scenes[index], spec, split, index).save(handle, format="PNG", compress_level=3)
+                draw = render if spec.scenes is SceneKind.simple else render_cluttered
+                draw(scenes[index], spec, split, index).save(handle, format="PNG", compress_level=3)
 
     with ThreadPoolExecutor(max_workers=_WRITERS) as pool:
         list(pool.map(write, range(len(scenes))))
@@ -108,33 +113,36 @@ def _file_name(image_id: int) -> str:
 
 def _coco_images(ids: range, spec: ShapesSpec) -> list[dict]:
     """The COCO ``images`` list."""
-    size = spec.image_size
-    return [{"id": i, "file_name": _file_name(i), "width": size, "height": size} for i in ids]
+    width, height = spec.size
+    return [{"id": i, "file_name": _file_name(i), "width": width, "height": height} for i in ids]
 
 
-def _coco_captions(ids: range, scenes: list[Scene], spec: ShapesSpec) -> dict:
+def _coco_captions(ids: range, scenes: list[AnyScene], spec: ShapesSpec) -> dict:
     """A COCO captions file (``captions_train2014.json`` layout)."""
     pairs = [(i, caption) for i, scene in zip(ids, scenes) for caption in scene.captions]
     annotations = [{"id": n, "image_id": i, "caption": c} for n, (i, c) in enumerate(pairs, start=1)]
     return {"info": _INFO, "licenses": [], "images": _coco_images(ids, spec), "annotations": annotations}
 
 
-def _coco_instances(ids: range, scenes: list[Scene], spec: ShapesSpec) -> dict:
-    """A COCO instances file: one bbox per shape, category = shape, plus a ``colour`` field."""
+def _coco_instances(ids: range, scenes: list[AnyScene], spec: ShapesSpec) -> dict:
+    """A COCO instances file: one bbox per shape, category = shape, plus a ``colour`` field (and, for
+    cluttered scenes, a ``size`` field: "small" or "large")."""
+    kinds = SHAPES if spec.scenes is SceneKind.simple else KINDS
     pairs = [(i, shape) for i, scene in zip(ids, scenes) for shape in scene.shapes]
     annotations = [
         {
             "id": n,
             "image_id": i,
-            "category_id": SHAPES.index(shape.shape) + 1,
+            "category_id": kinds.index(shape.shape) + 1,
             "bbox": list(shape.box),
             "area": shape.box[2] * shape.box[3],
             "iscrowd": 0,
             "colour": shape.colour,
+            **({"size": shape.size} if isinstance(shape, Item) else {}),
         }
         for n, (i, shape) in enumerate(pairs, start=1)
     ]
-    categories = [{"id": k + 1, "name": name, "supercategory": "shape"} for k, name in enumerate(SHAPES)]
+    categories = [{"id": k + 1, "name": name, "supercategory": "shape"} for k, name in enumerate(kinds)]
     return {
         "info": _INFO,
         "licenses": [],
@@ -144,7 +152,7 @@ def _coco_instances(ids: range, scenes: list[Scene], spec: ShapesSpec) -> dict:
     }
 
 
-def _karpathy_entries(split: str, ids: range, scenes: list[Scene], first_imgid: int) -> list[dict]:
+def _karpathy_entries(split: str, ids: range, scenes: list[AnyScene], first_imgid: int) -> list[dict]:
     """``images[]`` entries of a Karpathy split file (COCO flavour: filepath and cocoid)."""
     entries = []
     for k, (image_id, scene) in enumerate(zip(ids, scenes)):

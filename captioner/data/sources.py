@@ -120,8 +120,8 @@ class KarpathySource:
 class ShapesSource:
     """The built-in synthetic dataset ``spec``, generated under ``root`` on first use (never overwritten).
 
-    Built from ``data.source`` (``conf/data/shapes.yaml``): ``root`` and the fields of ``ShapesSpec``, whose
-    defaults are the built-in dataset's.
+    Built from ``data.source`` (``conf/data/shapes.yaml``, ``conf/data/scenes.yaml``): ``root`` and the fields
+    of ``ShapesSpec``, whose defaults are the built-in dataset's.
     """
 
     root: str
@@ -135,9 +135,12 @@ class ShapesSource:
         n_test: int = ShapesSpec.n_test,
         image_size: int = ShapesSpec.image_size,
         seed: int = ShapesSpec.seed,
+        scenes: str = ShapesSpec.scenes,
+        width: int = ShapesSpec.width,
+        height: int = ShapesSpec.height,
     ) -> None:
         self.root = root
-        self.spec = ShapesSpec(n_train, n_val, n_test, image_size, seed)
+        self.spec = ShapesSpec(n_train, n_val, n_test, image_size, seed, scenes, width, height)
 
     def check_files(self) -> None:
         """``root`` may be missing (the dataset is generated there on first use) but must not be a file."""
