@@ -13,10 +13,13 @@ the REINFORCE baseline and torch's random state are left as they were). For each
   dropout) alone, with the minibatch fixed;
 - ``norm``: the mean gradient's norm.
 
-And, from the same forward passes: the cross-entropy, for hard attention the per-step reward (log p of the word)
-and its baseline, the advantage's spread, the entropy of alpha and the bonus it earns against the
-cross-entropy, the share of the caption steps that read the expected context, how peaked alpha is (its largest
-weight), all averaged. Each epoch's validation BLEU-4 and attention correctness come from the run's metrics.
+And, from the same forward passes: the cross-entropy, how peaked alpha is (its largest weight), how much
+larger a sampled cell a_s is than the expected context sum_i alpha_i a_i of the same attention
+(E||a_s|| / ||E a_s||: 1 for a one-hot alpha, large for one spread over cells pointing different ways),
+and for hard attention the per-step reward (log p of the word) and its baseline, the advantage's spread,
+the entropy of alpha and the bonus it earns against the cross-entropy, the share of the caption steps that
+read the expected context; all averaged. Each epoch's validation BLEU-4 and attention correctness come from
+the run's metrics.
 
     python benchmarks/hard_attention_diagnostics.py experiment=scenes model=hard     # the harder benchmark, hard
     python benchmarks/hard_attention_diagnostics.py experiment=scenes                # ... soft, for comparison
@@ -105,7 +108,12 @@ class Diagnostics(L.Callback):
             per_batch: dict[str, list[torch.Tensor]] = defaultdict(list)
             for _ in range(self.resamples):
                 module.zero_grad(set_to_none=True)
-                output = objectives.teacher_forced(module.model, batch, module.dtype)
+                read: list[torch.Tensor] = []  # the grid the decoder reads (B, L, D)
+                hook = module.model.decoder.register_forward_pre_hook(lambda _, args: read.append(args[0].detach()))
+                try:
+                    output = objectives.teacher_forced(module.model, batch, module.dtype)
+                finally:
+                    hook.remove()
                 terms = module.criterion(output, batch["captions"])
                 terms["loss"].backward()
                 flat: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -114,7 +122,7 @@ class Diagnostics(L.Callback):
                     flat[group_of(name)].append(grad.detach().flatten().float())
                 for group, parts in flat.items():
                     per_batch[group].append(torch.cat(parts))
-                for key, value in self._figures(module, output, batch, terms).items():
+                for key, value in self._figures(module, output, batch, terms, read[0]).items():
                     sums[key] += value
                 count += 1
             for group, samples in per_batch.items():
@@ -129,14 +137,21 @@ class Diagnostics(L.Callback):
         return row
 
     @staticmethod
-    def _figures(module: L.LightningModule, output: object, batch: dict, terms: dict) -> dict[str, float]:
-        """The loss terms and attention figures of one forward pass."""
+    def _figures(
+        module: L.LightningModule, output: object, batch: dict, terms: dict, grid: torch.Tensor
+    ) -> dict[str, float]:
+        """The loss terms and attention figures of one forward pass that read ``grid`` (B, L, D)."""
         mask = (batch["captions"][:, 1:] != 0).float()  # (N, T) real steps (PAD_ID 0)
         steps = mask.sum()
         alphas = output.alphas.detach().float()  # (N, T, L)
+        grid = grid.float()[batch["image_index"]]  # (N, L, D)
+        context_norm = torch.einsum("ntl,nld->ntd", alphas, grid).norm(dim=-1)  # (N, T): ||sum_i alpha_i a_i||
+        cell_norm = torch.einsum("ntl,nl->nt", alphas, grid.norm(dim=-1))  # (N, T): E ||a_s||, s ~ alpha
         figures = {
             "ce": float(terms["ce"].detach()),
             "alpha_max": float((alphas.amax(dim=-1) * mask).sum() / steps),
+            # how much larger a sampled cell is than the expected context the same attention gives
+            "cell/context norm": float((cell_norm * mask).sum() / (context_norm * mask).sum()),
         }
         if output.sampled is not None:
             sampled = output.sampled.float().unsqueeze(1) * mask  # (N, T)

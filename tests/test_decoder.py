@@ -152,6 +152,23 @@ def test_expectation_is_chosen_per_image():
     assert (output.location_log_probs[output.sampled] < 0).all()
 
 
+def test_expected_context_warm_up_falls_from_every_image_to_the_mix():
+    decoder = make_decoder(attention="hard", hard_expectation_prob=0.2, hard_expectation_warmup=0.5).train()
+    features = torch.randn(400, L, D)
+    captions = torch.randint(3, V, (400, 4))
+    torch.manual_seed(0)
+    shares = []
+    for progress in (0.0, 0.25, 0.5, 1.0):  # the share falls linearly to 0.2 at half of training, then stays
+        decoder.anneal(progress)
+        shares.append(1.0 - float(decoder(features, captions).sampled.float().mean()))
+    assert shares[0] == 1.0  # every image reads the expected context at the start: soft attention's training
+    assert shares[1] == pytest.approx(0.6, abs=0.07)
+    assert shares[2] == pytest.approx(0.2, abs=0.06) and shares[3] == pytest.approx(0.2, abs=0.06)
+    mixed = make_decoder(attention="hard", hard_expectation_prob=0.2).train()  # no warm-up: the mix from step 0
+    mixed.anneal(0.0)
+    assert 1.0 - float(mixed(features, captions).sampled.float().mean()) == pytest.approx(0.2, abs=0.06)
+
+
 def test_gumbel_estimator_reads_one_location_and_trains_the_attention(batch):
     features, captions, index = batch
     decoder = make_decoder(attention="hard", hard_estimator="gumbel", hard_expectation_prob=0.0, gate="none").train()

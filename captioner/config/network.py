@@ -114,6 +114,12 @@ class DecoderConfig(Settings):
     # Hard attention, training: each image reads the expected context instead of sampled locations with
     # this probability, drawn per image as the paper says (the authors' code drew it per minibatch).
     hard_expectation_prob: float = 0.5
+    # ... after this fraction of training; before, that share falls linearly from 1 (every image reads the
+    # expected context, as soft attention) to hard_expectation_prob. Sampled locations only teach once the
+    # attention finds the objects: on a 16x16 grid of small objects, sampling from the start leaves a spread
+    # alpha whose samples are background, and the decoder learns to ignore what it reads
+    # (docs/hard_attention.md). 0: the mix from the first step.
+    hard_expectation_warmup: float = 0.0
     hard_inference: HardInference = HardInference.argmax
     hard_estimator: HardEstimator = HardEstimator.reinforce
     gumbel_tau: float = 1.0  # gumbel: the temperature at the start of training ...
@@ -124,6 +130,7 @@ class DecoderConfig(Settings):
             check_range(name, getattr(self, name), 1, kind=int)
         check_range("dropout", self.dropout, 0.0, 0.99)
         check_range("hard_expectation_prob", self.hard_expectation_prob, 0.0, 1.0)
+        check_range("hard_expectation_warmup", self.hard_expectation_warmup, 0.0, 1.0)
         check_range("gumbel_tau", self.gumbel_tau, 1e-3)
         check_range("gumbel_tau_min", self.gumbel_tau_min, 1e-3, self.gumbel_tau)
 

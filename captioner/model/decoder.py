@@ -52,7 +52,8 @@ class ShowAttendTellDecoder(nn.Module):
         settings = config.decoder
         embed_dim, hidden_dim = settings.embed_dim, settings.hidden_dim
         self.mode = config.attention
-        self.hard_expectation_prob = settings.hard_expectation_prob
+        self.hard_expectation_final = self.hard_expectation_prob = settings.hard_expectation_prob
+        self.hard_expectation_warmup = settings.hard_expectation_warmup
         self.hard_inference = settings.hard_inference
         self.hard_estimator = settings.hard_estimator
         self.gumbel_tau_start, self.gumbel_tau_min = settings.gumbel_tau, settings.gumbel_tau_min
@@ -90,10 +91,13 @@ class ShowAttendTellDecoder(nn.Module):
             self.compiled_step = torch.compile(self._eager_step, mode=mode.value, fullgraph=True)
 
     def anneal(self, progress: float) -> None:
-        """Set the Gumbel-softmax temperature for ``progress`` in [0, 1] of training: it falls
-        geometrically from ``gumbel_tau`` at 0 to ``gumbel_tau_min`` at 1."""
+        """Set what changes over training for ``progress`` in [0, 1]: the Gumbel-softmax temperature falls
+        geometrically from ``gumbel_tau`` at 0 to ``gumbel_tau_min`` at 1; the share of images reading the
+        expected context falls linearly from 1 at 0 to ``hard_expectation_prob`` at ``hard_expectation_warmup``."""
         progress = min(max(progress, 0.0), 1.0)
         self.gumbel_tau.fill_(self.gumbel_tau_start * (self.gumbel_tau_min / self.gumbel_tau_start) ** progress)
+        warm = 1.0 if self.hard_expectation_warmup == 0 else min(progress / self.hard_expectation_warmup, 1.0)
+        self.hard_expectation_prob = 1.0 - (1.0 - self.hard_expectation_final) * warm
 
     def init_state(self, features: Tensor) -> State:
         """h_0 = tanh(f_init,h(mean_i a_i)), c_0 = tanh(f_init,c(mean_i a_i)), each (B, H)."""
