@@ -42,6 +42,7 @@ ABSENT_KEY_VALUES: Mapping[str, Any] = MappingProxyType(
                 "deep_output": True,
                 "dropout": 0.5,
                 "hard_expectation_prob": 0.5,
+                "hard_expectation_warmup": 0.0,  # training only: the mix from the first step, as then
                 "hard_inference": "argmax",
                 "hard_estimator": "reinforce",
                 "gumbel_tau": 1.0,
