@@ -196,7 +196,7 @@ def table(folders: list[Path]) -> str:
     for folder in folders:
         rows = [json.loads(line) for line in (folder / FILE).read_text().splitlines()]
         scores = _validation(folder)
-        figures = [k for k in rows[0] if k != "epoch" and "/" not in k or k.endswith("/ce")]
+        figures = [k for k in rows[0] if k != "epoch" and not k.startswith(("snr/", "snr_sampling/", "norm/"))]
         groups = [k.removeprefix("snr/") for k in rows[0] if k.startswith("snr/")]
         header = ["epoch", "val BLEU-4", "correctness", *figures]
         snr_header = ["epoch", *(f"SNR {g} (sampling)" for g in groups)]
