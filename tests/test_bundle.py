@@ -299,6 +299,7 @@ def test_a_version_1_bundle_loads_with_its_settings_and_weights() -> None:
                 "dropout": 0.0,
                 "gate": "vector",
                 "hard_inference": "expectation",
+                "hard_expectation_warmup": 0.0,  # version 1 had none (a training setting)
             },
         },
     )

@@ -164,7 +164,7 @@ def test_expected_context_warm_up_falls_from_every_image_to_the_mix():
     assert shares[0] == 1.0  # every image reads the expected context at the start: soft attention's training
     assert shares[1] == pytest.approx(0.6, abs=0.07)
     assert shares[2] == pytest.approx(0.2, abs=0.06) and shares[3] == pytest.approx(0.2, abs=0.06)
-    mixed = make_decoder(attention="hard", hard_expectation_prob=0.2).train()  # no warm-up: the mix from step 0
+    mixed = make_decoder(attention="hard", hard_expectation_prob=0.2, hard_expectation_warmup=0.0).train()  # mix at 0
     mixed.anneal(0.0)
     assert 1.0 - float(mixed(features, captions).sampled.float().mean()) == pytest.approx(0.2, abs=0.06)
 
