@@ -7,6 +7,7 @@ import csv
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -259,6 +260,16 @@ def net_config(**options: Any) -> NetConfig:
     own = {item.name for item in fields(NetConfig)}
     decoder = {key: options.pop(key) for key in list(options) if key not in own}
     return from_dict(NetConfig, {**options, "decoder": decoder})
+
+
+@pytest.fixture(autouse=True)
+def sigint_as_it_was():
+    """Every test leaves Ctrl-C's handler as it found it (Lightning ignores SIGINT after handling a
+    KeyboardInterrupt in this process, and an ignored SIGINT is inherited by every later subprocess: a
+    ``train.py`` that the signal test interrupts would finish and exit 0)."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
 
 
 def make_decoder(attention: str = "soft", seed: int = 0, **options: Any) -> ShowAttendTellDecoder:
