@@ -19,11 +19,19 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.bundle import TrainedModel, load_trained
-from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_WORKERS, Attention, DecodingConfig, HardInference
+from captioner.config import (
+    CAPTIONING_BATCH_SIZE,
+    CAPTIONING_WORKERS,
+    Attention,
+    DecodingConfig,
+    HardInference,
+    captioning_settings,
+)
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.data.vocab import UNK_ID
 from captioner.errors import check_range
+from captioner.model.decoding import seeded_generator
 
 # a file, a PIL image, a tensor (3, H, W) or a numpy array (H, W, 3) of uint8 (as PIL and OpenCV give, in RGB)
 ImageLike = str | os.PathLike | Image.Image | torch.Tensor | np.ndarray
@@ -66,7 +74,7 @@ class Captioned:
     grid: tuple[int, int]  # (H, W) with H * W = L
     locations: list[int] | None = None  # hard attention decoded by argmax: the cell each word attended
     image: Image.Image | torch.Tensor | np.ndarray | None = None  # the image given in memory (files: see path)
-    error: str | None = None  # why this input of a list could not be captioned
+    error: str | None = None  # why this input of a list could not be captioned (a file's path is ``path``)
 
     @property
     def caption(self) -> str:
@@ -100,12 +108,14 @@ class LoadedModel(TrainedModel):
         """Caption image files, PIL images, image tensors or numpy arrays; see :func:`caption_images`.
 
         One image gives one :class:`Captioned` (``.caption``, ``.score``, ``.alphas`` (T, H*W) on ``.grid``),
-        a list or a batch a list of them, one per input: an input of a list that cannot be captioned gets a
-        result with ``.error`` (the reason) unless ``raise_errors``. ``settings`` are ``DecodingConfig`` fields
-        over captioning's defaults (method, beam_size, max_len, ...): TypeError for an unknown one, ConfigError
-        for a bad value.
+        a list or a batch a list of them, one per input. A single image that cannot be captioned raises
+        (ImageError for a file, TypeError or ValueError for another object); an input of a list gets a result
+        with ``.error`` (the reason) instead, unless ``raise_errors``. ``settings`` are the command line's
+        decoding options as ``DecodingConfig`` fields over captioning's defaults (method, beam_size, max_len,
+        seed, ...), checked as the command line checks its flags (``captioning_settings``): TypeError for an
+        unknown name (naming the nearest), ConfigError for one the method does not read or a bad value.
         """
-        decoding = DecodingConfig.captioning(**settings)
+        decoding = captioning_settings(settings)
         return caption_images(self, images, batch_size, raise_errors=raise_errors, decoding=decoding)
 
     @cached_property
@@ -139,11 +149,19 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     return LoadedModel(trained.model, trained.vocab, trained.config, trained.image_size, os.fspath(path))
 
 
-def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, decoding: DecodingConfig | None) -> list[Captioned]:
+def _generator(loaded: LoadedModel, decoding: DecodingConfig | None) -> torch.Generator | None:
+    """Sampling's generator for all the batches of one call, seeded with ``decoding.seed`` (torch's state left
+    alone); None without a seed."""
+    return seeded_generator(decoding, next(loaded.model.parameters()).device) if decoding else None
+
+
+def _caption_batch(
+    loaded: LoadedModel, pixels: torch.Tensor, decoding: DecodingConfig | None, generator: torch.Generator | None
+) -> list[Captioned]:
     """Caption preprocessed images (B, 3, S, S) in one encoder and decoder call; ``path`` left None."""
     model, vocab = loaded.model, loaded.vocab
     device = next(model.parameters()).device
-    generation, grid = model.generate(pixels.to(device), decoding, unk_id=UNK_ID)
+    generation, grid = model.generate(pixels.to(device), decoding, generator, unk_id=UNK_ID)
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
     # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
     argmax = model.decoder.mode == Attention.hard and model.decoder.hard_inference == HardInference.argmax
@@ -181,6 +199,7 @@ def caption_files(
         num_workers=min(workers, batches),
         collate_fn=_keep_list,
     )
+    generator = _generator(loaded, decoding)
     with tqdm(total=len(paths), unit="img", file=sys.stderr, desc="captioning", disable=not progress) as bar:
         for number, items in enumerate(loader):
             first = number * batch_size  # index in ``paths`` of the batch's first item
@@ -188,7 +207,7 @@ def caption_files(
             captioned: dict[int, Captioned] = {}
             if good:
                 pixels = torch.stack([items[i] for i in good])  # (B, 3, S, S)
-                for i, result in zip(good, _caption_batch(loaded, pixels, decoding)):
+                for i, result in zip(good, _caption_batch(loaded, pixels, decoding, generator)):
                     result.path = paths[first + i]
                     captioned[i] = result
             for i, item in enumerate(items):
@@ -247,6 +266,7 @@ def caption_images(
     single = _one_image(images)
     items = [images] if single else list(images)
     transform = build_transform(loaded.image_size, train=False)
+    generator = _generator(loaded, decoding)
     results: list[Captioned] = []
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
@@ -259,8 +279,8 @@ def caption_images(
             except (ImageError, TypeError, ValueError) as exc:
                 if single or raise_errors:
                     raise
-                failed[index] = _failed(item, str(exc))
-        captioned = dict(zip(good, _caption_batch(loaded, torch.stack(pixels), decoding))) if pixels else {}
+                failed[index] = _failed(item, exc.reason if isinstance(exc, ImageError) else str(exc))
+        captioned = dict(zip(good, _caption_batch(loaded, torch.stack(pixels), decoding, generator))) if pixels else {}
         for index, item in enumerate(chunk):
             result = failed.get(index) or captioned[index]
             if result.error is None and isinstance(item, (str, os.PathLike)):

@@ -20,6 +20,7 @@ from torchvision.transforms.v2.functional import pil_to_tensor
 import captioner
 from captioner.config import DecodingConfig
 from captioner.data.images import ImageError
+from captioner.errors import ConfigError
 from captioner.inference import Captioned, caption_files
 from conftest import ROOT, write_bundle
 
@@ -106,6 +107,35 @@ def test_decoding_options_reach_generate(model, photos):
     assert model.caption(photos[0], method="beam", beam_size=1, max_len=4).words == greedy.words  # beam of one
     with pytest.raises(TypeError, match="no_such_option"):
         model.caption(photos[0], no_such_option=1)
+
+
+def test_decoding_keywords_are_checked_as_the_command_line_checks_its_flags(model, photos):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'beamsize'; did you mean 'beam_size'\?"):
+        model.caption(photos[0], beamsize=5)
+    refused = {
+        "beam_size goes with method='beam'; this call decodes with method='greedy'": dict(method="greedy", beam_size=5),
+        "seed goes with method='sample'; this call decodes with method='beam' (the default)": dict(seed=3),
+        "temperature goes with method='sample'; this call decodes with method='greedy'": dict(
+            method="greedy", temperature=0.5
+        ),
+    }
+    for message, settings in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            model.caption(photos[0], **settings)
+    with pytest.raises(ConfigError, match="seed=-1 must be in"):
+        model.caption(photos[0], method="sample", seed=-1)
+
+
+def test_a_seed_gives_the_same_samples_as_the_command_line_s_and_leaves_torch_s_generator_alone(model, photos):
+    state = torch.get_rng_state()
+    sampled = [model.caption(photos, method="sample", seed=seed, temperature=3.0, max_len=6) for seed in (3, 3, 4)]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert [r.words for r in sampled[0]] == [r.words for r in sampled[1]]
+    assert [r.words for r in sampled[0]] != [r.words for r in sampled[2]]
+    paths = [str(p) for p in photos]
+    decoding = DecodingConfig(method="sample", seed=3, temperature=3.0, max_len=6)
+    files = list(caption_files(model, paths, workers=0, decoding=decoding))  # the CLI's path, --seed 3
+    assert [r.words for r in files] == [r.words for r in sampled[0]]
 
 
 @pytest.mark.parametrize(
@@ -202,6 +232,20 @@ def test_show_attention_of_a_list_draws_each(model, photos):
     assert [f.get_suptitle() for f in figures] == [r.caption for r in results]
     with pytest.raises(ValueError, match="image= goes with one result"):
         captioner.show_attention(results, image=photos[0])
+
+
+def test_show_attention_of_a_list_draws_the_captioned_and_names_those_left_out(model, photos, tmp_path):
+    broken = tmp_path / "broken.jpg"
+    broken.write_text("not an image")
+    results = model.caption([photos[0], broken, photos[1]], **GREEDY)
+    assert results[1].error == "not an image file (Pillow cannot identify its format)"  # the path is .path
+    left_out = rf"1 of 3 results not drawn \(not captioned\): {re.escape(str(broken))} \(not an image file"
+    with pytest.warns(UserWarning, match=left_out):
+        figures = captioner.show_attention(results)
+    assert [f.get_suptitle() for f in figures] == [results[0].caption, results[2].caption]
+    with pytest.raises(ValueError, match="was not captioned") as info:
+        captioner.show_attention(results[1])
+    assert str(info.value).count(str(broken)) == 1
 
 
 def test_repr_is_a_one_paragraph_summary(model, run):

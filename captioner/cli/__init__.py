@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from captioner.cli.parser import build_parser, check_method_options, parse
+from captioner.cli.parser import build_parser, parse
 from captioner.errors import CaptionerError
 
 __all__ = ["build_parser", "main"]
@@ -27,7 +27,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return exc.code
     try:
-        check_method_options(args)
         command = importlib.import_module(f"captioner.cli.{args.command}")
         return command.run(args)
     except CaptionerError as exc:

@@ -12,7 +12,7 @@ import torch
 
 from captioner import load_model
 from captioner.cli import parser
-from captioner.config import Attention, DecodingConfig, HardInference
+from captioner.config import METHOD_SETTINGS, Attention, DecodingConfig, HardInference, captioning_settings
 from captioner.errors import ConfigError, check_range
 
 if TYPE_CHECKING:
@@ -38,22 +38,18 @@ def device(name: str) -> torch.device:
 
 
 def decode_options(args: argparse.Namespace) -> DecodingConfig:
-    """Check the decoding and batching options; return the decoding settings."""
+    """Check the decoding and batching options as ``caption()`` checks its keywords; return the decoding
+    settings. An option that one method reads counts only when it was given (``--beam-size`` with greedy)."""
     check_range("--batch-size", args.batch_size, 1, kind=int)
     check_range("--workers", args.workers, 0, kind=int)
-    fields = [field.name for field in dataclasses.fields(DecodingConfig)]
-    try:  # checked where the decoding settings are defined; the messages name the flags
-        return DecodingConfig(**{field: getattr(args, field) for field in fields})
-    except ConfigError as exc:
-        message = str(exc)
-        for field in fields:
-            message = message.replace(field, "--" + field.replace("_", "-"))
-        raise ConfigError(message) from None
+    names = [field.name for field in dataclasses.fields(DecodingConfig)]
+    given = {name: getattr(args, name) for name in names if name not in METHOD_SETTINGS or name in args.given}
+    return captioning_settings(given, flags=True)
 
 
 def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
-    """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``; torch's generators seeded
-    with ``--seed`` when given; a hard attention model reading what ``--hard-inference`` asks."""
+    """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``; a hard attention model
+    reading what ``--hard-inference`` asks."""
     loaded = load_model(args.model, map_location="cpu")
     loaded.model.to(on)
     if getattr(args, "hard_inference", None) is not None:
@@ -63,8 +59,6 @@ def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
                 "the option chooses what a hard attention model reads"
             )
         loaded.model.decoder.hard_inference = HardInference(args.hard_inference)
-    if getattr(args, "seed", None) is not None:
-        torch.manual_seed(args.seed)
     return loaded
 
 

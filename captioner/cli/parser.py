@@ -17,7 +17,6 @@ from captioner.config import (
     SceneKind,
 )
 from captioner.data.splits import SPLITS
-from captioner.errors import ConfigError
 
 DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a dataset, prepare datasets.
 
@@ -60,22 +59,14 @@ SPLITS_EPILOG = """coco: val and test are Karpathy's 5,000 val2014 images each (
   (lower case, punctuation dropped). The file is what data=coco_karpathy reads (see docs/datasets.md)."""
 
 
-# The decoding options that only one method reads: given with another method they are refused.
-METHOD_OPTIONS = {
-    "--beam-size": DecodeMethod.beam,
-    "--length-penalty": DecodeMethod.beam,
-    "--temperature": DecodeMethod.sample,
-    "--seed": DecodeMethod.sample,
-}
-
-
 class _Given(argparse.Action):
-    """Stores the option's value and records that it was given (``args.given``)."""
+    """Stores the option's value and records that it was given (its name in ``args.given``): an option that one
+    decoding method reads (``METHOD_SETTINGS``) is refused with another only when it was given."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:  # fmt: skip
         setattr(namespace, self.dest, values)
-        namespace.given = {*namespace.given, option_string}
+        namespace.given = {*namespace.given, self.dest}
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -92,17 +83,6 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     }
     args = ["--null" if a == "-0" and (i == 0 or args[i - 1] not in takes_value) else a for i, a in enumerate(args)]
     return parser.parse_args(args)
-
-
-def check_method_options(args: argparse.Namespace) -> None:
-    """ConfigError for an option given that ``--method`` does not read (``--beam-size`` with greedy)."""
-    for option in sorted(getattr(args, "given", ())):
-        method = METHOD_OPTIONS[option]
-        if args.method != method:
-            default = " (the default)" if args.method == CAPTIONING_METHOD else ""
-            raise ConfigError(
-                f"{option} goes with --method {method}; this command decodes with --method {args.method}{default}"
-            )
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -17,8 +17,10 @@ from captioner.config.decoding import (
     CAPTIONING_METHOD,
     CAPTIONING_WORKERS,
     MAX_LEN,
+    METHOD_SETTINGS,
     DecodeMethod,
     DecodingConfig,
+    captioning_settings,
 )
 from captioner.config.model import (
     Compile,
@@ -54,6 +56,7 @@ __all__ = [
     "CAPTIONING_WORKERS",
     "MAX_AUTO_WORKERS",
     "MAX_LEN",
+    "METHOD_SETTINGS",
     "MIN_IMAGE_SIZE",
     "SCHEMAS",
     "Attention",
@@ -85,6 +88,7 @@ __all__ = [
     "ShapesSpec",
     "Settings",
     "TrainConfig",
+    "captioning_settings",
     "from_dict",
     "to_dict",
 ]

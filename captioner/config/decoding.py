@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +37,13 @@ class DecodingConfig(Settings):
     temperature: float = 1.0  # sample: softmax(logits / temperature)
     min_len: int = 0  # no <end> before this many words (0: off)
     no_repeat_ngram_size: int = 0  # no n-gram of this many words twice in a caption (0: off)
+    seed: int | None = None  # sample: seeds its random draws, the same seed the same captions (None: torch's own)
 
     @classmethod
     def captioning(cls, **settings: Any) -> DecodingConfig:
-        """Captioning's settings: ``method=CAPTIONING_METHOD``, then ``settings`` (field names) over them.
-
-        TypeError for a name that is no field (as for any unknown keyword), ConfigError naming a bad value.
-        """
-        return cls(**{"method": CAPTIONING_METHOD, **settings})
+        """Captioning's settings: ``method=CAPTIONING_METHOD``, then ``settings`` (field names) over them,
+        checked as ``captioning_settings`` checks them."""
+        return captioning_settings(settings)
 
     def for_captioning(self) -> DecodingConfig:
         """These settings with captioning's method: how ``captioner evaluate`` decodes, and so a run's final
@@ -63,6 +64,8 @@ class DecodingConfig(Settings):
         check_range("temperature", self.temperature, 1e-6)
         check_range("min_len", self.min_len, 0, kind=int)
         check_range("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, kind=int)
+        if self.seed is not None:
+            check_range("seed", self.seed, 0, 2**64 - 1, kind=int)  # what torch.Generator.manual_seed takes
         if self.min_len >= self.max_len:
             raise ConfigError(f"min_len={self.min_len} must be < max_len={self.max_len}")
 
@@ -72,3 +75,56 @@ class DecodingConfig(Settings):
 CAPTIONING_METHOD = DecodeMethod.beam
 CAPTIONING_BATCH_SIZE = 32  # images encoded and decoded together (caption(), `captioner caption --batch-size`)
 CAPTIONING_WORKERS = 2  # processes decoding image files while the model captions (`--workers`; 0: this one)
+
+# The captioning settings that only one method reads: given with another method they are refused, as keywords of
+# ``caption()`` and as the command line's flags (``--beam-size`` with ``--method greedy``).
+METHOD_SETTINGS = {
+    "beam_size": DecodeMethod.beam,
+    "length_penalty": DecodeMethod.beam,
+    "temperature": DecodeMethod.sample,
+    "seed": DecodeMethod.sample,
+}
+
+
+def flag(name: str) -> str:
+    """The command line's flag of a decoding setting: ``beam_size`` -> ``--beam-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def captioning_settings(settings: Mapping[str, Any], flags: bool = False) -> DecodingConfig:
+    """How one captioning call decodes: ``settings`` (field names) over captioning's defaults, checked.
+
+    The one check of ``caption()``'s keywords and the command line's decoding flags. TypeError for a name that
+    is no setting (naming the nearest one); ConfigError for a setting that the method does not read
+    (``METHOD_SETTINGS``: ``beam_size`` with greedy decoding) or a bad value. ``flags``: the messages name the
+    command line's flags (``--beam-size``) rather than the keywords.
+    """
+    names = [field.name for field in dataclasses.fields(DecodingConfig)]
+    for name in settings:
+        if name not in names:
+            nearest = difflib.get_close_matches(name, names, n=1)
+            hint = f"; did you mean {nearest[0]!r}?" if nearest else ""
+            raise TypeError(f"unexpected keyword argument {name!r}{hint} (decoding settings: {', '.join(names)})")
+
+    def spell(name: str, value: object = None) -> str:
+        if value is None:
+            return flag(name) if flags else name
+        return f"{flag(name)} {value}" if flags else f"{name}={str(value)!r}"
+
+    try:
+        config = DecodingConfig(**{"method": CAPTIONING_METHOD, **settings})
+    except ConfigError as exc:
+        message = str(exc)
+        if flags:
+            for name in names:
+                message = message.replace(name, flag(name))
+        raise ConfigError(message) from None
+    for name in sorted(set(settings) & set(METHOD_SETTINGS)):
+        if config.method != METHOD_SETTINGS[name]:
+            subject = "this command" if flags else "this call"
+            default = " (the default)" if config.method == CAPTIONING_METHOD else ""
+            raise ConfigError(
+                f"{spell(name)} goes with {spell('method', METHOD_SETTINGS[name])}; {subject} decodes with "
+                f"{spell('method', config.method)}{default}"
+            )
+    return config

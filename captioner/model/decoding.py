@@ -157,6 +157,14 @@ def rollout(
     return Rollout(torch.stack(words, dim=1), lengths, torch.stack(log_probs, dim=1))
 
 
+def seeded_generator(settings: DecodingConfig, device: torch.device) -> torch.Generator | None:
+    """A random generator on ``device`` seeded with ``settings.seed`` for sampling; None (torch's own) without a
+    seed. Seeded once, it serves all the batches of a captioning call."""
+    if settings.seed is None:
+        return None
+    return torch.Generator(device).manual_seed(settings.seed)
+
+
 def decode(
     decoder: ShowAttendTellDecoder,
     features: Tensor,
@@ -166,9 +174,10 @@ def decode(
     static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Caption the features (B, L, D) as ``settings`` says (its method and that method's options);
-    ``generator`` serves sampling."""
+    ``generator`` serves sampling (None: one seeded with ``settings.seed`` when set, else torch's own)."""
     if settings.method == DecodeMethod.greedy:
         return greedy(decoder, features, settings, unk_id, static_shapes)
     if settings.method == DecodeMethod.sample:
+        generator = generator or seeded_generator(settings, features.device)
         return sample(decoder, features, settings, generator, unk_id, static_shapes)
     return beam_search(decoder, features, settings, unk_id, static_shapes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,18 +25,28 @@ def show_attention(
     again from ``result.path``. For hard attention decoded by argmax the attended cell is outlined. Returns
     the figure (``captioner.viz.overlay.overlay_figure``): the last expression of a notebook cell shows it
     inline; ``fig.savefig(...)`` writes it. A list of results (``model.caption([...])``) gives a list of
-    figures, one per result (``for fig in show_attention(results): display(fig)`` shows each in a notebook).
-    Raises ValueError when there is no image to draw on, or for a result that holds an error.
+    figures, one per captioned result in order (``for fig in show_attention(results): display(fig)`` shows each
+    in a notebook); the results that hold an error (inputs that could not be captioned) are left out, named in
+    one UserWarning. Raises ValueError when there is no image to draw on, or for one result that holds an error.
     """
     if isinstance(result, (list, tuple)):
         if image is not None:
             raise ValueError("image= goes with one result; a list of results draws each result's own image")
-        return [show_attention(item) for item in result]
+        failed = [item for item in result if item.error is not None]
+        if failed:
+            named = "; ".join(f"{_name(item)} ({item.error})" for item in failed)
+            warnings.warn(f"{len(failed)} of {len(result)} results not drawn (not captioned): {named}", stacklevel=2)
+        return [show_attention(item) for item in result if item.error is None]
     if result.error is not None:
-        raise ValueError(f"{result.path or 'the image'} was not captioned ({result.error}): nothing to draw")
+        raise ValueError(f"{_name(result)} was not captioned ({result.error}): nothing to draw")
     source = image if image is not None else (result.image if result.image is not None else result.path)
     if source is None:
         raise ValueError("the result has neither an image nor a path: pass image=")
     return overlay_figure(
         to_picture(source), result.words, result.alphas, result.grid, locations=result.locations, title=result.caption
     )
+
+
+def _name(result: Captioned) -> str:
+    """The result's file, or what kind of image it was given as."""
+    return result.path if result.path is not None else f"the {type(result.image).__name__} image"
