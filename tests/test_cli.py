@@ -824,6 +824,22 @@ def test_evaluate_refuses_a_missing_dataset(dataset, message, bundles, tmp_path,
     _one_error_line(capsys.readouterr().err, "", message)
 
 
+def test_evaluate_says_the_images_are_not_where_images_points(bundles, shapes, tmp_path, capsys):
+    empty = tmp_path / "elsewhere"
+    empty.mkdir()
+    captions = shapes / "annotations" / "captions_test.json"
+    common = ["--model", bundles["soft"], "--images", str(empty), "--out", str(tmp_path / "out")]
+    for dataset in (["--coco-captions", str(captions)], ["--image-info", str(captions)]):
+        assert cli.main(["evaluate", *dataset, *common]) == 2
+        err = capsys.readouterr().err.splitlines()[-1]  # --image-info first says it writes the server's file
+        assert re.fullmatch(
+            rf"error: --images {empty}: (test|captions_test\.json): 0 of 6 images found under {empty} "
+            rf"\(e\.g\. {empty}/\d+\.png\); point --images at the folder that holds them",
+            err,
+        ), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_instances_without_attention_correctness_say_why(bundles, shapes, tmp_path, capsys):
     colours = str(write_bundle(tmp_path / "colours.pt", WORDS, favoured=("red", "blue", "green")))
     annotations = shapes / "annotations"

@@ -99,6 +99,7 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
     records = read_image_info(args.image_info, args.image_dir)
     if not records:
         raise ConfigError(f"--image-info {args.image_info} lists no images")
+    options.check_images_found(args, Path(args.image_info).name, [record.image_path for record in records])
     loaded = options.load(args, options.device(args.device))
     output = Output(getattr(args, "json", False), rows=echo)
     paths = [record.image_path for record in records]

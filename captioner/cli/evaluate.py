@@ -86,4 +86,6 @@ def _records(args: argparse.Namespace) -> list[Record]:
         entry = {"captions": args.coco_captions, "images": args.image_dir, "instances": args.instances}
         source = sources.CocoSource({args.split: entry})
     source.prepare()
-    return source.records(args.split)
+    records = source.records(args.split)
+    options.check_images_found(args, args.split, [record.image_path for record in records])
+    return records

@@ -13,7 +13,7 @@ import torch
 from captioner import load_model
 from captioner.cli import parser
 from captioner.config import METHOD_SETTINGS, Attention, DecodingConfig, HardInference, captioning_settings
-from captioner.errors import ConfigError, check_range
+from captioner.errors import ConfigError, DataError, check_range
 
 if TYPE_CHECKING:
     from captioner import LoadedModel
@@ -65,6 +65,17 @@ def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
 def progress(args: argparse.Namespace, images: int) -> bool:
     """Show a progress bar for many images on a terminal, unless ``--no-progress``."""
     return not args.no_progress and images >= parser.PROGRESS_MIN_IMAGES and sys.stderr.isatty()
+
+
+def check_images_found(args: argparse.Namespace, label: str, paths: list[str]) -> None:
+    """DataError when none of a dataset's images ``paths`` is under ``--images`` (rather than one failure per
+    image): the check of training's preflight."""
+    from captioner.data.images import images_present, none_found
+
+    if paths and not images_present(paths):
+        raise DataError(
+            f"--images {args.image_dir}: {none_found(label, paths)}; point --images at the folder that holds them"
+        )
 
 
 def refuse_overwrite(target: Path, args: argparse.Namespace) -> None:

@@ -3,7 +3,9 @@ image given in memory (a PIL image or an image tensor) to the same form."""
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +56,27 @@ def load_rgb(path: str | Path) -> Image.Image:
         raise ImageError(path, "permission denied") from None
     except Exception as exc:  # Pillow's decoders raise OSError, SyntaxError, ValueError, EOFError, ...
         raise ImageError(path, f"truncated or corrupt image data ({first_line(exc)})") from None
+
+
+def images_present(paths: Sequence[str]) -> list[str]:
+    """The paths of ``paths`` that are files, in order; each folder listed once (fast for a split of 100,000)."""
+    listed: dict[str, set[str]] = {}
+    found = []
+    for path in paths:
+        folder, name = os.path.split(path)
+        if folder not in listed:
+            listed[folder] = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+        if name in listed[folder] and os.path.isfile(path):
+            found.append(path)
+    return found
+
+
+def none_found(label: str, paths: Sequence[str]) -> str:
+    """The line for a dataset none of whose images ``paths`` is there (``images_present`` found none), saying so
+    rather than that they do not decode: ``"val: 0 of 5,000 images found under data/coco/val2014 (e.g.
+    data/coco/val2014/COCO_val2014_000000000042.jpg)"``. Training's preflight and ``captioner evaluate`` say it."""
+    under = os.path.commonpath([os.path.dirname(path) for path in paths])
+    return f"{label}: 0 of {len(paths):,} images found under {under} (e.g. {paths[0]})"
 
 
 def to_rgb(image: Image.Image | torch.Tensor) -> Image.Image:

@@ -93,22 +93,9 @@ def _build_source(source: dict[str, Any]) -> Any:
     return getattr(importlib.import_module(module), name)(**{k: v for k, v in source.items() if k != "_target_"})
 
 
-def _images_found(paths: list[str]) -> list[str]:
-    """The paths of ``paths`` that are files, each folder listed once."""
-    listed: dict[str, set[str]] = {}
-    found = []
-    for path in paths:
-        folder, name = os.path.split(path)
-        if folder not in listed:
-            listed[folder] = set(os.listdir(folder)) if os.path.isdir(folder) else set()
-        if name in listed[folder] and os.path.isfile(path):
-            found.append(path)
-    return found
-
-
 def _split_problems(source: Any, split: str) -> Iterator[Problem]:
     """The split's records can be read, some of its images are there and a sample of them decodes."""
-    from captioner.data.images import load_rgb
+    from captioner.data.images import images_present, load_rgb, none_found
 
     try:
         records = source.records(split)
@@ -119,14 +106,10 @@ def _split_problems(source: Any, split: str) -> Iterator[Problem]:
         yield Problem(f"{split}: the split file lists no image of this split", "check the split file", "split-files")
         return
     paths = [record.image_path for record in records]
-    found = _images_found(paths)
+    found = images_present(paths)
     if not found:
-        under = os.path.commonpath([os.path.dirname(p) for p in paths])
-        yield Problem(
-            f"{split}: 0 of {len(paths):,} images found under {under} (e.g. {paths[0]})",
-            "unzip the dataset's images there, or point data.source at the folder that holds them",
-            "images",
-        )
+        remedy = "unzip the dataset's images there, or point data.source at the folder that holds them"
+        yield Problem(none_found(split, paths), remedy, "images")
         return
     for index in sorted({0, len(found) // 2, len(found) - 1})[:SAMPLES]:
         try:
