@@ -40,10 +40,13 @@ Images = ImageLike | Sequence[ImageLike] | torch.Tensor | np.ndarray
 
 
 class ImageFiles(Dataset):
-    """Decodes image files for batched captioning; an unreadable file becomes a ``Skipped``."""
+    """Decodes image files for batched captioning; an unreadable file becomes a ``Skipped``. ``max_pixels``: the
+    pixel limit of ``load_rgb`` (None: Pillow's)."""
 
-    def __init__(self, paths: Sequence[str], image_size: int) -> None:
+    def __init__(self, paths: Sequence[str], image_size: int, max_pixels: int | None = None) -> None:
         self.paths = list(paths)
+        self.image_size = image_size
+        self.max_pixels = max_pixels
         self.transform = build_transform(image_size, train=False)
 
     def __len__(self) -> int:
@@ -53,7 +56,7 @@ class ImageFiles(Dataset):
         """The image as a normalised tensor (3, S, S), or ``Skipped(path as given, reason)``."""
         path = self.paths[index]
         try:
-            return self.transform(load_rgb(path))
+            return self.transform(load_rgb(path, self.max_pixels, self.image_size))
         except ImageError as exc:
             return Skipped(path, exc.reason)
 
@@ -103,7 +106,12 @@ class LoadedModel(TrainedModel):
     source: str | None = None
 
     def caption(
-        self, images: Images, batch_size: int = CAPTIONING_BATCH_SIZE, raise_errors: bool = False, **settings: Any
+        self,
+        images: Images,
+        batch_size: int = CAPTIONING_BATCH_SIZE,
+        raise_errors: bool = False,
+        max_pixels: int | None = None,
+        **settings: Any,
     ) -> Captioned | list[Captioned]:
         """Caption image files, PIL images, image tensors or numpy arrays; see :func:`caption_images`.
 
@@ -114,9 +122,11 @@ class LoadedModel(TrainedModel):
         decoding options as ``DecodingConfig`` fields over captioning's defaults (method, beam_size, max_len,
         seed, ...), checked as the command line checks its flags (``captioning_settings``): TypeError for an
         unknown name (naming the nearest), ConfigError for one the method does not read or a bad value.
+        ``max_pixels``: the most pixels a file may decode to (None: Pillow's limit), a guard against
+        decompression bombs; raise it for a very large photo you trust (``data.images.load_rgb``).
         """
         decoding = captioning_settings(settings)
-        return caption_images(self, images, batch_size, raise_errors=raise_errors, decoding=decoding)
+        return caption_images(self, images, batch_size, raise_errors, decoding, max_pixels)
 
     @cached_property
     def grid(self) -> tuple[int, int]:
@@ -184,17 +194,18 @@ def caption_files(
     workers: int = CAPTIONING_WORKERS,
     progress: bool = False,
     decoding: DecodingConfig | None = None,
+    max_pixels: int | None = None,
 ) -> Iterator[Captioned | Skipped]:
     """Caption ``paths`` a batch at a time, yielding one result per path in input order.
 
     Images are decoded in ``workers`` processes and resized to the model's ``image_size``; each batch
     runs the encoder and the decoder once on the model's device. An unreadable file yields
     ``Skipped(path, reason)``. ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``).
-    ``progress`` shows a bar on stderr.
+    ``progress`` shows a bar on stderr. ``max_pixels``: the pixel limit of ``load_rgb`` (None: Pillow's).
     """
     batches = math.ceil(len(paths) / batch_size)
     loader = DataLoader(
-        ImageFiles(paths, loaded.image_size),
+        ImageFiles(paths, loaded.image_size, max_pixels),
         batch_size=batch_size,
         num_workers=min(workers, batches),
         collate_fn=_keep_list,
@@ -225,10 +236,11 @@ def _one_image(images: Images) -> bool:
     return not isinstance(images, (list, tuple))
 
 
-def to_picture(item: ImageLike) -> Image.Image:
-    """One image of any accepted kind as an RGB PIL image; ImageError, TypeError or ValueError saying why not."""
+def to_picture(item: ImageLike, max_pixels: int | None = None, size: int | None = None) -> Image.Image:
+    """One image of any accepted kind as an RGB PIL image; ImageError, TypeError or ValueError saying why not.
+    A file is read by ``load_rgb`` with ``max_pixels`` and ``size``."""
     if isinstance(item, (str, os.PathLike)):
-        return load_rgb(item)
+        return load_rgb(item, max_pixels, size)
     if isinstance(item, np.ndarray):
         if item.dtype != np.uint8 or item.ndim not in (2, 3) or (item.ndim == 3 and item.shape[2] not in (1, 3, 4)):
             raise ValueError(
@@ -248,6 +260,7 @@ def caption_images(
     batch_size: int = CAPTIONING_BATCH_SIZE,
     raise_errors: bool = False,
     decoding: DecodingConfig | None = None,
+    max_pixels: int | None = None,
 ) -> Captioned | list[Captioned]:
     """Caption image files, PIL images, image tensors or numpy arrays, ``batch_size`` at a time, on the model's
     device.
@@ -260,7 +273,8 @@ def caption_images(
     maps ``alphas`` (T, H*W) on ``grid``; an image given in memory is kept in ``image`` for ``show_attention``.
     ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``). A single image that
     cannot be captioned raises ImageError (a file), TypeError or ValueError (another kind of object); in a list
-    it gets a result with ``error`` set, or raises those with ``raise_errors``.
+    it gets a result with ``error`` set, or raises those with ``raise_errors``. ``max_pixels``: the pixel limit
+    of a file (``load_rgb``; None: Pillow's).
     """
     check_range("batch_size", batch_size, 1, kind=int)
     single = _one_image(images)
@@ -274,7 +288,7 @@ def caption_images(
         failed: dict[int, Captioned] = {}
         for index, item in enumerate(chunk):
             try:
-                pixels.append(transform(to_picture(item)))
+                pixels.append(transform(to_picture(item, max_pixels, loaded.image_size)))
                 good.append(index)
             except (ImageError, TypeError, ValueError) as exc:
                 if single or raise_errors:

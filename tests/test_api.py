@@ -248,6 +248,19 @@ def test_show_attention_of_a_list_draws_the_captioned_and_names_those_left_out(m
     assert str(info.value).count(str(broken)) == 1
 
 
+def test_max_pixels_lets_a_large_image_through(model, photos, monkeypatch):
+    expected = model.caption(Image.open(photos[2]), **GREEDY).words
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5_000)  # photos[2] is a 96x96 PNG: 9,216 pixels
+    with pytest.raises(ImageError, match=r"over the limit of 5,000.*\(max_pixels=N in Python\)"):
+        model.caption(photos[2], **GREEDY)
+    result = model.caption(photos[2], max_pixels=10_000, **GREEDY)
+    assert result.words == expected
+    assert [r.error is None for r in model.caption([photos[0], photos[2]], **GREEDY)] == [True, False]
+    with pytest.raises(ImageError, match="over the limit"):
+        captioner.show_attention(result)
+    assert isinstance(captioner.show_attention(result, max_pixels=10_000), Figure)
+
+
 def test_repr_is_a_one_paragraph_summary(model, run):
     text = repr(model)
     assert text == (

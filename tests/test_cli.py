@@ -456,6 +456,22 @@ def test_an_option_the_method_ignores_is_refused(option, message, bundles, input
     assert capsys.readouterr() == ("", f"error: {message}\n")
 
 
+def test_max_pixels_lets_a_large_image_through(bundles, tmp_path, monkeypatch, capsys):
+    image = tmp_path / "large.png"
+    _noise((60, 50)).save(image)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2_000)
+    args = ["caption", str(image), "--model", bundles["soft"], "--workers", "0"]
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"error: {image}: image too large: 60x50 is 3,000 pixels, over the limit of 2,000, refused as a possible "
+        "decompression bomb; for a file you trust raise the limit with --max-pixels N (max_pixels=N in Python)"
+    )
+    assert cli.main([*args, "--max-pixels", "3000"]) == 0
+    assert capsys.readouterr().out.startswith(f"{image}\t")
+    assert cli.main([*args, "--max-pixels", "0"]) == 2
+    assert capsys.readouterr().err == "error: --max-pixels=0 must be >= 1\n"
+
+
 def test_sampling_takes_a_seed(bundles, inputs, capsys):
     args = ["caption", *inputs[1][:6], "--model", bundles["soft"], "--method", "sample", "--workers", "0"]
     captions = []

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from captioner.data.images import ImageError, load_rgb, to_rgb
-from captioner.errors import DataError
+from captioner.errors import ConfigError, DataError
 
 RED, BLUE, WHITE = (255, 0, 0), (0, 0, 255), (255, 255, 255)
 
@@ -182,7 +182,37 @@ def test_decompression_bomb_is_refused(tmp_path, monkeypatch, limit):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
     with pytest.raises(ImageError, match="decompression bomb") as info:
         load_rgb(path)
-    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+    assert str(info.value) == (
+        f"{path}: image too large: 20x20 is 400 pixels, over the limit of {limit:,}, refused as a possible "
+        "decompression bomb; for a file you trust raise the limit with --max-pixels N (max_pixels=N in Python)"
+    )
+
+
+def test_max_pixels_raises_the_limit_and_leaves_pillow_s_own_alone(tmp_path, monkeypatch):
+    path = save(Image.new("RGB", (20, 20), RED), tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 400 pixels: over twice Pillow's limit
+    assert load_rgb(path, max_pixels=400).size == (20, 20)
+    assert Image.MAX_IMAGE_PIXELS == 100
+    with pytest.raises(ImageError, match="over the limit of 399"):
+        load_rgb(path, max_pixels=399)
+    with pytest.raises(ConfigError, match="max_pixels=0 must be >= 1"):
+        load_rgb(path, max_pixels=0)
+
+
+def test_a_jpeg_over_the_limit_is_decoded_at_a_reduced_scale(tmp_path, monkeypatch):
+    gradient = np.linspace(0, 255, 800, dtype=np.uint8)[None, :, None].repeat(600, 0).repeat(3, 2)  # (600, 800, 3)
+    jpeg = save(Image.fromarray(gradient), tmp_path / "large.jpg", quality=95)
+    png = save(Image.fromarray(gradient), tmp_path / "large.png")
+    full = np.asarray(Image.open(jpeg).convert("RGB").resize((200, 150), Image.Resampling.BOX)).astype(int)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100_000)  # 480,000 pixels: over it
+    # libjpeg decodes at 1/4: each side still at least the 96 px the model reads, 30,000 pixels
+    small = load_rgb(jpeg, size=96)
+    assert small.size == (200, 150)
+    assert np.abs(np.asarray(small).astype(int) - full).mean() < 2  # the same picture, smaller
+    assert load_rgb(jpeg, size=96, max_pixels=500_000).size == (800, 600)  # under the limit: decoded whole
+    for path, size in ((jpeg, None), (png, 96), (jpeg, 700)):  # no size, no JPEG, or too small a reduction
+        with pytest.raises(ImageError, match="800x600 is 480,000 pixels, over the limit of 100,000"):
+            load_rgb(path, size=size)
 
 
 def test_image_error_survives_pickling():

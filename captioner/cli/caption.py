@@ -61,7 +61,7 @@ def captioned(
     loaded = options.load(args, device)
     output.start(len(found.paths))
     show = options.progress(args, len(found.paths))
-    for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, decode):
+    for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, decode, args.max_pixels):
         if isinstance(result, Skipped):
             output.failure(result)
         else:
@@ -105,7 +105,8 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
     paths = [record.image_path for record in records]
     output.start(len(paths))
     captions: dict[int, str] = {}
-    results = caption_files(loaded, paths, args.batch_size, args.workers, options.progress(args, len(paths)), decode)
+    show = options.progress(args, len(paths))
+    results = caption_files(loaded, paths, args.batch_size, args.workers, show, decode, args.max_pixels)
     for record, result in zip(records, results):
         if isinstance(result, Skipped):
             output.failure(result)

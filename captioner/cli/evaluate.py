@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         coco=not args.no_coco,
         progress=options.progress(args, len(records)),
         decoding=decode,
+        max_pixels=args.max_pixels,
     )
     for item in skipped:
         print(f"error: {item.path}: {item.reason}", file=sys.stderr)

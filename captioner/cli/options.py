@@ -42,6 +42,8 @@ def decode_options(args: argparse.Namespace) -> DecodingConfig:
     settings. An option that one method reads counts only when it was given (``--beam-size`` with greedy)."""
     check_range("--batch-size", args.batch_size, 1, kind=int)
     check_range("--workers", args.workers, 0, kind=int)
+    if args.max_pixels is not None:
+        check_range("--max-pixels", args.max_pixels, 1, kind=int)
     names = [field.name for field in dataclasses.fields(DecodingConfig)]
     given = {name: getattr(args, name) for name in names if name not in METHOD_SETTINGS or name in args.given}
     return captioning_settings(given, flags=True)

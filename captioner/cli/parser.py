@@ -151,6 +151,14 @@ def _common(sub: argparse.ArgumentParser) -> None:
         help="hard attention models: read the most likely location (argmax) or the expected context "
         "(expectation) at each word (default: the model's own, model.decoder.hard_inference)",
     )
+    sub.add_argument(
+        "--max-pixels",
+        type=int,
+        metavar="N",
+        help="the most pixels an image file may decode to, a guard against decompression bombs: raise it for a "
+        "very large photo you trust; a JPEG over it is read at a reduced scale where that keeps the model's "
+        "input size (default: Pillow's limit, PIL.Image.MAX_IMAGE_PIXELS)",
+    )
     sub.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     sub.add_argument(
         "--no-progress",

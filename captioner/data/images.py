@@ -3,9 +3,9 @@ image given in memory (a PIL image or an image tensor) to the same form."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torchvision.transforms.v2.functional import to_pil_image
 
-from captioner.errors import DataError, first_line
+from captioner.errors import DataError, check_range, first_line
 
 _INTEGER_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _WHITE = (255, 255, 255, 255)
@@ -31,31 +31,67 @@ class ImageError(DataError):
         return f"{self.path}: {self.reason}"
 
 
-def load_rgb(path: str | Path) -> Image.Image:
+def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None = None) -> Image.Image:
     """Decode ``path`` fully into an RGB image, upright according to its EXIF orientation.
 
     Every Pillow mode is handled: transparency is composited on white, 16-bit and 32-bit integer
     images are scaled (not clipped) to 8 bits, float images are mapped to [0, 255]. Multi-frame files
     (GIF, TIFF, WebP) give their first frame. Raises ImageError for a missing, empty, truncated or
-    corrupt file, a directory, a file that is not an image, or one over Pillow's pixel limit.
+    corrupt file, a directory, a file that is not an image, or one over the pixel limit.
+
+    The limit guards against decompression bombs (a small file that claims a huge image): ``max_pixels``
+    pixels decoded at most (None: Pillow's ``Image.MAX_IMAGE_PIXELS``, 89,478,485). A JPEG over it is decoded
+    at a reduced scale by libjpeg (1/2, 1/4 or 1/8: Pillow's ``draft``) when ``size`` is given and each side
+    stays at least ``size`` pixels (the model's input side): a 12000x9000 photo is read as 1500x1125.
     """
     path = Path(path)
     _check_file(path)
+    limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
+    check_range("max_pixels", limit, 1, kind=int)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                image.load()
-                return _to_rgb(ImageOps.exif_transpose(image))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        reason = f"image too large, refused as a possible decompression bomb ({first_line(exc)})"
-        raise ImageError(path, reason) from None
+        with _pillow_limit(None), Image.open(path) as image:  # the limit is checked below, on what is decoded
+            full = image.size
+            if full[0] * full[1] > limit and size is not None:
+                image.draft("RGB", (size, size))  # JPEG only; other formats decode whole
+            _check_pixels(image.size, full, limit)
+            image.load()
+            return _to_rgb(ImageOps.exif_transpose(image))
+    except ImageTooLarge as exc:
+        raise ImageError(path, str(exc)) from None
     except UnidentifiedImageError:
         raise ImageError(path, "not an image file (Pillow cannot identify its format)") from None
     except PermissionError:
         raise ImageError(path, "permission denied") from None
     except Exception as exc:  # Pillow's decoders raise OSError, SyntaxError, ValueError, EOFError, ...
         raise ImageError(path, f"truncated or corrupt image data ({first_line(exc)})") from None
+
+
+class ImageTooLarge(Exception):
+    """An image over the pixel limit (inside ``load_rgb``, which names the file)."""
+
+
+@contextlib.contextmanager
+def _pillow_limit(limit: int | None) -> Iterator[None]:
+    """Pillow's own pixel limit set to ``limit`` (None: off) while decoding, then restored."""
+    before = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = limit
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = before
+
+
+def _check_pixels(decoded: tuple[int, int], full: tuple[int, int], limit: int) -> None:
+    """ImageTooLarge when the ``decoded`` (width, height) of an image of ``full`` size is over ``limit`` pixels."""
+    pixels = decoded[0] * decoded[1]
+    if pixels <= limit:
+        return
+    scale = f" (at 1/{round(full[0] / decoded[0])} scale: {decoded[0]}x{decoded[1]})" if decoded != full else ""
+    raise ImageTooLarge(
+        f"image too large: {full[0]}x{full[1]}{scale} is {pixels:,} pixels, over the limit of {limit:,}, refused as "
+        "a possible decompression bomb; for a file you trust raise the limit with --max-pixels N "
+        "(max_pixels=N in Python)"
+    )
 
 
 def images_present(paths: Sequence[str]) -> list[str]:

@@ -39,6 +39,7 @@ def evaluate_split(
     coco: bool = True,
     progress: bool = False,
     decoding: DecodingConfig | None = None,
+    max_pixels: int | None = None,
 ) -> tuple[dict, list[Skipped]]:
     """Decode ``records``; write ``results.json`` (COCO server format), ``metrics.json`` and ``per_image.json``.
 
@@ -49,8 +50,8 @@ def evaluate_split(
     its file, caption, references and the same scores for it alone (``COCOEvalCap.imgToEval``'s), to sort
     and read the worst captions. Unreadable images are left out (counted in ``skipped_images``). Returns the
     metrics, with a printable ``table`` (scores are fractions in [0, 1]), and the unreadable images.
-    ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``).
-    Raises DataError when there are no records or none could be decoded.
+    ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``); ``max_pixels``: the pixel limit of an
+    image file (``load_rgb``; None: Pillow's). Raises DataError when there are no records or none could be decoded.
     """
     decoding = DecodingConfig.captioning() if decoding is None else decoding
     if not records:
@@ -59,7 +60,7 @@ def evaluate_split(
     captions: dict[int, list[str]] = {}
     correctness = AttentionCorrectness()
     skipped: list[Skipped] = []
-    for result in caption_files(loaded, list(by_path), batch_size, workers, progress, decoding):
+    for result in caption_files(loaded, list(by_path), batch_size, workers, progress, decoding, max_pixels):
         if isinstance(result, Skipped):
             skipped.append(result)
             continue

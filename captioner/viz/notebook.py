@@ -18,6 +18,7 @@ from captioner.viz.overlay import overlay_figure
 def show_attention(
     result: Captioned | Sequence[Captioned],
     image: str | os.PathLike | Image.Image | torch.Tensor | np.ndarray | None = None,
+    max_pixels: int | None = None,
 ) -> Figure | list[Figure]:
     """The per-word attention overlay of ``result`` (from ``model.caption``): the image, then one panel per word.
 
@@ -27,7 +28,8 @@ def show_attention(
     inline; ``fig.savefig(...)`` writes it. A list of results (``model.caption([...])``) gives a list of
     figures, one per captioned result in order (``for fig in show_attention(results): display(fig)`` shows each
     in a notebook); the results that hold an error (inputs that could not be captioned) are left out, named in
-    one UserWarning. Raises ValueError when there is no image to draw on, or for one result that holds an error.
+    one UserWarning. Raises ValueError when there is no image to draw on, or for one result that holds an error;
+    ``max_pixels``: the pixel limit of a file read again, as ``model.caption``'s.
     """
     if isinstance(result, (list, tuple)):
         if image is not None:
@@ -36,14 +38,15 @@ def show_attention(
         if failed:
             named = "; ".join(f"{_name(item)} ({item.error})" for item in failed)
             warnings.warn(f"{len(failed)} of {len(result)} results not drawn (not captioned): {named}", stacklevel=2)
-        return [show_attention(item) for item in result if item.error is None]
+        return [show_attention(item, max_pixels=max_pixels) for item in result if item.error is None]
     if result.error is not None:
         raise ValueError(f"{_name(result)} was not captioned ({result.error}): nothing to draw")
     source = image if image is not None else (result.image if result.image is not None else result.path)
     if source is None:
         raise ValueError("the result has neither an image nor a path: pass image=")
+    picture = to_picture(source, max_pixels)
     return overlay_figure(
-        to_picture(source), result.words, result.alphas, result.grid, locations=result.locations, title=result.caption
+        picture, result.words, result.alphas, result.grid, locations=result.locations, title=result.caption
     )
 
 
