@@ -1,6 +1,6 @@
 """Train (or validate) a Show, Attend and Tell captioner.
 
-    python train.py                                   # built-in dataset, CPU, a few minutes
+    python train.py                                   # built-in dataset: about 5 minutes on 2 CPU cores
     python train.py model=hard trainer.max_epochs=3 data.batch_size=64
     python train.py -m model=soft,hard                # a sweep
     python train.py experiment=coco_soft              # the paper's COCO recipe

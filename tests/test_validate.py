@@ -4,6 +4,7 @@ is test_preflight.py's."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,56 @@ def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups
         "\n".join(lines)
     )
     assert "  data.pad_to=null  (>= max_len + 2; Training captions padded" in proc.stdout
+
+
+def _leaf_keys(node: dict, prefix: str) -> list[str]:
+    """The dotted keys of a config node's values, a split's name written <split> (data.source.splits.<split>.*)."""
+    keys = []
+    for key, value in node.items():
+        name = "<split>" if prefix.endswith(".splits.") else key
+        if isinstance(value, dict):
+            keys += _leaf_keys(value, f"{prefix}{name}.")
+        elif key != "_target_":
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def test_help_lists_every_data_source_key_of_conf_and_the_any_typed_settings(tmp_path: Path) -> None:
+    from captioner.training.command_line import group_options, help_page
+
+    page = help_page()
+    assert "the defaults of captioner/config/ (a package of dataclasses" in page
+    assert "  model.compile=null  (one of: off, default, reduce-overhead, max-autotune; " in page
+    listed = {line.split()[0].split("=")[0] for line in page.splitlines() if line.startswith("  data.source.")}
+    for option in group_options("data"):
+        source = OmegaConf.to_container(compose_cfg([f"data={option}"], tmp_path).data.source, resolve=False)
+        missing = set(_leaf_keys(source, "data.source.")) - listed
+        assert not missing, f"data={option}: {sorted(missing)} not in --help"
+
+
+def test_the_readme_s_configs_table_lists_every_option_of_conf() -> None:
+    from captioner.training.command_line import group_options, groups
+
+    table = (ROOT / "README.md").read_text().split("### Configs")[1].split("| group |")[1].split("\n\n")[0]
+    listed: dict[str, list[str]] = {}
+    for row in table.splitlines()[2:]:
+        names, options = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        names = [name.strip("` ") for name in names.split(",")]
+        for name, choices in zip(names, options.split(";") if len(names) > 1 else [options]):
+            listed[name] = sorted(choice.split("(")[0].strip() for choice in choices.split(","))
+    assert sorted(listed) == groups()
+    for group in groups():
+        assert listed[group] == group_options(group), group
+
+
+def test_one_demo_time_everywhere() -> None:
+    from captioner.training.command_line import help_page
+
+    said = "about 5 minutes on 2 CPU cores"  # the README's measured figure, rounded
+    places = {name: (ROOT / name).read_text() for name in ("README.md", "train.py", "conf/experiment/demo.yaml")}
+    places["README.md"] = places["README.md"].split("## Quickstart")[1].split("```")[0]  # where it says the time
+    places["--help"] = help_page()
+    for name, text in places.items():
+        text = " ".join(text.split())
+        assert said in text, name
+        assert not re.search(r"(a few|within \d+|about \d+) minutes", text.replace(said, "")), name

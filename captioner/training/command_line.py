@@ -20,12 +20,14 @@ from typing import Any
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from captioner.config import TrainConfig
+from captioner.config import Compile, TrainConfig
 from captioner.errors import CaptionerError, ConfigError, first_line
 
 # The start of a message about a key: ``encoder.weights='x' ...`` or ``decoder.foo is not a known key``.
 _KEY = re.compile(r"[A-Za-z_][\w.]*(=| is )")
 CONF = Path(__file__).resolve().parents[2] / "conf"
+# Settings typed Any for Hydra whose values are an enum's (model.compile: Hydra reads `off` as false).
+ANY_CHOICES: dict[str, type[enum.Enum]] = {"compile": Compile}
 # Options that other options of their group start from, never chosen themselves: hidden from the choices.
 INTERNAL_OPTIONS = {"data": ("base",), "model": ("base",), "trainer": ("default",)}
 
@@ -133,7 +135,7 @@ def section_error(section: str, error: BaseException, message: str) -> ConfigErr
 
 USAGE = """usage: python train.py [GROUP=OPTION ...] [KEY=VALUE ...] [+KEY=VALUE ...] [-m] [--cfg job] [--hydra-help]
 
-    python train.py                                    the built-in demo on the CPU, a few minutes
+    python train.py                                    the built-in demo: about 5 minutes on 2 CPU cores
     python train.py experiment=coco_soft               the paper's COCO recipe (see docs/datasets.md)
     python train.py experiment=coco_soft --cfg job     print the composed config, run nothing
     python train.py model.decoder.dropout=0.2 -m model=soft,hard   a sweep
@@ -210,10 +212,15 @@ def _settings(cls: type, prefix: str) -> list[str]:
             ranges.update(_ranges(klass))
     lines = []
     for item in dataclasses.fields(cls):
-        if item.name == "_target_" or hints[item.name] is Any:
-            continue
         kind = hints[item.name]
         key = f"{prefix}{item.name}"
+        if item.name == "_target_":
+            continue
+        if key == "data.source":
+            lines += _source_settings(comments.get(item.name, ""))
+            continue
+        if kind is Any and item.name in ANY_CHOICES:  # typed Any for Hydra, its values an enum's
+            kind = ANY_CHOICES[item.name]
         if dataclasses.is_dataclass(kind):
             lines.append(f"  {key}.*  {comments.get(item.name, '')}".rstrip())
             lines += _settings(kind, f"{key}.")
@@ -221,13 +228,54 @@ def _settings(cls: type, prefix: str) -> list[str]:
         default = item.default if item.default is not dataclasses.MISSING else item.default_factory()
         notes = []
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
-            notes.append("one of: " + ", ".join(kind.__members__))
+            notes.append("one of: " + ", ".join(member.value for member in kind))  # as an override writes it
         if item.name in ranges:
             notes.append(ranges[item.name])
         if comments.get(item.name):
             notes.append(comments[item.name])
         lines.append(f"  {key}={_value(default)}" + (f"  ({'; '.join(notes)})" if notes else ""))
     return lines
+
+
+def _source_settings(comment: str) -> list[str]:
+    """The ``data.source.*`` keys, by the source class each ``data=`` option builds (``conf/data/*.yaml``): the
+    built-in set's generator (``ShapesSpec``, its defaults), the others' keys as their configs write them."""
+    from omegaconf import OmegaConf
+
+    from captioner.config import ShapesSpec
+
+    by_class: dict[str, list[str]] = {}
+    keys: dict[str, list[str]] = {}
+    for option in group_options("data"):
+        node = OmegaConf.load(CONF / "data" / f"{option}.yaml")
+        source = OmegaConf.to_container(node.get("source") or {}, resolve=False)
+        name = source.get("_target_", "ShapesSource").rpartition(".")[2]  # shapes, scenes: shapes_source_schema
+        by_class.setdefault(name, []).append(option)
+        keys.setdefault(name, _source_keys(source, "data.source."))
+    lines = [f"  data.source.*  ({comment}; by data=: " + "; ".join(
+        f"{', '.join(options)}: {name}" for name, options in by_class.items()) + ")"]  # fmt: skip
+    for name, options in by_class.items():
+        if name == "ShapesSource":
+            lines.append(
+                f"  data.source.root  ({name}; data={', '.join(options)}: the set's folder, generated there on first "
+                "use; the keys below are its generator's, ShapesSpec, with the demo's defaults)"
+            )
+            lines += _settings(ShapesSpec, "data.source.")
+        else:
+            lines += [f"  {key}  ({name}; data={', '.join(options)})" for key in keys[name]]
+    return lines
+
+
+def _source_keys(node: dict[str, Any], prefix: str) -> list[str]:
+    """The dotted keys of a ``data.source`` node's values (``_target_`` left out), each split written <split>."""
+    found = []
+    for key, value in node.items():
+        name = "<split>" if prefix.endswith(".splits.") else key
+        if isinstance(value, dict):
+            found += [k for k in _source_keys(value, f"{prefix}{name}.") if k not in found]
+        elif key != "_target_":
+            found.append(f"{prefix}{name}")
+    return found
 
 
 def help_page() -> str:
@@ -241,8 +289,8 @@ def help_page() -> str:
             "config groups (GROUP=OPTION; conf/GROUP/OPTION.yaml):",
             *choices,
             "",
-            "settings (KEY=VALUE; the defaults of captioner/config.py, which data, model and experiment options "
-            "change; --cfg job shows the composed values):",
+            "settings (KEY=VALUE; the defaults of captioner/config/ (a package of dataclasses, one module per "
+            "concern), which data, model and experiment options change; --cfg job shows the composed values):",
             *settings,
         ]
     )
