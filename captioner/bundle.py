@@ -12,6 +12,7 @@ what it loads is ``captioner.inference``'s (``load_model``), which builds on thi
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -25,7 +26,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
 from captioner.model.captioner import Captioner, build_captioner
-from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR
+from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, FAILED_FILE
 
 BUNDLE_FORMAT = "captioner-bundle"
 BUNDLE_VERSION = 2  # the format written; 1 (captioner.bundle_v1's model config) is read too
@@ -239,6 +240,22 @@ class TrainedModel:
     image_size: int  # images are resized to image_size x image_size, as in training
 
 
+def _no_bundle(folder: str | os.PathLike) -> str:
+    """Why the run folder ``folder`` has no bundle: a run that failed (its ``FAILED`` line) or one that has not
+    finished; the checkpoints it has, to load instead."""
+    checkpoints = sorted(glob.glob(os.path.join(folder, CHECKPOINT_DIR, "*.ckpt")))
+    instead = f", or one of its checkpoints ({', '.join(checkpoints)})" if checkpoints else ""
+    failed = os.path.join(folder, FAILED_FILE)
+    if os.path.isfile(failed):
+        with open(failed, encoding="utf-8", errors="replace") as handle:
+            reason = handle.readline().strip() or "no reason written"
+        return f"{folder}: this run failed ({reason}), so it has no {BUNDLE_NAME}; give a run that finished{instead}"
+    return (
+        f"{folder} is a folder without {BUNDLE_NAME} (a run writes it when training ends); give a run folder "
+        f"that finished{instead}"
+    )
+
+
 def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> TrainedModel:
     """Load an inference bundle (``save_bundle``), a Lightning checkpoint written by training, or the
     bundle of a training run's folder (``<run>/bundle.pt``); ``captioner.inference.load_model`` captions with it.
@@ -251,10 +268,7 @@ def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cp
     if os.path.isdir(path):
         folder, path = path, os.path.join(path, BUNDLE_NAME)
         if not os.path.isfile(path):
-            raise BundleError(
-                f"{folder} is a folder without {BUNDLE_NAME} (a run writes it when training ends); "
-                f"give a run folder that finished, or one of its {CHECKPOINT_DIR}/*.ckpt files"
-            )
+            raise BundleError(_no_bundle(folder))
     raw = load_torch(path, what="model file", map_location=map_location)
     if is_bundle(raw):
         where = f"bundle {path}"

@@ -25,7 +25,7 @@ from matplotlib.patches import Rectangle
 from nltk.translate.bleu_score import sentence_bleu
 from PIL import Image
 
-from captioner import cli
+from captioner import __version__, cli
 from captioner.cli.inputs import expand_inputs
 from captioner.config import ShapesSpec
 from captioner.data.shapes import generate_shapes
@@ -326,7 +326,6 @@ def test_paths_piped_into_the_command(bundles, inputs):
 
 
 def test_version_and_help_show_every_default_in_plain_text(capsys):
-    from captioner import __version__
 
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"captioner {__version__}\n"
@@ -358,6 +357,21 @@ def test_model_takes_a_run_folder(bundles, inputs, tmp_path, capsys):
     (run / "bundle.pt").unlink()
     assert cli.main(["caption", *common, "--model", str(run)]) == 2
     _one_error_line(capsys.readouterr().err, run, "is a folder without bundle.pt")
+    (run / "FAILED").write_text("RuntimeError: CUDA out of memory.\n")  # as a run that failed leaves it
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert cli.main(["caption", *common, "--model", str(run)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run}: this run failed (RuntimeError: CUDA out of memory.), so it has no bundle.pt; give a run "
+        f"that finished, or one of its checkpoints ({run / 'checkpoints' / 'last.ckpt'})\n"
+    )
+
+
+def test_python_m_captioner_is_the_command():
+    proc = subprocess.run([sys.executable, "-m", "captioner", "--version"], capture_output=True, text=True, cwd=ROOT)
+    assert (proc.returncode, proc.stdout) == (0, f"captioner {__version__}\n"), proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "captioner", "caption"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "the following arguments are required: --model" in proc.stderr
 
 
 # --------------------------------------------------------------------------------- output for scripts
