@@ -210,9 +210,13 @@ def test_a_jpeg_over_the_limit_is_decoded_at_a_reduced_scale(tmp_path, monkeypat
     assert small.size == (200, 150)
     assert np.abs(np.asarray(small).astype(int) - full).mean() < 2  # the same picture, smaller
     assert load_rgb(jpeg, size=96, max_pixels=500_000).size == (800, 600)  # under the limit: decoded whole
-    for path, size in ((jpeg, None), (png, 96), (jpeg, 700)):  # no size, no JPEG, or too small a reduction
+    # no size (to draw it): the least reduction that brings it under the limit
+    assert load_rgb(jpeg).size == (200, 150) and load_rgb(jpeg, max_pixels=120_000).size == (400, 300)
+    for path, size in ((png, 96), (jpeg, 700)):  # not a JPEG, or no reduction keeps 700 px a side
         with pytest.raises(ImageError, match="800x600 is 480,000 pixels, over the limit of 100,000"):
             load_rgb(path, size=size)
+    with pytest.raises(ImageError, match=r"800x600 \(at 1/8 scale: 100x75\) is 7,500 pixels, over the limit of 5,000"):
+        load_rgb(jpeg, max_pixels=5_000)
 
 
 def test_image_error_survives_pickling():

@@ -41,8 +41,9 @@ def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None =
 
     The limit guards against decompression bombs (a small file that claims a huge image): ``max_pixels``
     pixels decoded at most (None: Pillow's ``Image.MAX_IMAGE_PIXELS``, 89,478,485). A JPEG over it is decoded
-    at a reduced scale by libjpeg (1/2, 1/4 or 1/8: Pillow's ``draft``) when ``size`` is given and each side
-    stays at least ``size`` pixels (the model's input side): a 12000x9000 photo is read as 1500x1125.
+    at a reduced scale by libjpeg (1/2, 1/4 or 1/8: Pillow's ``draft``): with ``size`` (the model's input side)
+    the smallest that keeps each side at least ``size`` (a 12000x9000 photo is read as 1500x1125 for 224), else
+    the largest that brings it under the limit (6000x4500). Another format over the limit is refused.
     """
     path = Path(path)
     _check_file(path)
@@ -51,8 +52,8 @@ def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None =
     try:
         with _pillow_limit(None), Image.open(path) as image:  # the limit is checked below, on what is decoded
             full = image.size
-            if full[0] * full[1] > limit and size is not None:
-                image.draft("RGB", (size, size))  # JPEG only; other formats decode whole
+            if full[0] * full[1] > limit:
+                image.draft("RGB", _draft_size(full, limit, size))  # JPEG only; other formats decode whole
             _check_pixels(image.size, full, limit)
             image.load()
             return _to_rgb(ImageOps.exif_transpose(image))
@@ -79,6 +80,16 @@ def _pillow_limit(limit: int | None) -> Iterator[None]:
         yield
     finally:
         Image.MAX_IMAGE_PIXELS = before
+
+
+def _draft_size(full: tuple[int, int], limit: int, size: int | None) -> tuple[int, int]:
+    """The (width, height) to ask libjpeg for, which decodes at the largest of 1/2, 1/4, 1/8 that keeps both
+    sides at least this: ``size`` by ``size`` when given, else the image at the least of those scales that
+    brings it under ``limit`` pixels (1/8 when none does)."""
+    if size is not None:
+        return size, size
+    scale = next((s for s in (2, 4, 8) if (full[0] // s) * (full[1] // s) <= limit), 8)
+    return max(1, full[0] // scale), max(1, full[1] // scale)
 
 
 def _check_pixels(decoded: tuple[int, int], full: tuple[int, int], limit: int) -> None:
