@@ -2,10 +2,10 @@
 
 A bundle is one torch file holding plain data and tensors only: the model config (``NetConfig``'s own
 serialisation), the vocabulary, the preprocessing settings (the image size the model was trained with) and
-the state dict. Bundles and checkpoints of version 1 are read through ``captioner.bundle_v1``. It needs
-neither the training code nor the encoder's pretrained weight file to load, and it is read with
-``weights_only=True``, so it never runs pickled code. Training checkpoints carry the same metadata
-under ``checkpoint["captioner"]``, so ``load_trained`` reads either kind of file. Plain torch: neither
+the state dict. Its versions, and the reading of the model config of every earlier one, are
+``captioner.bundle_versions``'s. It needs neither the training code nor the encoder's pretrained weight file to
+load, and it is read with ``weights_only=True``, so it never runs pickled code. Training checkpoints carry the
+same metadata under ``checkpoint["captioner"]``, so ``load_trained`` reads either kind of file. Plain torch: neither
 Lightning nor Hydra is needed to load a model. This module only reads and writes files: captioning with
 what it loads is ``captioner.inference``'s (``load_model``), which builds on this module, never the reverse.
 """
@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from captioner.bundle_v1 import upgrade_v1
-from captioner.config import MIN_IMAGE_SIZE, NetConfig, from_dict, to_dict
+from captioner.bundle_versions import BUNDLE_VERSION, read_net
+from captioner.config import MIN_IMAGE_SIZE, NetConfig, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
@@ -28,7 +28,6 @@ from captioner.model.captioner import Captioner, build_captioner
 from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR
 
 BUNDLE_FORMAT = "captioner-bundle"
-BUNDLE_VERSION = 2  # the format written; 1 (captioner.bundle_v1's model config) is read too
 _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
 _BUNDLE_KEYS = ("format", "version", *_METADATA_KEYS, "state_dict")
 PREPROCESS_KEYS = ("image_size",)
@@ -43,17 +42,6 @@ def is_bundle(raw: object) -> bool:
 def is_lightning_checkpoint(raw: object) -> bool:
     """Whether ``raw`` (a loaded torch file) is a Lightning checkpoint."""
     return isinstance(raw, dict) and "pytorch-lightning_version" in raw and "state_dict" in raw
-
-
-def read_net(config: object, version: int) -> NetConfig:
-    """The ``NetConfig`` of the model config of a bundle (or a training checkpoint) of format ``version``.
-
-    Version 2 stores ``NetConfig``'s serialisation (``to_dict``); version 1 its own layout, which
-    ``upgrade_v1`` turns into it. ConfigError names an unknown key or a bad value as ``model.<key>``.
-    """
-    if version == 1 and isinstance(config, Mapping):
-        config = upgrade_v1(config)
-    return from_dict(NetConfig, config, "model")
 
 
 def _check_preprocess(preprocess: object) -> dict:
