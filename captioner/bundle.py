@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from captioner.bundle_versions import BUNDLE_VERSION, read_net
-from captioner.config import MIN_IMAGE_SIZE, NetConfig, to_dict
+from captioner.config import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, NetConfig, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
@@ -53,7 +53,7 @@ def _check_preprocess(preprocess: object) -> dict:
             raise ConfigError(f"unknown preprocess key {key!r}; valid keys: {', '.join(PREPROCESS_KEYS)}")
     if "image_size" not in preprocess:
         raise ConfigError("preprocess has no image_size")
-    check_range("preprocess.image_size", preprocess["image_size"], MIN_IMAGE_SIZE, kind=int)
+    check_range("preprocess.image_size", preprocess["image_size"], MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, kind=int)
     return {"image_size": preprocess["image_size"]}
 
 
@@ -174,7 +174,9 @@ def _checkpoint_parts(raw: dict, where: str) -> tuple[dict, dict]:
 def _assemble(
     metadata: dict, state_dict: object, where: str, map_location: str | torch.device
 ) -> tuple[Captioner, Vocabulary, NetConfig]:
-    """Build the model of ``metadata`` and load ``state_dict`` into it, checking that they fit."""
+    """Build the model of ``metadata`` and load ``state_dict`` into it, once the stored tensors' shapes are
+    known to be those of the config's model (built on the meta device: no memory), so that an untrusted file
+    never makes this allocate more than its own weights."""
     try:
         vocab = Vocabulary.from_dict(metadata["vocab"])
     except DataError as exc:
@@ -187,14 +189,16 @@ def _assemble(
     if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
         raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
     try:
-        net = read_net(metadata["config"], metadata.get("version", 1))
+        net = read_net(metadata["config"], metadata.get("version", 1))  # every size in range
         without_weights = replace(net, encoder=replace(net.encoder, weights=None))  # the bundle holds them
-        model = build_captioner(without_weights, len(vocab))
+        with torch.device("meta"):  # the shapes only: nothing is allocated before the weights are known to fit
+            shapes = build_captioner(without_weights, len(vocab))
     except (ConfigError, TypeError, ValueError) as exc:
         raise BundleError(f"{where}: its config does not build a model ({exc})") from None
-    problem = _embedding_mismatch(model, state_dict, len(vocab)) or _state_dict_problem(model, state_dict)
+    problem = _embedding_mismatch(shapes, state_dict, len(vocab)) or _state_dict_problem(shapes, state_dict)
     if problem:
         raise BundleError(f"{where}: weights do not fit the model: {problem}")
+    model = build_captioner(without_weights, len(vocab))
     if isinstance(map_location, (str, torch.device)):
         model.to(map_location)
     model.load_state_dict(state_dict)

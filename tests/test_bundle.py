@@ -10,6 +10,7 @@ from types import MappingProxyType
 import pytest
 import torch
 
+from captioner import bundle as bundle_module
 from captioner.bundle import BUNDLE_VERSION, CHECKPOINT_KEY, load_bundle, load_trained, read_net, save_bundle
 from captioner.config import DecodingConfig, NetConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
@@ -95,12 +96,40 @@ def _drop(raw: dict, key: str) -> None:
         (lambda raw: raw["config"].update(self_attention=None), r"unexpected: self_attention.blocks.0"),
         (lambda raw: raw["state_dict"].pop("decoder.init_h.bias"), r"missing: decoder.init_h.bias"),
         (lambda raw: raw.update(state_dict=[1, 2]), "state_dict is not a mapping of names to tensors"),
+        # every size a bundle sets is bounded, and an oversized one is refused before anything is built
+        (
+            lambda raw: raw["config"]["decoder"].update(hidden_dim=10**6),
+            r"config does not build a model \(model.decoder.hidden_dim=1000000 must be in \[1, 8192\]\)",
+        ),
+        (
+            lambda raw: raw["config"]["self_attention"].update(max_distance=10**6),
+            r"model.self_attention.max_distance=1000000 must be in \[1, 256\]",
+        ),
+        (lambda raw: raw["config"]["encoder"].update(grid=10**6), r"model.encoder.grid=1000000 must be in \[1, 256\]"),
     ],
 )
 def test_load_bundle_refuses_mismatches(bundle, tmp_path, change, message):
     path = tampered(bundle, tmp_path / "tampered.pt", change)
     with pytest.raises(BundleError, match=rf"^bundle {path}: .*{message}"):
         load_bundle(path)
+
+
+def test_a_bundle_is_refused_before_its_model_is_built_for_real(bundle, tmp_path, monkeypatch):
+    """The stored tensors' shapes are compared with the model of the config, built on the meta device (no
+    memory), before the model is built for real: a wide config over small weights allocates nothing."""
+    built, build = [], bundle_module.build_captioner
+
+    def recording(net: NetConfig, vocab_size: int) -> Captioner:
+        built.append(torch.empty(0).device.type)  # the device that the model's tensors go to
+        return build(net, vocab_size)
+
+    monkeypatch.setattr(bundle_module, "build_captioner", recording)
+    path = tampered(bundle, tmp_path / "wide.pt", lambda raw: raw["config"]["decoder"].update(hidden_dim=4096))
+    with pytest.raises(BundleError, match=r"shape mismatch \(saved vs model\): decoder"):
+        load_bundle(path)
+    assert built == ["meta"]
+    load_bundle(bundle)
+    assert built == ["meta", "meta", "cpu"]
 
 
 def test_load_bundle_refuses_files_that_are_not_bundles(tmp_path):
@@ -189,7 +218,12 @@ def _checkpoint_without(key: str | None) -> Callable[[dict], None]:
         (
             "bundle.pt",
             lambda raw: raw.update(preprocess={"image_size": 0}),
-            "malformed preprocessing settings \\(preprocess.image_size=0 must be >= 32\\)",
+            "malformed preprocessing settings \\(preprocess.image_size=0 must be in \\[32, 4096\\]\\)",
+        ),
+        (
+            "bundle.pt",
+            lambda raw: raw.update(preprocess={"image_size": 10**6}),
+            "malformed preprocessing settings \\(preprocess.image_size=1000000 must be in \\[32, 4096\\]\\)",
         ),
         ("bundle.pt", lambda raw: raw.update(format="other"), "neither a captioner bundle nor a training checkpoint"),
     ],
