@@ -75,8 +75,9 @@ class GeneratedSource:
     def __init__(self, records: list[Record]) -> None:
         self.train = records
 
-    def check_files(self) -> None:
-        """The files were just written."""
+    def paths(self) -> list:
+        """No configured files: they were just written."""
+        return []
 
     def prepare(self) -> None:
         """Nothing to generate."""

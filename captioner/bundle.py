@@ -2,10 +2,10 @@
 
 A bundle is one torch file holding plain data and tensors only: the model config (``NetConfig``'s own
 serialisation), the vocabulary, the preprocessing settings (the image size the model was trained with) and
-the state dict. Bundles and checkpoints of version 1 are read through ``captioner.bundle_v1``. It needs
-neither the training code nor the encoder's pretrained weight file to load, and it is read with
-``weights_only=True``, so it never runs pickled code. Training checkpoints carry the same metadata
-under ``checkpoint["captioner"]``, so ``load_trained`` reads either kind of file. Plain torch: neither
+the state dict. Its versions, and the reading of the model config of every earlier one, are
+``captioner.bundle_versions``'s. It needs neither the training code nor the encoder's pretrained weight file to
+load, and it is read with ``weights_only=True``, so it never runs pickled code. Training checkpoints carry the
+same metadata under ``checkpoint["captioner"]``, so ``load_trained`` reads either kind of file. Plain torch: neither
 Lightning nor Hydra is needed to load a model. This module only reads and writes files: captioning with
 what it loads is ``captioner.inference``'s (``load_model``), which builds on this module, never the reverse.
 """
@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from captioner.bundle_v1 import upgrade_v1
-from captioner.config import MIN_IMAGE_SIZE, NetConfig, from_dict, to_dict
+from captioner.bundle_versions import BUNDLE_VERSION, read_net
+from captioner.config import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, NetConfig, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
@@ -29,7 +29,6 @@ from captioner.model.captioner import Captioner, build_captioner
 from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, FAILED_FILE
 
 BUNDLE_FORMAT = "captioner-bundle"
-BUNDLE_VERSION = 2  # the format written; 1 (captioner.bundle_v1's model config) is read too
 _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
 _BUNDLE_KEYS = ("format", "version", *_METADATA_KEYS, "state_dict")
 PREPROCESS_KEYS = ("image_size",)
@@ -46,17 +45,6 @@ def is_lightning_checkpoint(raw: object) -> bool:
     return isinstance(raw, dict) and "pytorch-lightning_version" in raw and "state_dict" in raw
 
 
-def read_net(config: object, version: int) -> NetConfig:
-    """The ``NetConfig`` of the model config of a bundle (or a training checkpoint) of format ``version``.
-
-    Version 2 stores ``NetConfig``'s serialisation (``to_dict``); version 1 its own layout, which
-    ``upgrade_v1`` turns into it. ConfigError names an unknown key or a bad value as ``model.<key>``.
-    """
-    if version == 1 and isinstance(config, Mapping):
-        config = upgrade_v1(config)
-    return from_dict(NetConfig, config, "model")
-
-
 def _check_preprocess(preprocess: object) -> dict:
     """``preprocess`` as a plain ``{"image_size": int}``; ConfigError naming a wrong or missing key."""
     if not isinstance(preprocess, Mapping):
@@ -66,7 +54,7 @@ def _check_preprocess(preprocess: object) -> dict:
             raise ConfigError(f"unknown preprocess key {key!r}; valid keys: {', '.join(PREPROCESS_KEYS)}")
     if "image_size" not in preprocess:
         raise ConfigError("preprocess has no image_size")
-    check_range("preprocess.image_size", preprocess["image_size"], MIN_IMAGE_SIZE, kind=int)
+    check_range("preprocess.image_size", preprocess["image_size"], MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, kind=int)
     return {"image_size": preprocess["image_size"]}
 
 
@@ -187,7 +175,9 @@ def _checkpoint_parts(raw: dict, where: str) -> tuple[dict, dict]:
 def _assemble(
     metadata: dict, state_dict: object, where: str, map_location: str | torch.device
 ) -> tuple[Captioner, Vocabulary, NetConfig]:
-    """Build the model of ``metadata`` and load ``state_dict`` into it, checking that they fit."""
+    """Build the model of ``metadata`` and load ``state_dict`` into it, once the stored tensors' shapes are
+    known to be those of the config's model (built on the meta device: no memory), so that an untrusted file
+    never makes this allocate more than its own weights."""
     try:
         vocab = Vocabulary.from_dict(metadata["vocab"])
     except DataError as exc:
@@ -200,14 +190,16 @@ def _assemble(
     if not isinstance(state_dict, dict) or not all(isinstance(v, Tensor) for v in state_dict.values()):
         raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
     try:
-        net = read_net(metadata["config"], metadata.get("version", 1))
+        net = read_net(metadata["config"], metadata.get("version", 1))  # every size in range
         without_weights = replace(net, encoder=replace(net.encoder, weights=None))  # the bundle holds them
-        model = build_captioner(without_weights, len(vocab))
+        with torch.device("meta"):  # the shapes only: nothing is allocated before the weights are known to fit
+            shapes = build_captioner(without_weights, len(vocab))
     except (ConfigError, TypeError, ValueError) as exc:
         raise BundleError(f"{where}: its config does not build a model ({exc})") from None
-    problem = _embedding_mismatch(model, state_dict, len(vocab)) or _state_dict_problem(model, state_dict)
+    problem = _embedding_mismatch(shapes, state_dict, len(vocab)) or _state_dict_problem(shapes, state_dict)
     if problem:
         raise BundleError(f"{where}: weights do not fit the model: {problem}")
+    model = build_captioner(without_weights, len(vocab))
     if isinstance(map_location, (str, torch.device)):
         model.to(map_location)
     model.load_state_dict(state_dict)

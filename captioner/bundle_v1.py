@@ -1,9 +1,10 @@
-"""Version 1 of the bundle format's model config, and its upgrade to the current one.
+"""Version 1 of the bundle format's model config, and its upgrade to version 2's.
 
 A version-1 config (bundles and training checkpoints written before ``BUNDLE_VERSION`` 2) holds the network
 in its own layout: the attention mode and the scorer inside the decoder's section, as ``decoder.mode`` and
 ``decoder.attention``; a key may be left out, and then means the value of ``ABSENT_KEY_VALUES``.
-``upgrade_v1`` turns it into what version 2 stores: ``NetConfig``'s own serialisation.
+``upgrade_v1`` turns it into what version 2 stores, ``NetConfig``'s serialisation as it was then; the keys added
+since are ``captioner.bundle_versions``'s.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ ABSENT_KEY_VALUES: Mapping[str, Any] = MappingProxyType(
                 "deep_output": True,
                 "dropout": 0.5,
                 "hard_expectation_prob": 0.5,
-                "hard_expectation_warmup": 0.0,  # training only: the mix from the first step, as then
                 "hard_inference": "argmax",
                 "hard_estimator": "reinforce",
                 "gumbel_tau": 1.0,
@@ -56,7 +56,7 @@ ABSENT_KEY_VALUES: Mapping[str, Any] = MappingProxyType(
 
 
 def upgrade_v1(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The version-2 model config (``NetConfig``'s keys, every one) of the version-1 config ``config``.
+    """The version-2 model config (every key ``NetConfig`` had at version 2) of the version-1 config ``config``.
 
     Left-out keys take ``ABSENT_KEY_VALUES``; ``self_attention.positional`` written as true/false (before
     relative positions) becomes ``absolute``/``none``. The values themselves are checked when ``NetConfig``

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -11,8 +10,8 @@ from types import MappingProxyType
 import pytest
 import torch
 
+from captioner import bundle as bundle_module
 from captioner.bundle import BUNDLE_VERSION, CHECKPOINT_KEY, load_bundle, load_trained, read_net, save_bundle
-from captioner.bundle_v1 import ABSENT_KEY_VALUES, upgrade_v1
 from captioner.config import DecodingConfig, NetConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
@@ -64,7 +63,7 @@ def test_bundle_of_a_compiled_decoder_loads(small_model, small_vocab, tmp_path):
 
 def test_bundle_holds_plain_data_only(bundle, small_vocab):
     raw = torch.load(bundle, weights_only=True)
-    assert raw["format"] == "captioner-bundle" and raw["version"] == BUNDLE_VERSION == 2
+    assert raw["format"] == "captioner-bundle" and raw["version"] == BUNDLE_VERSION == 3
     assert raw["vocab"] == small_vocab.to_dict() and raw["vocab_fingerprint"] == small_vocab.fingerprint()
     assert all(isinstance(v, torch.Tensor) for v in raw["state_dict"].values())
 
@@ -83,7 +82,7 @@ def _drop(raw: dict, key: str) -> None:
     [
         (lambda raw: raw.update(format="captioner-checkpoint"), "not a captioner bundle"),
         (lambda raw: _drop(raw, "state_dict"), r"not a complete bundle \(missing state_dict\)"),
-        (lambda raw: raw.update(version=3), "bundle version 3 is newer than this captioner reads"),
+        (lambda raw: raw.update(version=BUNDLE_VERSION + 1), f"bundle version {BUNDLE_VERSION + 1} is newer than this"),
         (lambda raw: raw.update(vocab={"words": ["a"]}), "malformed vocabulary"),
         (lambda raw: raw.update(vocab_fingerprint="0123456789abcdef"), "fingerprint '0123456789abcdef' does not match"),
         (_bigger_vocab, "the vocabulary has 12 words but the decoder.embedding weights have 11 rows"),
@@ -97,12 +96,40 @@ def _drop(raw: dict, key: str) -> None:
         (lambda raw: raw["config"].update(self_attention=None), r"unexpected: self_attention.blocks.0"),
         (lambda raw: raw["state_dict"].pop("decoder.init_h.bias"), r"missing: decoder.init_h.bias"),
         (lambda raw: raw.update(state_dict=[1, 2]), "state_dict is not a mapping of names to tensors"),
+        # every size a bundle sets is bounded, and an oversized one is refused before anything is built
+        (
+            lambda raw: raw["config"]["decoder"].update(hidden_dim=10**6),
+            r"config does not build a model \(model.decoder.hidden_dim=1000000 must be in \[1, 8192\]\)",
+        ),
+        (
+            lambda raw: raw["config"]["self_attention"].update(max_distance=10**6),
+            r"model.self_attention.max_distance=1000000 must be in \[1, 256\]",
+        ),
+        (lambda raw: raw["config"]["encoder"].update(grid=10**6), r"model.encoder.grid=1000000 must be in \[1, 256\]"),
     ],
 )
 def test_load_bundle_refuses_mismatches(bundle, tmp_path, change, message):
     path = tampered(bundle, tmp_path / "tampered.pt", change)
     with pytest.raises(BundleError, match=rf"^bundle {path}: .*{message}"):
         load_bundle(path)
+
+
+def test_a_bundle_is_refused_before_its_model_is_built_for_real(bundle, tmp_path, monkeypatch):
+    """The stored tensors' shapes are compared with the model of the config, built on the meta device (no
+    memory), before the model is built for real: a wide config over small weights allocates nothing."""
+    built, build = [], bundle_module.build_captioner
+
+    def recording(net: NetConfig, vocab_size: int) -> Captioner:
+        built.append(torch.empty(0).device.type)  # the device that the model's tensors go to
+        return build(net, vocab_size)
+
+    monkeypatch.setattr(bundle_module, "build_captioner", recording)
+    path = tampered(bundle, tmp_path / "wide.pt", lambda raw: raw["config"]["decoder"].update(hidden_dim=4096))
+    with pytest.raises(BundleError, match=r"shape mismatch \(saved vs model\): decoder"):
+        load_bundle(path)
+    assert built == ["meta"]
+    load_bundle(bundle)
+    assert built == ["meta", "meta", "cpu"]
 
 
 def test_load_bundle_refuses_files_that_are_not_bundles(tmp_path):
@@ -191,7 +218,12 @@ def _checkpoint_without(key: str | None) -> Callable[[dict], None]:
         (
             "bundle.pt",
             lambda raw: raw.update(preprocess={"image_size": 0}),
-            "malformed preprocessing settings \\(preprocess.image_size=0 must be >= 32\\)",
+            "malformed preprocessing settings \\(preprocess.image_size=0 must be in \\[32, 4096\\]\\)",
+        ),
+        (
+            "bundle.pt",
+            lambda raw: raw.update(preprocess={"image_size": 10**6}),
+            "malformed preprocessing settings \\(preprocess.image_size=1000000 must be in \\[32, 4096\\]\\)",
         ),
         ("bundle.pt", lambda raw: raw.update(format="other"), "neither a captioner bundle nor a training checkpoint"),
     ],
@@ -242,102 +274,13 @@ def test_the_stored_config_round_trips_every_setting() -> None:
     assert read_net(to_dict(net), BUNDLE_VERSION) == net
 
 
-def test_a_version_1_config_upgrades_to_every_key_of_the_current_one() -> None:
-    """A setting added to NetConfig needs its meaning in old bundles (where it is absent) decided in upgrade_v1."""
-    upgraded = upgrade_v1({})
-    current = to_dict(NetConfig())
-    assert upgraded.keys() == current.keys()
-    for section in ("encoder", "self_attention", "decoder"):
-        assert upgraded[section].keys() == current[section].keys(), section
-
-
-def test_keys_a_version_1_config_leaves_out_take_the_absent_key_table_not_the_current_defaults() -> None:
-    read = to_dict(net_v1({"self_attention": {}}))
-    decoder = dict(ABSENT_KEY_VALUES["decoder"])
-    assert read == {
-        "attention": decoder.pop("mode"),
-        "scorer": decoder.pop("attention"),
-        "encoder": dict(ABSENT_KEY_VALUES["encoder"]),
-        "feature_norm": ABSENT_KEY_VALUES["feature_norm"],
-        "self_attention": dict(ABSENT_KEY_VALUES["self_attention"]),
-        "decoder": decoder,
-    }
-    assert (read["encoder"]["name"], read["decoder"]["hidden_dim"], read["decoder"]["dropout"]) == (
-        "resnet101",
-        512,
-        0.5,
-    )
-    partial = {"encoder": {"name": "resnet18"}, "self_attention": {"heads": 2}, "decoder": {"mode": "hard"}}
-    net = net_v1(partial)
-    assert (net.attention, net.scorer, net.self_attention.blocks, net.feature_norm) == ("hard", "additive", 1, False)
-    assert (net.encoder.name, net.encoder.stage, net.encoder.trainable_stages, net.decoder.hidden_dim) == (
-        "resnet18",
-        None,
-        0,
-        512,
-    )
-    for none in ({}, {"self_attention": None}):  # no self_attention section: no blocks
-        assert net_v1(none).self_attention.blocks == 0
-
-
-FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def test_a_version_1_bundle_loads_with_its_settings_and_weights() -> None:
-    """``fixtures/bundle_v1.pt`` was written by save_bundle at version 1, with the logits its model gave for
-    seeded images and fixed captions (``fixtures/bundle_v1.json``)."""
-    raw = torch.load(FIXTURES / "bundle_v1.pt", weights_only=True)
-    assert raw["version"] == 1 and raw["config"]["decoder"]["mode"] == "hard"
-    loaded = load_trained(FIXTURES / "bundle_v1.pt")
-    expected = from_dict(
-        NetConfig,
-        {
-            "attention": "hard",
-            "scorer": "dot",
-            "encoder": {"name": "resnet18", "stage": "layer1", "grid": 2, "trainable_stages": 1},
-            "self_attention": {"blocks": 1, "heads": 2, "positional": "relative", "max_distance": 1},
-            "decoder": {
-                "embed_dim": 8,
-                "hidden_dim": 8,
-                "attention_dim": 8,
-                "dropout": 0.0,
-                "gate": "vector",
-                "hard_inference": "expectation",
-                "hard_expectation_warmup": 0.0,  # version 1 had none (a training setting)
-            },
-        },
-    )
-    assert loaded.config == expected and loaded.image_size == 32 and loaded.vocab.itos[4:] == ["a", "red", "circle"]
-    recorded = json.loads((FIXTURES / "bundle_v1.json").read_text())
-    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(recorded["images_seed"]))
-    with torch.no_grad():
-        logits = loaded.model(images, torch.tensor(recorded["captions"])).logits
-    torch.testing.assert_close(logits.flatten(), torch.tensor(recorded["logits"]), atol=1e-5, rtol=0)
-
-
-def test_a_version_1_checkpoint_loads_like_its_bundle(tmp_path: Path) -> None:
-    """Training checkpoints of version 1 carry the same metadata without a version."""
-    raw = torch.load(FIXTURES / "bundle_v1.pt", weights_only=True)
-    metadata = {key: raw[key] for key in ("config", "vocab", "vocab_fingerprint", "preprocess")}
-    checkpoint = {
-        "pytorch-lightning_version": "2.6.0",
-        "state_dict": {f"model.{k}": v for k, v in raw["state_dict"].items()},
-        CHECKPOINT_KEY: metadata,
-    }
-    torch.save(checkpoint, tmp_path / "last.ckpt")
-    from_checkpoint, from_bundle = load_trained(tmp_path / "last.ckpt"), load_trained(FIXTURES / "bundle_v1.pt")
-    assert from_checkpoint.config == from_bundle.config and from_checkpoint.config.attention == "hard"
-    weights = from_bundle.model.state_dict()
-    assert all(torch.equal(value, weights[key]) for key, value in from_checkpoint.model.state_dict().items())
-
-
 def test_a_checkpoint_says_its_version_and_stores_the_config_as_netconfig_serialises_it(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", objective=None)
     metadata = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)[CHECKPOINT_KEY]
     assert metadata["version"] == BUNDLE_VERSION and metadata["config"] == to_dict(net_v1(RUN_NET))
-    metadata["version"] = 3
+    metadata["version"] = BUNDLE_VERSION + 1
     torch.save(
         {"pytorch-lightning_version": "2.6.0", "state_dict": {}, CHECKPOINT_KEY: metadata}, tmp_path / "new.ckpt"
     )
-    with pytest.raises(BundleError, match="bundle version 3 is newer than this captioner reads"):
+    with pytest.raises(BundleError, match=f"bundle version {BUNDLE_VERSION + 1} is newer than this captioner reads"):
         load_trained(tmp_path / "new.ckpt")

@@ -723,26 +723,6 @@ def test_a_bad_argument_is_one_line_and_exit_2(option, message, bundles, inputs,
     assert capsys.readouterr() == ("", f"error: {message}\n")
 
 
-# ------------------------------------------------------------------------------------------- shapes
-def test_shapes_generates_a_small_set_and_says_how_to_train_on_it(tmp_path, capsys):
-    out = tmp_path / "small"
-    args = ["shapes", "--out", str(out), "--train", "6", "--val", "2", "--test", "3", "--image-size", "32"]
-    assert cli.main(args) == 0
-    overrides = f"data.source.root={out} data.source.n_train=6 data.source.n_val=2 data.source.n_test=3"
-    assert capsys.readouterr().err == (
-        f"{out}: generated, 6 train, 2 val and 3 test images of 32 px (seed 0); train on it with: python train.py "
-        f"{overrides} data.source.image_size=32\n"
-    )
-    assert [len(list((out / "images" / split).glob("*.png"))) for split in ("train", "val", "test")] == [6, 2, 3]
-    assert cli.main(args) == 0 and "already there" in capsys.readouterr().err
-    assert cli.main([*args[:-1], "48"]) == 2
-    err = capsys.readouterr().err
-    assert "made with different parameters (image_size=32 (asked 48))" in err
-    assert "give another folder (train.py: data.source.root=FOLDER, captioner shapes --out FOLDER)" in err
-    assert cli.main(["shapes", "--out", str(tmp_path / "x"), "--train", "0"]) == 2
-    assert capsys.readouterr().err == "error: --train=0 must be >= 1\n"
-
-
 # ----------------------------------------------------------------------------------------- evaluate
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory) -> Path:

@@ -134,6 +134,8 @@ def test_a_misspelt_key_in_a_config_file_fails_at_composition_with_the_key(tmp_p
         ({"decoder": {"attention_heads": 2}}, "model.decoder.attention_heads=2 needs scorer=multihead (got additive)"),
         ({"optimizer": {"lr": 0}}, "model.optimizer.lr=0.0 must be >= 1e-12"),
         ({"nonfinite_check_interval": 0}, "model.nonfinite_check_interval=0 must be >= 1"),
+        ({"decoder": {"hidden_dim": 10**6}}, "model.decoder.hidden_dim=1000000 must be in [1, 8192]"),
+        ({"self_attention": {"blocks": 1000}}, "model.self_attention.blocks=1000 must be in [0, 64]"),
     ],
 )
 def test_from_dict_names_the_key_of_a_bad_value(values: dict, message: str) -> None:

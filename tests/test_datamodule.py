@@ -30,8 +30,9 @@ class ListSource:
     splits: dict[str, list[Record]]
     prepared: int = field(default=0)
 
-    def check_files(self) -> None:
-        """Nothing to check."""
+    def paths(self) -> list:
+        """No files."""
+        return []
 
     def prepare(self) -> None:
         self.prepared += 1

@@ -109,14 +109,38 @@ def test_a_tiny_coco_tree_goes_through_the_guide(tiny_shapes: Path, tmp_path: Pa
     assert metrics["images"] == SPLIT_SIZES["test"] and 0.0 <= metrics["bleu"]["bleu4"] <= 1.0
 
 
-def test_every_section_preflight_names_is_in_the_guide() -> None:
-    from captioner.training import preflight
+def _anchors() -> set[str]:
+    """The anchors of the guide's sections."""
+    return {h.lower().replace(" ", "-") for h in re.findall(r"^## (.+)$", GUIDE.read_text(), flags=re.MULTILINE)}
 
-    source = Path(preflight.__file__).read_text()
-    named = set(re.findall(r'"(split-files|images|encoder-weights|gpu|train)"', source))
-    anchors = {h.lower().replace(" ", "-") for h in re.findall(r"^## (.+)$", GUIDE.read_text(), flags=re.MULTILINE)}
-    assert named == {"split-files", "images", "encoder-weights", "gpu", "train"} and named <= anchors
-    assert "issue" not in GUIDE.read_text().lower()  # nothing outside the project
+
+def test_every_section_a_preflight_problem_can_link_to_is_in_the_guide() -> None:
+    from captioner.training.preflight import Problem, Section
+
+    assert {section.value for section in Section} <= _anchors()
+    assert str(Problem("what", "remedy", "gpu")).endswith("(docs/datasets.md#gpu)")
+    with pytest.raises(ValueError, match="'no-such-section' is not a valid Section"):
+        Problem("what", "remedy", "no-such-section")
+
+
+def test_every_link_into_the_guide_that_the_program_writes_has_its_section() -> None:
+    """Messages outside preflight link to the guide's sections too (a run with no decodable image)."""
+    sources = [*(ROOT / "captioner").rglob("*.py"), ROOT / "train.py"]
+    links = {anchor for path in sources for anchor in re.findall(r"datasets\.md#([\w-]+)", path.read_text())}
+    assert "images" in links and links <= _anchors(), links - _anchors()
+
+
+def test_every_project_file_and_config_the_guide_names_exists() -> None:
+    """The guide points at the project's own files and configs only where they are (a renamed script, config
+    or module breaks this test, not a reader's copy-paste)."""
+    text = GUIDE.read_text()
+    named = set(re.findall(r"`((?:captioner|conf|docs|benchmarks|tests)/[^`\s]*)`", text))
+    assert {"benchmarks/train_step.py", "conf/data/*.yaml"} <= named
+    assert all(any(ROOT.glob(path)) for path in named), [path for path in named if not any(ROOT.glob(path))]
+    options = set(re.findall(r"(?<![\w.])(data|experiment|trainer|model|logger)=(\w+)", text))
+    assert ("experiment", "coco_soft") in options
+    missing = [f"{group}={name}" for group, name in options if not (ROOT / "conf" / group / f"{name}.yaml").is_file()]
+    assert missing == []
 
 
 def test_the_guide_s_split_commands_write_what_the_dataset_configs_read(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ from conftest import ROOT, subprocess_env
 LOWER = sorted(
     [f"captioner.data.{m.name}" for m in pkgutil.iter_modules(captioner.data.__path__)]
     + [f"captioner.model.{m.name}" for m in pkgutil.iter_modules(captioner.model.__path__)]
-    + ["captioner.bundle", "captioner.bundle_v1", "captioner.run_files", "captioner.config", "captioner.errors"]
-    + ["captioner.fileio"]
+    + ["captioner.bundle", "captioner.bundle_v1", "captioner.bundle_versions", "captioner.run_files"]
+    + ["captioner.config", "captioner.errors", "captioner.fileio"]
 )
 UPPER = ("captioner.inference", "captioner.training", "captioner.cli", "captioner.viz", "lightning", "hydra")
 

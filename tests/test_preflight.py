@@ -94,8 +94,8 @@ def test_the_files_the_config_names_and_the_loggers_packages(tmp_path: Path, mon
     ]
     (tmp_path / "file.txt").write_text("x")
     assert _lines([f"data.source.root={tmp_path}/file.txt"], tmp_path) == [
-        f"data.source.root='{tmp_path}/file.txt' is a file, not a folder; see the dataset's config "
-        f"in conf/data ({GUIDE}#split-files)"
+        f"data.source.root='{tmp_path}/file.txt' is not a folder; give a folder: the built-in dataset is generated "
+        f"there on first use ({GUIDE}#images)"
     ]
     check(compose_plain([f"data.source.root={tmp_path}/shapes"], tmp_path))  # the demo needs nothing: no error
 

@@ -286,7 +286,7 @@ def test_a_relative_block_runs_on_grid_sizes_it_was_not_trained_on():
 def test_positional_settings():
     with pytest.raises(ConfigError, match=r"^self_attention.positional=True is not valid; choose one of: none, "):
         from_dict(NetConfig, {"self_attention": {"positional": True}})
-    with pytest.raises(ConfigError, match=r"^max_distance=0 must be >= 1"):
+    with pytest.raises(ConfigError, match=r"^max_distance=0 must be in \[1, 256\]"):
         SelfAttentionConfig(positional="relative", max_distance=0)
     with pytest.raises(ConfigError, match="positional=absolute needs a feature dim divisible by 4"):
         _block(6, positional="absolute")

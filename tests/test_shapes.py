@@ -185,7 +185,7 @@ def test_shapes_records_needs_a_generated_dataset(tmp_path):
 def test_bad_parameters_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="n_train=0 must be >= 1"):
         ShapesSpec(n_train=0)
-    with pytest.raises(ConfigError, match="image_size=12 must be >= 32"):
+    with pytest.raises(ConfigError, match=r"image_size=12 must be in \[32, 4096\]"):
         ShapesSpec(image_size=12)
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
 
 from captioner.config import ShapesSpec
-from captioner.data.sources import CocoSource, KarpathySource, ShapesSource
+from captioner.data.sources import CocoSource, Holds, KarpathySource, ShapesSource, SourcePath, check_paths
 from captioner.errors import ConfigError
 from captioner.training import preflight
 from conftest import compose_plain, copy_dataset
@@ -27,9 +28,20 @@ def test_shapes_source_holds_the_spec_the_config_describes(tmp_path: Path) -> No
         ShapesSource("data/shapes", n_val=0)
 
 
+def test_shapes_source_takes_exactly_the_fields_of_shapes_spec() -> None:
+    """ShapesSpec owns the built-in dataset's parameters: the source takes each by name and names the rest."""
+    spec = ShapesSpec(n_train=7, n_val=3, n_test=2, image_size=40, seed=4, scenes="cluttered", width=64, height=48)
+    given = {item.name: getattr(spec, item.name) for item in fields(ShapesSpec)}
+    assert ShapesSource("r", **given).spec == spec
+    with pytest.raises(ConfigError) as info:
+        ShapesSource("r", n_trian=5)
+    valid = ", ".join(item.name for item in fields(ShapesSpec))
+    assert str(info.value) == f"data.source.n_trian is not a known key; valid keys: root, {valid}"
+
+
 def test_shapes_source_generates_on_first_use_and_reads_each_split(tmp_path: Path) -> None:
     source = ShapesSource(str(tmp_path / "shapes"), n_train=4, n_val=2, n_test=3, image_size=32)
-    source.check_files()  # nothing to check: the data is generated on first use
+    check_paths(source.paths())  # nothing to check: the data is generated on first use
     assert not (tmp_path / "shapes").exists()
     source.prepare()
     assert [len(source.records(split)) for split in ("train", "val", "test")] == [4, 2, 3]
@@ -56,14 +68,14 @@ def _coco(root: Path, instances: bool = True) -> CocoSource:
 
 def test_coco_source_reads_its_splits_and_falls_back_to_val_for_test(tiny_shapes: Path) -> None:
     source = _coco(tiny_shapes)
-    source.check_files()
+    check_paths(source.paths())
     source.prepare()
     assert len(source.records("train")) == 240 and all(r.boxes for r in source.records("train"))
     test, val = source.records("test"), source.records("val")
     assert [(r.image_id, r.image_path) for r in test] == [(r.image_id, r.image_path) for r in val]
     assert len(val) == 24 and {r.split for r in test} == {"test"}
     without = _coco(tiny_shapes, instances=False)
-    without.check_files()  # instances: null is not a file to check
+    check_paths(without.paths())  # instances: null is not a file to check
     assert not any(r.boxes for r in without.records("val"))
     with pytest.raises(ConfigError, match="data.source.splits has no 'test' entry"):
         CocoSource(source.splits, fallback={}).records("test")
@@ -84,14 +96,14 @@ def test_coco_source_names_the_key_of_a_missing_file(
     (root / "images" / "train").mkdir(parents=True)
     (root / "images" / "val").mkdir()
     source = _coco(root)
-    source.check_files()
+    check_paths(source.paths())
     target = root / damage
     if target.is_dir():
         target.rmdir()
     else:
         target.unlink()
     with pytest.raises(ConfigError) as info:
-        source.check_files()
+        check_paths(source.paths())
     assert str(info.value) == f"data.source.{key}='{target}': {kind} not found {HELP}"
 
 
@@ -100,19 +112,19 @@ def test_coco_source_refuses_a_file_for_a_folder_and_a_folder_for_a_file(tiny_sh
     (root / "images" / "val").mkdir(parents=True)
     (root / "images" / "train").write_text("not a folder")
     with pytest.raises(ConfigError) as info:
-        _coco(root).check_files()
+        check_paths(_coco(root).paths())
     assert str(info.value) == f"data.source.splits.train.images='{root / 'images' / 'train'}' is not a folder"
     source = _coco(root)
     source.splits["train"]["images"] = str(root / "images" / "val")
     source.splits["val"]["captions"] = str(root / "annotations")
     with pytest.raises(ConfigError) as info:
-        source.check_files()
+        check_paths(source.paths())
     assert str(info.value) == f"data.source.splits.val.captions='{root / 'annotations'}' is not a file"
 
 
 def test_karpathy_source_names_the_key_of_a_missing_or_wrong_path(tiny_shapes: Path, tmp_path: Path) -> None:
     split_file, images = tiny_shapes / "dataset_shapes.json", tiny_shapes / "images"
-    KarpathySource(str(split_file), str(images)).check_files()
+    check_paths(KarpathySource(str(split_file), str(images)).paths())
     cases = [
         (
             KarpathySource(str(tmp_path / "no.json"), str(images)),
@@ -127,7 +139,7 @@ def test_karpathy_source_names_the_key_of_a_missing_or_wrong_path(tiny_shapes: P
     ]
     for source, message in cases:
         with pytest.raises(ConfigError) as info:
-            source.check_files()
+            check_paths(source.paths())
         assert str(info.value) == message
 
 
@@ -147,8 +159,37 @@ def test_preflight_reports_what_the_source_finds_by_its_key(overrides: list[str]
     plain = compose_plain([o.format(tmp=tmp_path) for o in overrides], tmp_path)
     source = instantiate(plain["data"]["source"])
     with pytest.raises(ConfigError) as expected:
-        source.check_files()
+        check_paths(source.paths())
     found = [str(problem) for problem in preflight.problems(plain)]
     key = str(expected.value).split("=")[0]  # data.source.<the key the source refuses>
     assert any(line.startswith(key) for line in found), (key, found)
     assert all(line.startswith(("data.source.", "trainer.", "model.")) for line in found)
+
+
+@dataclass
+class PairSource:
+    """A source that preflight knows nothing of: its two paths are its own."""
+
+    captions: str
+    images: str
+
+    def paths(self) -> list[SourcePath]:
+        return [
+            SourcePath("captions", self.captions, "file", Holds.annotations),
+            SourcePath("images", self.images, "folder", Holds.images),
+        ]
+
+
+def test_preflight_reports_every_missing_path_of_any_source_from_the_source_s_own_list(tmp_path: Path) -> None:
+    plain = compose_plain([], tmp_path)
+    (tmp_path / "images").write_text("not a folder")
+    captions, images = tmp_path / "captions.json", tmp_path / "images"
+    plain["data"]["source"] = {"_target_": "test_sources.PairSource", "captions": str(captions), "images": str(images)}
+    found = [str(problem) for problem in preflight.problems(plain)]
+    assert [line.split(";")[0] for line in found] == [
+        f"data.source.captions='{captions}': file not found",
+        f"data.source.images='{images}' is not a folder",
+    ]
+    with pytest.raises(ConfigError) as info:
+        check_paths(instantiate(plain["data"]["source"]).paths())
+    assert str(info.value) == f"data.source.captions='{captions}': file not found {HELP}"

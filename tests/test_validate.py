@@ -78,7 +78,7 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
             "logger.csv: Error loading 'lightning.CSVLoger': ModuleNotFoundError",
         ),
         ("data.source.n_train=0", "data.source.n_train=0 must be >= 1"),
-        ("+data.source.size=3", "data.source: ShapesSource.__init__() got an unexpected keyword argument 'size'"),
+        ("+data.source.size=3", "data.source.size is not a known key; valid keys: root, n_train, n_val, n_test"),
         ("seed=-1", "seed=-1 must be in [0, 4294967295]"),
         ("+epochs=3", "epochs is not a known key; valid keys: task_name, seed"),
         ("train=maybe", "train='maybe' must be true or false"),

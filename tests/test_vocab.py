@@ -8,6 +8,7 @@ import nltk
 import pytest
 import torch
 
+from captioner.config import MAX_VOCAB_SIZE
 from captioner.data.vocab import END, END_ID, PAD_ID, SPECIALS, START_ID, UNK_ID, Vocabulary, tokenize
 from captioner.errors import ConfigError, DataError
 
@@ -37,6 +38,14 @@ def test_repeated_or_special_words_are_refused():
         Vocabulary(["dog", "cat", "dog"])
     with pytest.raises(ValueError, match="<unk>"):
         Vocabulary(["dog", "<unk>"])
+
+
+def test_a_vocabulary_holds_at_most_max_vocab_size_words_besides_the_specials():
+    """Its size is bounded: an untrusted bundle's vocabulary never makes its reader allocate without end."""
+    words = [f"w{i}" for i in range(MAX_VOCAB_SIZE + 1)]
+    with pytest.raises(DataError, match=r"^1,000,001 words besides the specials, at most 1,000,000$"):
+        Vocabulary.from_dict({**Vocabulary([]).to_dict(), "words": [*SPECIALS, *words]})
+    assert len(Vocabulary(words[:3])) == 3 + len(SPECIALS)
 
 
 def test_build_counts_min_count_and_orders_deterministically():

@@ -15,6 +15,7 @@ from captioner.config import (
     DecodingConfig,
     HardInference,
     SceneKind,
+    ShapesSpec,
 )
 from captioner.data.splits import SPLITS
 
@@ -53,6 +54,22 @@ CAPTION_OUTPUT = """output:
   stderr ends with one summary line: images captioned, failed, skipped, images/s.
   Exit status: 0 every input captioned, 1 some input failed or no image was given (an empty folder, empty
   standard input), 2 a bad argument or model file."""
+
+# The option of each ShapesSpec field for ``captioner shapes`` (its dest is the field's name) and what it sets.
+SHAPES_OPTIONS = {
+    "n_train": ("--train", "training images"),
+    "n_val": ("--val", "validation images"),
+    "n_test": ("--test", "test images"),
+    "image_size": ("--image-size", "simple scenes only: the square images' side in pixels"),
+    "seed": ("--seed", "the same seed, the same images"),
+    "scenes": (
+        "--scenes",
+        "simple: 1-3 shapes in a 3x3 grid (the demo's); cluttered: 2-4 shapes of six kinds placed freely among "
+        "clutter, captions with counts and relations (data=scenes)",
+    ),
+    "width": ("--width", "cluttered scenes only: image width in pixels"),
+    "height": ("--height", "cluttered scenes only: image height in pixels"),
+}
 
 SPLITS_EPILOG = """coco: val and test are Karpathy's 5,000 val2014 images each (their ids ship with captioner), train is
   all of train2014 plus the rest of val2014 (restval), 113,287 images; sentences are tokenised as Karpathy's
@@ -235,22 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--force", action="store_true", help="overwrite the files of an earlier --out")
     shapes = command("shapes", "generate the built-in shapes dataset, of a chosen size, into a chosen folder")
     shapes.add_argument("--out", required=True, metavar="DIR", help="the dataset's folder (new, or empty)")
-    built_in = "(default: the built-in set's, as python train.py generates it)"
-    shapes.add_argument("--train", type=int, metavar="N", dest="n_train", help=f"training images {built_in}")
-    shapes.add_argument("--val", type=int, metavar="N", dest="n_val", help=f"validation images {built_in}")
-    shapes.add_argument("--test", type=int, metavar="N", dest="n_test", help=f"test images {built_in}")
-    shapes.add_argument(
-        "--image-size", type=int, metavar="N", dest="image_size", help=f"image side in pixels {built_in}"
-    )
-    shapes.add_argument("--seed", type=int, metavar="N", help=f"the same seed, the same images {built_in}")
-    shapes.add_argument(
-        "--scenes",
-        choices=[kind.value for kind in SceneKind],
-        help="simple: 1-3 shapes in a 3x3 grid (the demo's); cluttered: 2-4 shapes of six kinds placed freely "
-        f"among clutter, captions with counts and relations (data=scenes) {built_in}",
-    )
-    shapes.add_argument("--width", type=int, metavar="N", help=f"cluttered scenes: image width in pixels {built_in}")
-    shapes.add_argument("--height", type=int, metavar="N", help=f"cluttered scenes: image height in pixels {built_in}")
+    for name, (flag, what) in SHAPES_OPTIONS.items():
+        default = getattr(ShapesSpec, name)
+        kind = {"choices": list(SceneKind)} if isinstance(default, SceneKind) else {"type": int, "metavar": "N"}
+        shapes.add_argument(flag, dest=name, help=f"{what} (default: {default})", **kind)
     splits = command(
         "splits",
         "write Karpathy's split file of COCO (from the official COCO 2014 caption files) or Flickr8k (from its "

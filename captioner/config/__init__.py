@@ -11,7 +11,16 @@ The network's defaults are those of the built-in demo (``python train.py``); its
 ``conf/experiment/demo.yaml``, and ``conf/experiment/coco_*`` set the paper's.
 """
 
-from captioner.config.data import MAX_AUTO_WORKERS, MIN_IMAGE_SIZE, DataConfig, FeatureDtype, SceneKind, ShapesSpec
+from captioner.config.data import (
+    MAX_AUTO_WORKERS,
+    MAX_IMAGE_SIZE,
+    MAX_VOCAB_SIZE,
+    MIN_IMAGE_SIZE,
+    DataConfig,
+    FeatureDtype,
+    SceneKind,
+    ShapesSpec,
+)
 from captioner.config.decoding import (
     CAPTIONING_BATCH_SIZE,
     CAPTIONING_METHOD,
@@ -55,6 +64,8 @@ __all__ = [
     "CAPTIONING_METHOD",
     "CAPTIONING_WORKERS",
     "MAX_AUTO_WORKERS",
+    "MAX_IMAGE_SIZE",
+    "MAX_VOCAB_SIZE",
     "MAX_LEN",
     "METHOD_SETTINGS",
     "MIN_IMAGE_SIZE",

@@ -12,6 +12,8 @@ from captioner.data.splits import SPLITS
 from captioner.errors import check_choice, check_range
 
 MIN_IMAGE_SIZE = 32  # pixels per side at least: every image the model reads, generates or stores
+MAX_IMAGE_SIZE = 4096  # ... and at most (a bound on what a config or a bundle can make us allocate)
+MAX_VOCAB_SIZE = 1_000_000  # words a vocabulary (a bundle's too) holds at most besides the specials
 MAX_AUTO_WORKERS = 8  # DataConfig.num_workers=None uses at most this many loader workers
 
 
@@ -52,7 +54,7 @@ class DataConfig(Settings):
     recipe: str | None = "experiment=coco_soft"
 
     def check(self) -> None:
-        check_range("image_size", self.image_size, MIN_IMAGE_SIZE, kind=int)
+        check_range("image_size", self.image_size, MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, kind=int)
         check_range("batch_size", self.batch_size, 1, kind=int)
         if self.eval_batch_size is not None:
             check_range("eval_batch_size", self.eval_batch_size, 1, kind=int)
@@ -60,7 +62,7 @@ class DataConfig(Settings):
             check_range("num_workers", self.num_workers, 0, kind=int)
         check_range("min_word_count", self.min_word_count, 1, kind=int)
         if self.max_vocab is not None:
-            check_range("max_vocab", self.max_vocab, 4, kind=int)
+            check_range("max_vocab", self.max_vocab, 4, MAX_VOCAB_SIZE, kind=int)
         check_range("max_len", self.max_len, 1, kind=int)
         if self.pad_to is not None:
             check_range("pad_to", self.pad_to, self.max_len + 2, kind=int)
@@ -93,10 +95,9 @@ class ShapesSpec:
         object.__setattr__(self, "scenes", SceneKind(self.scenes))  # a name given as a string becomes the member
         for split in SPLITS:
             check_range(f"n_{split}", getattr(self, f"n_{split}"), 1, kind=int)
-        check_range("image_size", self.image_size, MIN_IMAGE_SIZE, kind=int)
+        for side in ("image_size", "width", "height"):
+            check_range(side, getattr(self, side), MIN_IMAGE_SIZE, MAX_IMAGE_SIZE, kind=int)
         check_range("seed", self.seed, 0, kind=int)
-        check_range("width", self.width, MIN_IMAGE_SIZE, kind=int)
-        check_range("height", self.height, MIN_IMAGE_SIZE, kind=int)
 
     @property
     def size(self) -> tuple[int, int]:

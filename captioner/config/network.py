@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from captioner.config.settings import Settings
 from captioner.errors import ConfigError, check_range
 
+# Upper bounds of the sizes a config (and so a bundle, which may come from anyone) can set, far above any model
+# this project trains (the paper's widest layer is 1,800): a bundle never makes its reader allocate without end.
+MAX_WIDTH = 8192  # embed_dim, hidden_dim, attention_dim
+MAX_COUNT = 64  # attention heads, self-attention heads and blocks
+MAX_CELLS = 256  # a grid side (encoder.grid) and a relative-position clipping distance (max_distance)
+
 
 class Attention(enum.StrEnum):
     """How the decoder reads the grid (Xu et al. section 4)."""
@@ -77,7 +83,7 @@ class EncoderConfig(Settings):
 
     def check(self) -> None:
         if self.grid is not None:
-            check_range("grid", self.grid, 1, kind=int)
+            check_range("grid", self.grid, 1, MAX_CELLS, kind=int)
         check_range("trainable_stages", self.trainable_stages, -1, kind=int)
 
 
@@ -93,9 +99,9 @@ class SelfAttentionConfig(Settings):
     max_distance: int = 4
 
     def check(self) -> None:
-        check_range("blocks", self.blocks, 0, kind=int)
-        check_range("heads", self.heads, 1, kind=int)
-        check_range("max_distance", self.max_distance, 1, kind=int)
+        check_range("blocks", self.blocks, 0, MAX_COUNT, kind=int)
+        check_range("heads", self.heads, 1, MAX_COUNT, kind=int)
+        check_range("max_distance", self.max_distance, 1, MAX_CELLS, kind=int)
 
 
 @dataclass
@@ -126,8 +132,9 @@ class DecoderConfig(Settings):
     gumbel_tau_min: float = 0.5  # ... falling geometrically to this at the end
 
     def check(self) -> None:
-        for name in ("embed_dim", "hidden_dim", "attention_dim", "attention_heads"):
-            check_range(name, getattr(self, name), 1, kind=int)
+        for name in ("embed_dim", "hidden_dim", "attention_dim"):
+            check_range(name, getattr(self, name), 1, MAX_WIDTH, kind=int)
+        check_range("attention_heads", self.attention_heads, 1, MAX_COUNT, kind=int)
         check_range("dropout", self.dropout, 0.0, 0.99)
         check_range("hard_expectation_prob", self.hard_expectation_prob, 0.0, 1.0)
         check_range("hard_expectation_warmup", self.hard_expectation_warmup, 0.0, 1.0)

@@ -8,7 +8,8 @@ captions count the objects ("two red circles and a green star", "three shapes: .
 relative to each other ("a small red circle to the left of a blue star"): a relation is said only when the
 objects' centres are a clear margin apart along its axis. Every object can be named uniquely: two objects
 of the same colour and kind always differ in size, and the captions then say which. A scene depends only on
-the generator parameters, its split and its index; ``captioner.data.shapes`` writes them as a dataset.
+the generator parameters, its split and its index; ``captioner.data.cluttered_pixels`` draws them and
+``captioner.data.shapes`` writes them as a dataset.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageDraw
 
 from captioner.config import ShapesSpec
 from captioner.data.scenes import COLOURS as GRID_COLOURS
@@ -38,7 +38,6 @@ _SIZE_WORD_P = 0.3  # chance that a uniquely named object is named with its size
 _GAP = 0.05  # boxes stay this fraction of the shorter side apart (6 px at 120), and as far from the edges
 _RELATION_MARGIN = 0.12  # a relation needs the centres this fraction of the width (height) apart
 _CLUTTER = (3, 6)  # marks per image, at least and at most
-_NOISE = 14  # a noisy background's pixel noise amplitude, in grey levels
 
 _LIST = (
     "{list}",
@@ -122,25 +121,6 @@ def make_cluttered_scene(spec: ShapesSpec, split: str, index: int) -> ClutteredS
     background = _background(rng)
     clutter = _clutter(rng, [item.box for item in items], width, height)
     return ClutteredScene(background, items, clutter, describe(items, background, rng, width, height))
-
-
-def render_cluttered(scene: ClutteredScene, spec: ShapesSpec, split: str, index: int) -> Image.Image:
-    """Draw ``scene`` (the image ``index`` of ``split``): background, clutter, then the objects."""
-    width, height = spec.size
-    pixels = _background_pixels(scene.background, width, height, _rng(spec, split, index, stream=1))
-    image = Image.fromarray(pixels)
-    draw = ImageDraw.Draw(image)
-    for mark in scene.clutter:
-        grey = (mark.grey,) * 3
-        if mark.kind == "line":
-            draw.line(mark.xy, fill=grey, width=1)
-        elif mark.kind == "dot":
-            draw.ellipse(mark.xy, fill=grey)
-        else:
-            draw.ellipse(mark.xy, outline=grey, width=1)
-    for item in scene.shapes:
-        _draw(draw, item)
-    return image
 
 
 def describe(
@@ -301,23 +281,6 @@ def _background(rng: np.random.Generator) -> Background:
     return Background(style, tones, direction, int(rng.integers(6, 13)))
 
 
-def _background_pixels(background: Background, width: int, height: int, rng: np.random.Generator) -> np.ndarray:
-    """The background as a uint8 array (height, width, 3); ``rng`` draws a noisy one's noise."""
-    light, dark = (np.asarray(tone, dtype=np.float64) for tone in background.tones)  # (3,) each
-    ys, xs = np.mgrid[0:height, 0:width]  # (H, W) each
-    if background.style == "gradient":
-        mix = xs / max(1, width - 1) if background.direction == 0 else ys / max(1, height - 1)
-    elif background.style == "striped":
-        along = (xs, ys, xs + ys)[background.direction]
-        mix = ((along // (background.period / 2)) % 2).astype(np.float64)  # alternating bands of half a period
-    else:  # plain or noisy: the light tone
-        mix = np.zeros((height, width))
-    pixels = light + mix[..., None] * (dark - light)  # (H, W, 3)
-    if background.style == "noisy":
-        pixels = pixels + rng.integers(-_NOISE, _NOISE + 1, size=(height, width, 1))  # same noise in R, G, B
-    return np.clip(np.rint(pixels), 0, 255).astype(np.uint8)
-
-
 def _clutter(rng: np.random.Generator, boxes: Sequence[Sequence[int]], width: int, height: int) -> tuple[Mark, ...]:
     """A few small grey marks (lines, dots, rings), each fully outside every object's box."""
     short = min(width, height)
@@ -340,29 +303,3 @@ def _clutter(rng: np.random.Generator, boxes: Sequence[Sequence[int]], width: in
                 marks.append(mark)
                 break
     return tuple(marks)
-
-
-def _draw(draw: ImageDraw.ImageDraw, item: Item) -> None:
-    """Draw one object filling its box, with a darker one-pixel outline."""
-    x0, y0, w, h = item.box
-    x1, y1 = x0 + w - 1, y0 + h - 1
-    fill = COLOURS[item.colour]
-    outline = tuple(int(v * 0.6) for v in fill)
-    cx, cy, r = x0 + (w - 1) / 2, y0 + (h - 1) / 2, (w - 1) / 2
-    if item.shape == "circle":
-        draw.ellipse((x0, y0, x1, y1), fill=fill, outline=outline)
-    elif item.shape == "square":
-        draw.rectangle((x0, y0, x1, y1), fill=fill, outline=outline)
-    elif item.shape == "triangle":
-        draw.polygon([(cx, y0), (x1, y1), (x0, y1)], fill=fill, outline=outline)
-    elif item.shape == "diamond":
-        draw.polygon([(cx, y0), (x1, cy), (cx, y1), (x0, cy)], fill=fill, outline=outline)
-    elif item.shape == "star":
-        angles = -np.pi / 2 + np.arange(10) * np.pi / 5  # (10,) outer and inner points, alternating
-        radii = np.where(np.arange(10) % 2 == 0, r, 0.45 * r)  # (10,)
-        draw.polygon(list(zip(cx + radii * np.cos(angles), cy + radii * np.sin(angles))), fill=fill, outline=outline)
-    else:  # cross: a plus sign with arms a third of the side thick
-        t = w / 3
-        arms = [(x0 + t, y0), (x1 - t, y0), (x1 - t, y0 + t), (x1, y0 + t), (x1, y1 - t), (x1 - t, y1 - t)]
-        arms += [(x1 - t, y1), (x0 + t, y1), (x0 + t, y1 - t), (x0, y1 - t), (x0, y0 + t), (x0 + t, y0 + t)]
-        draw.polygon(arms, fill=fill, outline=outline)

@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from captioner.config import SceneKind, ShapesSpec
-from captioner.data.cluttered import KINDS, ClutteredScene, Item, make_cluttered_scene, render_cluttered
+from captioner.data.cluttered import KINDS, ClutteredScene, Item, make_cluttered_scene
+from captioner.data.cluttered_pixels import render_cluttered
 from captioner.data.readers import SPLITS, Record, read_coco
 from captioner.data.scenes import SHAPES, Scene, make_scene, render
 from captioner.data.vocab import tokenize

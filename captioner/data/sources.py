@@ -1,32 +1,76 @@
 """Dataset sources: where each split's records come from (COCO files, a Karpathy split file, built-in shapes).
 
-A source is a small object with ``check_files()`` (before any work: is every file it was configured with
-there?), ``prepare()`` (make sure the files exist) and ``records(split)``. The configs in ``conf/data``
+A source is a small object with ``paths()`` (every file and folder its config names, each described once:
+``check_paths`` checks them before any work, and so does the training preflight), ``prepare()`` (make sure the
+files exist) and ``records(split)``. The configs in ``conf/data``
 pick one with ``_target_`` under ``data.source``; nothing else in the project needs to know which.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from captioner.config import ShapesSpec
 from captioner.data.readers import SPLITS, Record, read_coco, read_karpathy
 from captioner.data.shapes import generate_shapes, shapes_records
-from captioner.errors import ConfigError, DataError, check_choice
+from captioner.errors import CaptionerError, ConfigError, DataError, check_choice
 
-CONFIG_KEY = "data.source"  # where the training config holds the source: check_files names keys under it
+CONFIG_KEY = "data.source"  # where the training config holds the source: a SourcePath's key is under it
 DATASET_HELP = "see data/README.md for where dataset files go"
+# What writes a missing Karpathy split file (``captioner splits <dataset> --captions-dir <data>/<folder>``), by name.
+SPLIT_COMMANDS = {
+    "dataset_coco.json": ("coco", "coco/annotations"),
+    "dataset_flickr8k.json": ("flickr8k", "flickr8k/text"),
+}
+
+
+class Holds(enum.StrEnum):
+    """What a configured file or folder holds (preflight links each to its section of docs/datasets.md)."""
+
+    annotations = "annotations"  # captions, boxes, split lists
+    images = "images"
+
+
+@dataclass(frozen=True)
+class SourcePath:
+    """A file or folder that a source's config names: its one description, which ``check_paths``, ``prepare``
+    and the training preflight all read."""
+
+    key: str  # under ``data.source``: "split_file", "splits.train.captions"
+    path: str
+    kind: str  # "file" or "folder"
+    holds: Holds
+    remedy: str = "see the dataset's config in conf/data"  # how to get it when it is missing or wrong
+    generated: bool = False  # may be missing: the source makes it on first use
+
+    def problem(self) -> str | None:
+        """What is wrong with it (``data.source.split_file='...': file not found``), or None."""
+        target = Path(self.path)
+        if not target.exists():
+            return None if self.generated else f"{CONFIG_KEY}.{self.key}={self.path!r}: {self.kind} not found"
+        if (self.kind == "file") != target.is_file():
+            return f"{CONFIG_KEY}.{self.key}={self.path!r} is not a {self.kind}"
+        return None
+
+
+def check_paths(paths: Iterable[SourcePath], error: type[CaptionerError] = ConfigError) -> None:
+    """Raise ``error`` for the first of ``paths`` that is missing (with where dataset files go) or of the
+    wrong kind."""
+    for path in paths:
+        problem = path.problem()
+        if problem:
+            raise error(f"{problem} ({DATASET_HELP})" if problem.endswith("not found") else problem)
 
 
 class Source(Protocol):
     """What training needs from a dataset."""
 
-    def check_files(self) -> None:
-        """Raise ConfigError naming the config key of a configured file or folder that is missing or is not
-        one (``data.source.split_file='...': file not found (...)``); check nothing that is created later."""
+    def paths(self) -> list[SourcePath]:
+        """Every file and folder its config names, in the order they are checked (``check_paths``, preflight)."""
 
     def prepare(self) -> None:
         """Check (or create) the files; raise DataError naming what is missing."""
@@ -35,20 +79,13 @@ class Source(Protocol):
         """The records of ``split`` (one of ``SPLITS``)."""
 
 
-def _require(path: str | Path, what: str) -> Path:
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"{what} not found: {path} ({DATASET_HELP})")
-    return path
-
-
-def _check_config_path(key: str, path: str | Path, kind: str) -> None:
-    """Raise ConfigError naming ``data.source.<key>`` unless ``path`` is an existing ``kind`` ("file" or "folder")."""
-    target = Path(path)
-    if not target.exists():
-        raise ConfigError(f"{CONFIG_KEY}.{key}={str(path)!r}: {kind} not found ({DATASET_HELP})")
-    if (kind == "file") != target.is_file():
-        raise ConfigError(f"{CONFIG_KEY}.{key}={str(path)!r} is not a {kind}")
+def split_file_remedy(split_file: str) -> str:
+    """How to get a missing Karpathy split file."""
+    path = Path(split_file)
+    if path.name in SPLIT_COMMANDS:
+        dataset, sources = SPLIT_COMMANDS[path.name]
+        return f"write it with: captioner splits {dataset} --captions-dir {path.parent.parent / sources} --out {path}"
+    return "see the guide for where this split file comes from"
 
 
 @dataclass
@@ -70,21 +107,22 @@ class CocoSource:
             return self.splits[self.fallback[split]]
         raise ConfigError(f"{CONFIG_KEY}.splits has no '{split}' entry; give one of: {', '.join(SPLITS)}")
 
-    def check_files(self) -> None:
-        """Check each split's captions file, image folder and instances file (when given), in that order."""
+    def paths(self) -> list[SourcePath]:
+        """Each split's captions file, image folder and instances file (when given)."""
+        found = []
         for split, entry in self.splits.items():
-            _check_config_path(f"splits.{split}.captions", entry["captions"], "file")
-            _check_config_path(f"splits.{split}.images", entry["images"], "folder")
+            unzip = f"unzip annotations_trainval2014.zip into {Path(entry['captions']).parent.parent}"
+            found.append(SourcePath(f"splits.{split}.captions", entry["captions"], "file", Holds.annotations, unzip))
+            images = "unzip the split's images there"
+            found.append(SourcePath(f"splits.{split}.images", entry["images"], "folder", Holds.images, images))
             if entry.get("instances"):
-                _check_config_path(f"splits.{split}.instances", entry["instances"], "file")
+                instances = entry["instances"]
+                found.append(SourcePath(f"splits.{split}.instances", instances, "file", Holds.annotations, unzip))
+        return found
 
     def prepare(self) -> None:
         """Check every configured annotation file and image folder exists."""
-        for split, entry in self.splits.items():
-            _require(entry["captions"], f"COCO captions file for '{split}'")
-            _require(entry["images"], f"COCO image folder for '{split}'")
-            if entry.get("instances"):
-                _require(entry["instances"], f"COCO instances file for '{split}'")
+        check_paths(self.paths(), DataError)
 
     def records(self, split: str) -> list[Record]:
         """Read ``split`` through pycocotools."""
@@ -100,15 +138,16 @@ class KarpathySource:
     image_root: str
     restval_as_train: bool = True
 
-    def check_files(self) -> None:
-        """Check that the split file is a file and the image root a folder."""
-        _check_config_path("split_file", self.split_file, "file")
-        _check_config_path("image_root", self.image_root, "folder")
+    def paths(self) -> list[SourcePath]:
+        """The split file and the image root."""
+        return [
+            SourcePath("split_file", self.split_file, "file", Holds.annotations, split_file_remedy(self.split_file)),
+            SourcePath("image_root", self.image_root, "folder", Holds.images, "unzip the dataset's images there"),
+        ]
 
     def prepare(self) -> None:
         """Check the split file and the image root exist."""
-        _require(self.split_file, "Karpathy split file")
-        _require(self.image_root, "image root")
+        check_paths(self.paths(), DataError)
 
     def records(self, split: str) -> list[Record]:
         """Read ``split`` (restval joins train unless ``restval_as_train`` is off)."""
@@ -120,32 +159,25 @@ class KarpathySource:
 class ShapesSource:
     """The built-in synthetic dataset ``spec``, generated under ``root`` on first use (never overwritten).
 
-    Built from ``data.source`` (``conf/data/shapes.yaml``, ``conf/data/scenes.yaml``): ``root`` and the fields
-    of ``ShapesSpec``, whose defaults are the built-in dataset's.
+    Built from ``data.source`` (``conf/data/shapes.yaml``, ``conf/data/scenes.yaml``): ``root`` and any fields
+    of ``ShapesSpec`` (its defaults are the built-in dataset's); ConfigError names another key.
     """
 
     root: str
     spec: ShapesSpec
 
-    def __init__(
-        self,
-        root: str,
-        n_train: int = ShapesSpec.n_train,
-        n_val: int = ShapesSpec.n_val,
-        n_test: int = ShapesSpec.n_test,
-        image_size: int = ShapesSpec.image_size,
-        seed: int = ShapesSpec.seed,
-        scenes: str = ShapesSpec.scenes,
-        width: int = ShapesSpec.width,
-        height: int = ShapesSpec.height,
-    ) -> None:
+    def __init__(self, root: str, **spec: Any) -> None:
+        names = [item.name for item in fields(ShapesSpec)]
+        unknown = [key for key in spec if key not in names]
+        if unknown:
+            raise ConfigError(f"{CONFIG_KEY}.{unknown[0]} is not a known key; valid keys: root, {', '.join(names)}")
         self.root = root
-        self.spec = ShapesSpec(n_train, n_val, n_test, image_size, seed, scenes, width, height)
+        self.spec = ShapesSpec(**spec)
 
-    def check_files(self) -> None:
-        """``root`` may be missing (the dataset is generated there on first use) but must not be a file."""
-        if Path(self.root).exists() and not Path(self.root).is_dir():
-            raise ConfigError(f"{CONFIG_KEY}.root={str(self.root)!r} is a file, not a folder")
+    def paths(self) -> list[SourcePath]:
+        """``root``, which may be missing (the dataset is generated there on first use) but must be a folder."""
+        remedy = "give a folder: the built-in dataset is generated there on first use"
+        return [SourcePath("root", self.root, "folder", Holds.images, remedy, generated=True)]
 
     def prepare(self) -> None:
         """Generate the dataset if it is not there yet (a no-op when it is)."""

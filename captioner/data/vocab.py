@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from nltk.tokenize import RegexpTokenizer
 
-from captioner.config import DataConfig
+from captioner.config import MAX_VOCAB_SIZE, DataConfig
 from captioner.errors import DataError, check_range
 from captioner.fileio import read_json, write_json
 
@@ -32,10 +32,13 @@ class Vocabulary:
     """Word <-> id mapping; ids 0..3 are ``<pad>``, ``<start>``, ``<end>``, ``<unk>``."""
 
     def __init__(self, words: Sequence[str]) -> None:
-        """``words`` in id order; the four specials are put first unless ``words`` starts with them."""
+        """``words`` in id order; the four specials are put first unless ``words`` starts with them. ValueError
+        for a repeated word or more than ``MAX_VOCAB_SIZE`` words besides the specials."""
         words = list(words)
         if tuple(words[:4]) == SPECIALS:
             words = words[4:]
+        if len(words) > MAX_VOCAB_SIZE:
+            raise ValueError(f"{len(words):,} words besides the specials, at most {MAX_VOCAB_SIZE:,}")
         repeated = sorted(w for w, n in Counter(words).items() if n > 1 or w in SPECIALS)
         if repeated:
             raise ValueError(f"vocabulary words repeat or clash with the specials: {repeated[:5]}")

@@ -140,7 +140,8 @@ def skip_flagged_step(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor 
     would still move every parameter by its momentum and decay its moments, and NaN gradients can come out
     of a zeroed NaN graph. A fused optimiser (``training.optimization.build_optimizer``'s) takes the flag as
     ``found_inf`` (the mechanism of ``torch.amp.GradScaler``); a plain one (on a device without fused
-    kernels) drops the gradients instead, which needs a host read of the flag every step.
+    kernels, or whose fused step cannot take ``found_inf``) drops the gradients instead, which needs a host
+    read of the flag every step.
     """
     if is_fused(optimizer):
         if nonfinite is None:

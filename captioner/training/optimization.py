@@ -1,8 +1,10 @@
 """The optimiser, and what every precision needs of its step: true gradients to clip, and a skip on non-finite ones.
 
 Adam is fused where torch has fused kernels for the parameters' device and dtype (one kernel per step, and it
-can skip a step on the device: ``found_inf``). That is decided from torch's list of fused-capable devices, not
-by trying: ``Adam(fused=True)`` builds on any device and fails only at its first step. A checkpoint's optimiser
+can skip a step on the device: ``found_inf``). That is decided from torch's list of fused-capable devices
+(``Adam(fused=True)`` builds on any device and fails only at its first step), and where the list says yes, by a
+one-element trial step that must skip when given ``found_inf``: on a device whose fused kernel refuses or
+ignores it (Apple's MPS on some torch versions) Adam is plain, with a warning. A checkpoint's optimiser
 state never changes that choice (``keep_implementation``): one saved before Adam was fused resumes fused, one
 saved on a fused device resumes plain where there are no kernels.
 
@@ -17,6 +19,8 @@ None is never unscaled (the plugin skips its ``step`` and ``update``, so an unsc
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterable
 
 import lightning as L
@@ -26,6 +30,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.utils import _foreach_utils
 
 from captioner.config import OptimizerConfig
+
+log = logging.getLogger(__name__)
 
 # The param-group entries that say how Adam runs on this device, not what it optimises: never a checkpoint's.
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
@@ -37,15 +43,41 @@ def fused_kernels(params: Iterable[torch.Tensor]) -> bool:
     return all(p.device.type in devices and torch.is_floating_point(p) for p in params)
 
 
+@functools.cache
+def fused_takes_found_inf(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a fused Adam step on ``device`` for ``dtype`` skips when ``found_inf`` is set: a trial step of a
+    one-element parameter, which must stay unchanged (once per device and dtype)."""
+    param = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
+    param.grad = torch.ones_like(param)
+    trial = torch.optim.Adam([param], fused=True)
+    trial.found_inf = torch.ones((), device=device)  # 1.0: skip (GradScaler's convention)
+    try:
+        trial.step()
+    except (RuntimeError, AssertionError, NotImplementedError):
+        return False
+    return not bool(param.detach().any())
+
+
 def build_optimizer(
     rest: Iterable[torch.nn.Parameter], encoder: list[torch.nn.Parameter], settings: OptimizerConfig
 ) -> torch.optim.Adam:
     """Adam over the decoder's (and self-attention's) parameters ``rest`` at ``settings.lr`` and the encoder's
-    trained ones at ``settings.encoder_lr``; fused where the parameters' device has the kernels."""
+    trained ones at ``settings.encoder_lr``; fused where the parameters' device has the kernels and its fused step
+    can be skipped on the device (``fused_takes_found_inf``), else plain (with a warning when only the latter fails)."""
     groups = [{"params": list(rest), "lr": settings.lr}]
     if encoder:
         groups.append({"params": encoder, "lr": settings.encoder_lr})
-    fused = fused_kernels(p for group in groups for p in group["params"])
+    params = [p for group in groups for p in group["params"]]
+    fused = fused_kernels(params)
+    refused = sorted({str(p.device) for p in params if fused and not fused_takes_found_inf(p.device, p.dtype)})
+    if refused:
+        fused = False
+        log.warning(
+            "fused Adam cannot skip a step on %s (found_inf) with torch %s: plain Adam instead, which reads each "
+            "step's non-finite flag on the host",
+            ", ".join(refused),
+            torch.__version__,
+        )
     optimizer = torch.optim.Adam(groups, weight_decay=settings.weight_decay, fused=fused or None)
     optimizer.register_load_state_dict_pre_hook(keep_implementation)
     return optimizer

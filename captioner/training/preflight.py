@@ -11,6 +11,7 @@ with status 2 before any run folder exists.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import importlib.util
 import os
@@ -26,11 +27,16 @@ GUIDE = "docs/datasets.md"
 SAMPLES = 3  # images of each split decoded: the first, the middle and the last found
 # The optional package each logger needs, and the extra of pyproject.toml that installs it.
 LOGGER_PACKAGES: dict[str, str] = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
-# What writes a Karpathy split file that is missing (``captioner splits``), by its file name.
-SPLIT_COMMANDS = {
-    "dataset_coco.json": ("coco", "coco/annotations"),
-    "dataset_flickr8k.json": ("flickr8k", "flickr8k/text"),
-}
+
+
+class Section(enum.StrEnum):
+    """The sections of docs/datasets.md that a problem links to, by their anchors."""
+
+    images = "images"
+    split_files = "split-files"
+    encoder_weights = "encoder-weights"
+    gpu = "gpu"
+    train = "train"
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,10 @@ class Problem:
 
     what: str
     remedy: str
-    section: str  # an anchor of docs/datasets.md
+    section: Section  # given by its anchor or as the member; ValueError for any other
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "section", Section(self.section))
 
     def __str__(self) -> str:
         return f"{self.what}; {self.remedy} ({GUIDE}#{self.section})"
@@ -51,40 +60,6 @@ class PreflightError(ConfigError):
     def __init__(self, found: list[Problem]) -> None:
         super().__init__("\n".join(str(problem) for problem in found))
         self.problems = found
-
-
-def _path_problem(key: str, path: str, kind: str, remedy: str, section: str) -> Problem | None:
-    """A Problem unless ``path`` is an existing ``kind`` ("file" or "folder")."""
-    target = Path(path)
-    if not target.exists():
-        return Problem(f"{key}={path!r}: {kind} not found", remedy, section)
-    if (kind == "file") != target.is_file():
-        return Problem(f"{key}={path!r} is not a {kind}", remedy, section)
-    return None
-
-
-def _split_file_remedy(split_file: str) -> str:
-    """How to get a missing Karpathy split file."""
-    path = Path(split_file)
-    if path.name in SPLIT_COMMANDS:
-        dataset, sources = SPLIT_COMMANDS[path.name]
-        return f"write it with: captioner splits {dataset} --captions-dir {path.parent.parent / sources} --out {path}"
-    return "see the guide for where this split file comes from"
-
-
-def _source_paths(source: dict[str, Any]) -> Iterator[tuple[str, str, str, str, str]]:
-    """``(key, path, kind, remedy, section)`` of each file or folder the ``data.source`` config names."""
-    name = source["_target_"].rsplit(".", 1)[-1]
-    if name == "KarpathySource":
-        yield "split_file", source["split_file"], "file", _split_file_remedy(source["split_file"]), "split-files"
-        yield "image_root", source["image_root"], "folder", "unzip the dataset's images there", "images"
-    elif name == "CocoSource":
-        for split, entry in source["splits"].items():
-            unzip = f"unzip annotations_trainval2014.zip into {Path(entry['captions']).parent.parent}"
-            yield f"splits.{split}.captions", entry["captions"], "file", unzip, "split-files"
-            yield f"splits.{split}.images", entry["images"], "folder", "unzip the split's images there", "images"
-            if entry.get("instances"):
-                yield f"splits.{split}.instances", entry["instances"], "file", unzip, "split-files"
 
 
 def _build_source(source: dict[str, Any]) -> Any:
@@ -119,20 +94,18 @@ def _split_problems(source: Any, split: str) -> Iterator[Problem]:
 
 
 def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
-    """The dataset's files and folders; when they are all there, each split the run reads."""
-    source = cfg["data"]["source"]
-    found = []
-    for key, path, kind, remedy, section in _source_paths(source):
-        problem = _path_problem(f"data.source.{key}", path, kind, remedy, section)
-        if problem:
-            found.append(problem)
+    """The dataset's files and folders (the source's own ``paths``); when they are all there, each split the run
+    reads."""
+    try:
+        built = _build_source(cfg["data"]["source"])
+    except (CaptionerError, TypeError) as exc:
+        return [Problem(first_line(exc), "see the dataset's config in conf/data", Section.split_files)]
+    sections = {"annotations": Section.split_files, "images": Section.images}  # by what a path holds
+    found = [
+        Problem(problem, path.remedy, sections[path.holds]) for path in built.paths() if (problem := path.problem())
+    ]
     if found:
         return found
-    try:
-        built = _build_source(source)
-        built.check_files()
-    except (CaptionerError, TypeError) as exc:
-        return [Problem(first_line(exc), "see the dataset's config in conf/data", "split-files")]  # names its key
     from captioner.data.sources import ShapesSource  # imported with the source above, not before a config error
 
     if isinstance(built, ShapesSource):
