@@ -99,7 +99,7 @@ def test_a_large_gallery_pages_with_failures_first(tmp_path, monkeypatch):
     first = (out / "index.html").read_text()
     assert "5 captioned, 1 not captioned" in first
     assert first.index("not an image file") < first.index("caption 0")  # the failures come first
-    assert 'class="mark" style="left: 31.2%' in first and "1/L = 0.25" in first  # 0.25 / 0.8 of the scale
+    assert 'class="mark" style="left: 31.2%' in first and "orange mark: 1/L = 0.25" in first  # 0.25 / 0.8 of the scale
 
 
 def test_text_is_escaped(tmp_path):
@@ -180,9 +180,9 @@ def test_a_moved_gallery_works_in_a_real_browser(tmp_path):
     checks = json.loads(html.unescape(found.group(1)))
     images = checks["images"]
     assert len(images) == 2 * 2 and all(ok for _, ok in images), images  # two images and their first panels
-    assert {src for src, _ in images} >= {"images/0000_square.jpg", "images/0001_wide.jpg"}
+    assert {src for src, _ in images} >= {"images/0001_square.png", "images/0002_wide.jpg"}  # 0000: broken.jpg
     steps = [(src, ok, word, button) for src, ok, word, button in checks["states"]]
-    assert [src for src, *_ in steps] == [f"0000_square/0{k}.png" for k in (1, 2, 3, 2, 3)]  # wraps round
+    assert [src for src, *_ in steps] == [f"0001_square/0{k}.jpg" for k in (1, 2, 3, 2, 3)]  # wraps round
     assert all(ok for _, ok, *_ in steps)
     assert all(word == button for _, _, word, button in steps)  # the label and the highlighted word agree
     assert checks["failed"] == [f"{photos / 'broken.jpg'}: not an image file (Pillow cannot identify its format)"]

@@ -65,7 +65,8 @@ body { font-family: sans-serif; margin: 1.5em; background: #fafafa; color: #222;
 .words button { font-size: 1.1em; margin: 0 0.2em 0.3em 0; padding: 0.2em 0.6em; border: 1px solid #aaa;
                 background: #f4f4f4; border-radius: 4px; cursor: pointer; }
 .words button.current { background: #4a90d9; color: white; border-color: #4a90d9; }
-.legend { display: flex; align-items: center; gap: 0.5em; color: #555; font-size: 0.9em; }
+.legend { display: flex; flex-wrap: wrap; align-items: center; gap: 0.5em; color: #555; font-size: 0.9em; }
+.legend > * { white-space: nowrap; }
 .legend span.bar { display: inline-block; position: relative; width: 12em; height: 0.9em; border: 1px solid #999; }
 .legend span.mark { position: absolute; top: -0.3em; bottom: -0.3em; width: 3px; margin-left: -1px; }
 .legend b { font-weight: bold; }
@@ -150,8 +151,8 @@ def _legend(scale: tuple[float, float] | None) -> str:
     mark = f'<span class="mark" style="left: {100 * uniform / top:.1f}%; background: {MARK}"></span>'
     return (
         f'attention weight per cell: <span>0</span><span class="bar" style="background: {LEGEND}">{mark}</span>'
-        f"<span>{top:.3g} (this caption's highest)</span> &middot; "
-        f'<b style="color: {MARK}">| 1/L = {uniform:.3g}</b>, uniform attention'
+        f"<span>{top:.3g} (this caption's highest)</span><span>&middot;</span>"
+        f'<span><b style="color: {MARK}">orange mark: 1/L = {uniform:.3g}</b>, uniform attention</span>'
     )
 
 
@@ -192,8 +193,8 @@ def _entry(number: int, entry: GalleryEntry, files: GalleryFiles) -> list[str]:
         )
         parts.append(f'<div class="words">{buttons}</div>')
         parts.append(
-            f'<p class="legend">{_legend(entry.scale)} &middot; click a word, or click the image and step with the '
-            "arrow keys</p>"
+            f'<p class="legend">{_legend(entry.scale)}<span>&middot;</span><span>click a word, or click the image and '
+            "step with the arrow keys</span></p>"
         )
     if entry.overlay is not None:
         sheet = _local(entry.overlay, files, number, entry.image, "sheet")

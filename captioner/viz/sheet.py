@@ -108,7 +108,7 @@ def write_sheet(shading: Shading, words: Sequence[str], out_path: str | os.PathL
         name = "image" if index == 0 else _fit(words[index - 1], CELL, text)
         draw.text((left + CELL // 2, top + label // 2), name, fill=(120, 120, 120) if index == 0 else INK, font=text,
                   anchor="mm")  # fmt: skip
-        shown = ImageOps.contain(picture, (CELL, cell_height), Image.Resampling.BICUBIC)
+        shown = ImageOps.contain(picture, (CELL, cell_height), Image.Resampling.BILINEAR)
         canvas.paste(shown, (left + (CELL - shown.width) // 2, top + label + (cell_height - shown.height) // 2))
     if words:
         bar_height = max(3 * SMALL, round(0.8 * (grid_height - GAP)))
