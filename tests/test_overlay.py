@@ -8,6 +8,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from captioner.viz import overlay  # noqa: E402
@@ -101,13 +102,22 @@ def test_hard_attention_outlines_the_chosen_cell():
     alphas = np.full((2, 14), 1 / 14)
     fig = overlay_figure(gradient_image(500, 120), ["a", "cat"], alphas, (2, 7), locations=[13, 0])
     height, width = fig.axes[0].images[0].get_array().shape[:2]
-    red = [np.all(ax.images[0].get_array() == (1.0, 0.0, 0.0), axis=-1) for ax in fig.axes[:3]]
-    assert not red[0].any()  # the image itself has no outline
-    assert red[1][height // 2 + 1, -1] and red[1][-1, 6 * width // 7 + 1] and not red[1][: height // 2 - 1].any()
-    assert red[2][0, 0] and red[2][height // 2 - 1, width // 7 - 1] and not red[2][:, width // 7 + 1 :].any()
-    assert overlay.shade(gradient_image(500, 120), ["a"], alphas, (2, 7), [13]).cells == (
-        (6 * width / 7, height / 2, width - 1, height - 1),
-    )
+    rects = [[p for p in ax.patches if isinstance(p, Rectangle)] for ax in fig.axes[1:-1]]  # not the colour bar
+    assert [len(r) for r in rects] == [1, 1]
+    assert rects[0][0].get_xy() == pytest.approx((6 * width / 7 - 0.5, height / 2 - 0.5))
+    assert (rects[0][0].get_width(), rects[0][0].get_height()) == pytest.approx((width / 7, height / 2))
+    assert rects[1][0].get_xy() == pytest.approx((-0.5, -0.5))
+    assert len(fig.axes[0].patches) == 0
+
+
+def test_the_sheet_and_panels_outline_the_chosen_cell_in_red():
+    alphas = np.full((2, 14), 1 / 14)
+    shading = overlay.shade(gradient_image(500, 120), ["a", "cat"], alphas, (2, 7), locations=[13, 0])
+    height, width = np.asarray(shading.picture).shape[:2]
+    red = [np.all(np.asarray(panel) == (255, 0, 0), axis=-1) for panel in shading.panels]
+    assert red[0][height // 2 + 1, -1] and red[0][-1, 6 * width // 7 + 1] and not red[0][: height // 2 - 1].any()
+    assert red[1][0, 0] and not red[1][:, width // 7 + 1 :].any()
+    assert shading.cells[0] == (6 * width / 7, height / 2, width - 1, height - 1)
 
 
 def mark_and_bar(sheet: np.ndarray) -> tuple[int, int, float]:

@@ -234,7 +234,8 @@ def write_gallery(
     The first page starts with a count of the entries and the list of those with an error. Every file the
     pages show lies in ``out_dir`` (files from elsewhere are copied in), linked relatively, so the folder can
     be moved; all text is HTML-escaped. ``files``: the folder's names and record (default: ``out_dir``'s).
-    Raises FileNotFoundError for a missing image, overlay or panel.
+    Raises FileNotFoundError for a missing image, overlay or panel, and FileExistsError where a file that no
+    gallery wrote (captioner.viz.layout's record) is in the way: it is never replaced.
     """
     files = files if files is not None else GalleryFiles(out_dir)
     files.root.mkdir(parents=True, exist_ok=True)

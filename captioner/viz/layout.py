@@ -14,7 +14,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 MANIFEST = ".captioner-gallery"  # the record of the files a gallery wrote into its folder
@@ -111,14 +111,13 @@ class GalleryFiles:
         self.written.add(self.relative(path))
         return path
 
-    def clear(self, keep: Collection[str | os.PathLike] = ()) -> None:
-        """Remove every file an earlier gallery recorded (not ``keep``'s), then its folders left empty, and
-        start a new record. Files that are gone already are skipped; nothing unrecorded is touched."""
-        kept = {os.path.realpath(path) for path in keep}
+    def clear(self) -> None:
+        """Remove every file an earlier gallery recorded, then its folders left empty, and start a new record.
+        Files that are gone already are skipped; nothing unrecorded is touched."""
         folders = set()
         for name in sorted(self.earlier):
             path = self.root / name
-            if os.path.realpath(path) in kept or path.is_dir():
+            if path.is_dir():
                 continue
             if path.exists() or path.is_symlink():
                 path.unlink()

@@ -27,6 +27,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import LinearSegmentedColormap, Normalize
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from PIL import Image, ImageDraw
 from torch import Tensor
 
@@ -83,10 +84,11 @@ def shade(
     alphas: Tensor | np.ndarray,
     grid: tuple[int, int],
     locations: Sequence[int] | None = None,
+    outline: bool = True,
 ) -> Shading:
     """The panels of ``words``: ``alphas`` is ``(T, H*W)`` (row t: the attention used for word t, ``T >=
-    len(words)``); ``locations`` (hard attention) gives the attended cell index per word, outlined in its panel.
-    ValueError for shapes that do not match."""
+    len(words)``); ``locations`` (hard attention) gives the attended cell index per word, outlined in its panel
+    unless ``outline`` is false (a figure draws its own). ValueError for shapes that do not match."""
     rows, cols = grid
     if rows < 1 or cols < 1:
         raise ValueError(f"grid must be positive, got {grid}")
@@ -114,7 +116,8 @@ def shade(
         for step, panel in enumerate(panels):
             row, col = divmod(int(locations[step]), cols)
             box = (col * width / cols, row * height / rows, (col + 1) * width / cols - 1, (row + 1) * height / rows - 1)
-            ImageDraw.Draw(panel).rectangle(box, outline=(255, 0, 0), width=max(1, min(width, height) // 100))
+            if outline:
+                ImageDraw.Draw(panel).rectangle(box, outline=(255, 0, 0), width=max(1, min(width, height) // 100))
             cells.append(box)
         cells = tuple(cells)
     return Shading(picture, tuple(panels), top, uniform, cells)
@@ -142,7 +145,7 @@ def overlay_figure(
 ) -> Figure:
     """The panels of :func:`shade` as a matplotlib figure: ``1 + len(words)`` axes, the image first, then one
     per word with the word as its title, and the colour bar of the caption's scale (1/L marked)."""
-    shading = shade(image, words, alphas, grid, locations)
+    shading = shade(image, words, alphas, grid, locations, outline=False)
     width, height = shading.picture.size
     panels = 1 + len(words)
     ncols = min(MAX_COLUMNS, panels)
@@ -166,6 +169,12 @@ def overlay_figure(
         axes.append(ax)
         if panel > 0:
             ax.set_title(words[panel - 1], parse_math=False)
+        if panel > 0 and shading.cells is not None:
+            left, top, right, bottom = shading.cells[panel - 1]
+            outline = Rectangle(
+                (left - 0.5, top - 0.5), right + 1 - left, bottom + 1 - top, fill=False, edgecolor="red"
+            )
+            ax.add_patch(outline)
     if words:
         _colour_bar(fig, axes, Normalize(0.0, shading.top), shading.uniform)
     return fig
