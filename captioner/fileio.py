@@ -25,11 +25,13 @@ os.umask(_UMASK)
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file next to ``path``; on success fsync it and rename it over ``path``.
+def atomic_write(path: str | os.PathLike, mode: str = "wb", durable: bool = True) -> Iterator[IO]:
+    """Open a temporary file next to ``path``; on success fsync it (``durable``) and rename it over ``path``.
 
     On any exception the temporary file is removed and ``path`` is left untouched. The file gets the
     permissions a plain ``open`` would give it (``mkstemp`` alone makes it private to its owner).
+    ``durable=False`` skips the fsync, for many small files that are cheap to make again (a gallery's panels:
+    an fsync each cost more than drawing them): never half-written in place, but a power cut may lose them.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,7 +41,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         with os.fdopen(fd, mode) as handle:
             yield handle
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -35,6 +35,7 @@ SCRIPTS = (
     "attention_by_word",
     "scst_step",
     "scst_demo",
+    "gallery",
 )
 
 
@@ -118,6 +119,18 @@ def test_data_loading_runs(run_tiny: Callable[..., str]) -> None:
         ("fp16 cache 256x64", "0 (main process)"),
         ("fp16 cache 256x64", "1"),
     ]
+
+
+def test_gallery_runs_every_stage_and_both_commands(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("gallery")
+    rows = table(stdout, "Gallery stages, per image", 7)
+    assert [row["stage"] for row in rows] == [
+        "caption", "decode", "shade", "sheet", "panels", "pages and copies", "total"
+    ]  # fmt: skip
+    assert all(row["images"] == "4" and row["words"] == "3" for row in rows)  # never-ending captions: 3 words
+    rows = table(stdout, "Whole commands", 2)
+    assert [row["command"] for row in rows] == ["captioner caption", "captioner attend"]
+    assert rows[0]["vs caption"] == "1"
 
 
 @pytest.mark.parametrize("experiment", ["demo", "coco_soft", "coco_hard"])

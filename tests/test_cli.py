@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from matplotlib.patches import Rectangle
 from nltk.translate.bleu_score import sentence_bleu
 from PIL import Image
 
@@ -32,7 +31,7 @@ from captioner.data.shapes import generate_shapes
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.evaluation.cococaption import java_available
 from captioner.inference import load_model
-from captioner.viz import overlay
+from captioner.viz import sheet
 from conftest import ROOT, Links, run_train, tampered, write_bundle
 
 WORDS = ["a", "red", "blue", "green", "circle", "square", "triangle", "left", "of", "above"]
@@ -523,21 +522,21 @@ def test_help_does_not_import_torch():
 
 # ------------------------------------------------------------------------------------------- attend
 @pytest.fixture
-def figures(monkeypatch) -> list:
-    """Every figure ``draw_overlay`` builds, to count its panels and marks."""
-    built = []
-    build = overlay.overlay_figure
+def sheets(monkeypatch) -> list:
+    """The shading and words of every sheet ``draw_overlay`` writes, to count its panels and marks."""
+    written = []
+    write = sheet.write_sheet
 
-    def spy(*args, **kwargs):
-        built.append(build(*args, **kwargs))
-        return built[-1]
+    def spy(shading, words, *args, **kwargs):
+        written.append((shading, list(words)))
+        return write(shading, words, *args, **kwargs)
 
-    monkeypatch.setattr(overlay, "overlay_figure", spy)
-    return built
+    monkeypatch.setattr(sheet, "write_sheet", spy)
+    return written
 
 
 @pytest.mark.parametrize("mode", ["soft", "hard"])
-def test_attend_draws_one_panel_per_word(mode, bundles, inputs, figures, tmp_path, capsys):
+def test_attend_draws_one_panel_per_word(mode, bundles, inputs, sheets, tmp_path, capsys):
     image = str(inputs[0] / "24_wide.PNG")
     out = tmp_path / "overlay.png"
     assert (
@@ -549,17 +548,17 @@ def test_attend_draws_one_panel_per_word(mode, bundles, inputs, figures, tmp_pat
     with Image.open(out) as png:
         png.load()
         assert png.format == "PNG" and png.width > png.height  # the wide image's aspect ratio
-    (figure,) = figures
-    words = caption.split()
-    assert len(figure.axes) == 1 + len(words) + 1 == 5  # the image, a panel per word, the colour bar
-    assert [ax.get_title() for ax in figure.axes[1:-1]] == words
-    marks = [sum(isinstance(p, Rectangle) for p in ax.patches) for ax in figure.axes[:-1]]
-    assert marks == [0] + [1 if mode == "hard" else 0] * 3  # hard attention: the attended cell is outlined
+    ((shading, words),) = sheets
+    assert words == caption.split() and len(shading.panels) == len(words) == 3  # a panel per word
+    assert shading.picture.size == (120, 40)
+    assert (shading.cells is not None) == (mode == "hard")  # hard attention: the attended cell is outlined
+    assert shading.cells is None or len(shading.cells) == 3
 
 
 def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path, capsys):
-    folder, good, bad = inputs
-    images = [good[0], str(folder / "03_text.jpg"), good[-1], good[-2]]
+    folder, good, _ = inputs
+    bad = str(folder / "03_text.jpg")
+    images = [good[0], bad, good[-1], good[-2]]
     out = tmp_path / "gallery"
     assert (
         cli.main(
@@ -581,17 +580,19 @@ def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path
     stdout, err = capsys.readouterr()
     rows = [line.split("\t") for line in stdout.splitlines()]
     assert [row[0] for row in rows] == [good[0], good[-1], good[-2]]
-    assert sorted(out.glob("*.png")) == sorted(Path(row[2]) for row in rows)
+    assert sorted(out.glob("*.jpg")) == sorted(Path(row[2]) for row in rows)
     assert err.splitlines()[0].startswith(f"error: {folder / '03_text.jpg'}: not an image file")
     page = (out / "index.html").read_text()
     parser = Links()
     parser.feed(page)
-    names = [Path(row[2]).stem for row in rows]  # 0000_01_grey, ...
-    panels = [f"{name}/{step:02d}.png" for name in names for step in range(1, 4)]
-    assert sorted(str(p.relative_to(out)) for p in out.glob("*/*.png")) == panels  # a panel per word
-    copies = [f"images/{name}.jpg" for name in names]  # the originals, copied: the folder can be moved
+    names = [Path(row[2]).stem for row in rows]  # entry n for the n-th input: 0000_01_grey, 0002_25_bitmap, ...
+    assert names == [f"{n:04d}_{Path(image).stem}" for n, image in enumerate(images) if image != bad]
+    panels = [f"{name}/{step:02d}.jpg" for name in names for step in range(1, 4)]
+    assert sorted(str(p.relative_to(out)) for p in out.glob("0*/*.jpg")) == panels  # a panel per word
+    # the originals, copied so that the folder can be moved: a small PNG as it is, a BMP as JPEG
+    copies = [f"images/{name}{'.jpg' if name.endswith('bitmap') else '.png'}" for name in names]
     assert parser.links == [
-        link for name, copy in zip(names, copies) for link in (copy, f"{name}/01.png", f"{name}.png")
+        link for name, copy in zip(names, copies) for link in (copy, f"{name}/01.jpg", f"{name}.jpg")
     ]
     assert all(row[1] in page for row in rows)
     assert f"<li><code>{folder / '03_text.jpg'}</code>: not an image file" in page  # the failed input is listed
@@ -607,7 +608,9 @@ def test_force_replaces_an_earlier_gallery(bundles, inputs, tmp_path, capsys):
     assert cli.main([*args, good[2], "--force"]) == 0
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     name = f"0000_{Path(good[2]).stem}"
-    assert written == sorted(["index.html", "notes.txt", f"{name}.png", f"{name}/01.png", f"images/{name}.jpg"])
+    gallery = ["index.html", f"{name}.jpg", f"{name}/01.jpg", f"images/{name}.png"]
+    assert written == sorted([*gallery, "notes.txt", ".captioner-gallery"])
+    assert sorted(json.loads(line) for line in (out / ".captioner-gallery").read_text().splitlines()) == sorted(gallery)
 
 
 def test_out_is_never_overwritten_without_force(bundles, inputs, tmp_path, capsys):

@@ -11,6 +11,7 @@ from urllib.parse import unquote
 import pytest
 from PIL import Image
 
+from captioner.viz import gallery
 from captioner.viz.gallery import GalleryEntry, write_gallery
 from conftest import Links
 
@@ -39,16 +40,66 @@ def test_links_are_relative_and_every_file_lies_inside_the_gallery(tmp_path):
     assert index == out / "index.html"
     parser = Links()
     parser.feed(index.read_text(encoding="utf-8"))
-    assert parser.links == ["images/0000_my%20image%20%232.jpg", "p/1.png", "overlays/2.png", "images/0001_1.jpg"]
+    assert parser.links == ["images/0000_my%20image%20%232.png", "p/1.png", "overlays/2.png", "images/0001_1.png"]
     for link in parser.links:
         assert (out / unquote(link)).resolve().is_relative_to(out.resolve()) and (out / unquote(link)).is_file()
-    with Image.open(out / "images" / "0001_1.jpg") as copy:
-        assert copy.format == "JPEG" and copy.size == (8, 8)
+    with Image.open(out / "images" / "0001_1.png") as copy:  # a small PNG is copied as it is
+        assert copy.format == "PNG" and copy.size == (8, 8)
     text = "".join(parser.text)
     assert text.index("a red square") < text.index("a circle")  # entries keep their order
     assert "image 2" in text and "1.png" in text  # headings: the image id, else the file name
     assert "a square" in text and not list(out.glob(".*tmp"))
     assert f"Not captioned (1){tmp_path / 'gone.jpg'}: file not found" in text
+
+
+def test_every_copy_gets_its_own_name(tmp_path):
+    image = make_png(tmp_path / "photos" / "cat.png")
+    overlay = tmp_path / "overlays" / "cat.png"
+    overlay.parent.mkdir()
+    Image.new("RGB", (8, 8), "blue").save(overlay)
+    panel = tmp_path / "panels" / "cat.tif"
+    panel.parent.mkdir()
+    Image.new("RGB", (8, 8), "green").save(panel)  # a TIFF: re-encoded as JPEG
+    out = tmp_path / "gallery"
+    write_gallery(out, [GalleryEntry(image, "a cat", overlay=overlay, panels=(("cat", panel),))])
+    parser = Links()
+    parser.feed((out / "index.html").read_text())
+    image_link, panel_link, overlay_link = (unquote(link) for link in parser.links)
+    assert len({image_link, panel_link, overlay_link}) == 3
+    colours = [
+        Image.open(out / link).convert("RGB").getpixel((4, 4)) for link in (image_link, panel_link, overlay_link)
+    ]
+    assert colours[0] == (255, 0, 0) and colours[2] == (0, 0, 255)  # the image shows the image, not the overlay
+    assert colours[1][1] > 100 > colours[1][0]  # green (0, 128, 0), through JPEG
+    recorded = [json.loads(line) for line in (out / ".captioner-gallery").read_text().splitlines()]
+    assert sorted(recorded) == sorted([image_link, panel_link, overlay_link, "index.html"])
+
+
+def test_a_large_gallery_pages_with_failures_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(gallery, "PAGE_SIZE", 2)
+    images = [make_png(tmp_path / f"{k}.png") for k in range(5)]
+    entries = [
+        GalleryEntry(image, f"caption {k}", panels=(("red", image),), scale=(0.25, 0.8))
+        for k, image in enumerate(images)
+    ]
+    entries.insert(2, GalleryEntry(tmp_path / "broken.jpg", "", error="not an image file"))
+    out = tmp_path / "gallery"
+    assert write_gallery(out, entries) == out / "index.html"
+    pages = ["index.html", "page002.html", "page003.html"]
+    assert sorted(path.name for path in out.glob("*.html")) == pages
+    shown = []
+    for number, name in enumerate(pages):
+        page = (out / name).read_text()
+        shown.append(re.findall(r"caption \d", page))
+        parser = Links()
+        parser.feed(page)
+        assert [link for link in parser.links if link.endswith(".html")] == [p for p in pages if p != name] * 2
+        assert ("Not captioned (1)" in page) == (number == 0)
+    assert shown == [["caption 0", "caption 1"], ["caption 2", "caption 3"], ["caption 4"]]
+    first = (out / "index.html").read_text()
+    assert "5 captioned, 1 not captioned" in first
+    assert first.index("not an image file") < first.index("caption 0")  # the failures come first
+    assert 'class="mark" style="left: 31.2%' in first and "orange mark: 1/L = 0.25" in first  # 0.25 / 0.8 of the scale
 
 
 def test_text_is_escaped(tmp_path):
@@ -129,9 +180,9 @@ def test_a_moved_gallery_works_in_a_real_browser(tmp_path):
     checks = json.loads(html.unescape(found.group(1)))
     images = checks["images"]
     assert len(images) == 2 * 2 and all(ok for _, ok in images), images  # two images and their first panels
-    assert {src for src, _ in images} >= {"images/0000_square.jpg", "images/0001_wide.jpg"}
+    assert {src for src, _ in images} >= {"images/0001_square.png", "images/0002_wide.jpg"}  # 0000: broken.jpg
     steps = [(src, ok, word, button) for src, ok, word, button in checks["states"]]
-    assert [src for src, *_ in steps] == [f"0000_square/0{k}.png" for k in (1, 2, 3, 2, 3)]  # wraps round
+    assert [src for src, *_ in steps] == [f"0001_square/0{k}.jpg" for k in (1, 2, 3, 2, 3)]  # wraps round
     assert all(ok for _, ok, *_ in steps)
     assert all(word == button for _, _, word, button in steps)  # the label and the highlighted word agree
     assert checks["failed"] == [f"{photos / 'broken.jpg'}: not an image file (Pillow cannot identify its format)"]

@@ -13,6 +13,7 @@ from PIL import Image  # noqa: E402
 
 from captioner.viz import overlay  # noqa: E402
 from captioner.viz.overlay import DIM_FLOOR, MAX_SIDE, draw_overlay, overlay_figure, upsample_attention  # noqa: E402
+from captioner.viz.sheet import BAR, MARK  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -28,8 +29,8 @@ def test_png_is_valid_and_written_atomically(tmp_path):
     out = tmp_path / "nested" / "overlay.png"
     before = plt.get_fignums()
     alphas = torch.softmax(torch.randn(4, 9, requires_grad=True), dim=1)  # (T=4, L=9), extra <end> step
-    path = draw_overlay(gradient_image(64, 48), ["a", "red", "$5"], alphas, (3, 3), out, title="soft")
-    assert path == out
+    shading = draw_overlay(gradient_image(64, 48), ["a", "red", "$5"], alphas, (3, 3), out, title="soft")
+    assert len(shading.panels) == 3 and shading.uniform == pytest.approx(1 / 9)
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     with Image.open(out) as png:
         png.load()
@@ -63,9 +64,9 @@ def test_wide_image_with_non_square_grid_keeps_aspect_and_dims_unattended_parts(
     # the uniform map on the caption's shared scale: 1/14 of the peak everywhere, so nearly as dim
     peak = upsample_attention(alphas[0], (2, 7), (width, height)).max()
     flat = DIM_FLOOR + (1 - DIM_FLOOR) * (1 / 14) / peak
-    np.testing.assert_allclose(fig.axes[2].images[0].get_array(), flat * original, atol=1e-5)
-    path = draw_overlay(image, ["orange", "circle"], alphas, (2, 7), tmp_path / "wide.png")
-    with Image.open(path) as png:
+    np.testing.assert_allclose(fig.axes[2].images[0].get_array(), flat * original, atol=1 / 255)  # 8-bit panels
+    draw_overlay(image, ["orange", "circle"], alphas, (2, 7), tmp_path / "wide.png")
+    with Image.open(tmp_path / "wide.png") as png:
         assert png.width > 2 * png.height
 
 
@@ -107,6 +108,44 @@ def test_hard_attention_outlines_the_chosen_cell():
     assert (rects[0][0].get_width(), rects[0][0].get_height()) == pytest.approx((width / 7, height / 2))
     assert rects[1][0].get_xy() == pytest.approx((-0.5, -0.5))
     assert len(fig.axes[0].patches) == 0
+
+
+def test_the_sheet_and_panels_outline_the_chosen_cell_in_red():
+    alphas = np.full((2, 14), 1 / 14)
+    shading = overlay.shade(gradient_image(500, 120), ["a", "cat"], alphas, (2, 7), locations=[13, 0])
+    height, width = np.asarray(shading.picture).shape[:2]
+    red = [np.all(np.asarray(panel) == (255, 0, 0), axis=-1) for panel in shading.panels]
+    assert red[0][height // 2 + 1, -1] and red[0][-1, 6 * width // 7 + 1] and not red[0][: height // 2 - 1].any()
+    assert red[1][0, 0] and not red[1][:, width // 7 + 1 :].any()
+    assert shading.cells[0] == (6 * width / 7, height / 2, width - 1, height - 1)
+
+
+def mark_and_bar(sheet: np.ndarray) -> tuple[int, int, float]:
+    """The top row of the sheet's orange 1/L line across the colour bar, the bar's middle column, and the bar's
+    grey just above the line (0..1)."""
+    orange = np.all(np.abs(sheet.astype(int) - MARK) < 30, axis=-1)
+    line = [
+        row
+        for row in range(len(orange))
+        if orange[row].sum() >= BAR[0] and orange[row][np.argmax(orange[row]) :][: BAR[0]].all()
+    ]
+    row = line[0]
+    column = int(np.argmax(orange[row])) + 5 + BAR[0] // 2  # the line starts 5 pixels left of the bar
+    return row, column, sheet[row - 2, column].mean() / 255
+
+
+def test_the_sheet_marks_uniform_attention_where_the_panels_show_it(tmp_path):
+    sharp, flat = np.zeros(9), np.full(9, 1 / 9)
+    sharp[4] = 1.0
+    white = Image.new("RGB", (60, 60), (255, 255, 255))
+    shading = draw_overlay(white, ["sharp", "flat"], np.stack([sharp, flat]), (3, 3), tmp_path / "s.png", title="t")
+    with Image.open(tmp_path / "s.png") as png:
+        sheet = np.asarray(png.convert("RGB"))
+    row, column, grey = mark_and_bar(sheet)
+    flat_brightness = np.asarray(shading.panels[1]).mean() / 255  # a flat map on the caption's scale
+    assert flat_brightness == pytest.approx(DIM_FLOOR + (1 - DIM_FLOOR) / 9 / shading.top, abs=0.01)
+    assert grey == pytest.approx(flat_brightness, abs=0.03)  # the mark sits where the flat panel's shade is
+    assert sheet[row - 60 : row + 1, column].mean() / 255 > grey  # brighter above: the bar runs up to the top
 
 
 def test_bad_shapes_raise(tmp_path):

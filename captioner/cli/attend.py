@@ -1,44 +1,63 @@
-"""``captioner attend``: caption images and draw the attention of every word, one PNG per image."""
+"""``captioner attend``: caption images and draw the attention of every word: one PNG for one image, or a
+gallery folder (captioner.viz.gallery) for many."""
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from tqdm import tqdm
 
 from captioner.cli import options
 from captioner.cli.caption import captioned
-from captioner.cli.inputs import IMAGE_SUFFIXES, expand_inputs
+from captioner.cli.inputs import IMAGE_SUFFIXES, Inputs, expand_inputs
 from captioner.cli.output import Output
 from captioner.data.images import load_rgb
 from captioner.errors import ConfigError
-from captioner.fileio import atomic_write
-
-NUMBERED = "[0-9][0-9][0-9][0-9]_*"  # the names of what a gallery writes: 0000_<image name>, ...
+from captioner.viz.layout import MANIFEST, GalleryFiles
 
 
-def _clear(out: Path) -> None:
-    """Remove what an earlier gallery wrote into ``out`` (``--force``): its page, overlays, panels and copies;
-    other files are kept."""
-    from captioner.viz.gallery import COPIES
+def _gallery_files(files: GalleryFiles) -> Callable[[Path], bool]:
+    """Whether a file or folder of an input folder belongs to the gallery: the ``--out`` folder itself, or a file
+    an earlier gallery recorded (when ``--out`` is the input folder)."""
+    root = os.path.realpath(files.root)
+    return lambda path: os.path.realpath(path) == root or files.ours(path)
 
-    for path in [*out.glob(f"{NUMBERED}.png"), *(out / COPIES).glob(f"{NUMBERED}.jpg"), out / "index.html"]:
-        if path.is_file():
-            path.unlink()
-    for folder in out.glob(NUMBERED):
-        if folder.is_dir():
-            shutil.rmtree(folder)
+
+def _check_gallery(files: GalleryFiles, found: Inputs, out: str) -> None:
+    """ConfigError, before anything is loaded or removed, when the gallery would replace an input or a file
+    that no gallery wrote (a user's own ``index.html``, a folder of the name of an entry's panels)."""
+    from captioner.viz.gallery import page_count
+
+    inputs = [path for path in found.paths if files.ours(path)]
+    if inputs:
+        raise ConfigError(
+            f"--out {out}: the input {inputs[0]} is a file of the earlier gallery there, which --force replaces; "
+            "copy it elsewhere first, or choose another --out"
+        )
+    pages = [files.page(k) for k in range(page_count(len(found.paths)))]
+    planned = [*pages, *(path for number, image in enumerate(found.paths) for path in files.planned(number, image))]
+    taken = files.conflicts(planned)
+    if taken:
+        raise ConfigError(
+            f"--out {out}: {taken[0]} exists and no gallery wrote it (none recorded it in {files.root / MANIFEST}); "
+            "a gallery never replaces a file of yours: move it, or choose another --out"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Caption images and draw one attention panel per word; for a folder ``--out``, also a gallery page that
-    shows each word's panel in turn and lists the inputs that failed.
+    """Caption images and draw one attention panel per word; for a folder ``--out``, a gallery of pages that
+    show each word's panel in turn and list the inputs that failed.
 
-    Prints ``path<TAB>caption<TAB>overlay`` per image and a summary line on stderr.
+    Prints ``path<TAB>caption<TAB>overlay`` per image and a summary line on stderr. With ``--force`` a gallery
+    replaces exactly the files an earlier gallery recorded in ``--out``, once the model has loaded.
     """
     from captioner.viz.gallery import GalleryEntry, write_gallery
-    from captioner.viz.overlay import draw_overlay, word_panels
+    from captioner.viz.overlay import draw_overlay
+    from captioner.viz.sheet import save_picture
 
     decode = options.decode_options(args)
     device = options.device(args.device)
@@ -50,33 +69,48 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} is a folder; give a .png file name, or a folder without .png")
     if single or (out.is_dir() and any(out.iterdir())):
         options.refuse_overwrite(out, args)
-    found = expand_inputs(args.inputs, nul=args.nul)
+    files = GalleryFiles(out)
+    found = expand_inputs(args.inputs, nul=args.nul, leave_out=_gallery_files(files) if not single else lambda _: False)
     if single and len(found.paths) > 1:
         raise ConfigError(f"--out {out}: {len(found.paths)} images need a folder, not a .png file")
-    if not single and out.is_dir():
-        _clear(out)
+    if single and any(os.path.realpath(path) == os.path.realpath(out) for path in found.paths):
+        raise ConfigError(f"--out {out} is the input image; give another file name")
+    if not single:
+        _check_gallery(files, found, args.out)
+    numbers = {path: number for number, path in enumerate(found.paths)}  # entry n: the n-th input, for every name
+    entries: list[GalleryEntry | None] = [None] * len(found.paths)
     output = Output()
-    entries = []
-    for result in captioned(args, found, output, decode, device):
-        name = f"{len(entries):04d}_{Path(result.path).stem}"
-        target = out if single else out / f"{name}.png"
-        picture = load_rgb(result.path)
-        draw_overlay(
-            picture, result.words, result.alphas, result.grid, target, locations=result.locations, title=result.caption
-        )
-        panels = []
-        if not single:
-            (out / name).mkdir(parents=True, exist_ok=True)
-            for step, panel in enumerate(
-                word_panels(picture, result.words, result.alphas, result.grid, result.locations)
-            ):
-                path = out / name / f"{step + 1:02d}.png"
-                with atomic_write(path, "wb") as handle:
-                    panel.save(handle, format="PNG")
-                panels.append((result.words[step], path))
-        entries.append(GalleryEntry(image=result.path, caption=result.caption, overlay=target, panels=tuple(panels)))
-        output.caption(result, target)
-    if not single and (entries or output.failed_inputs):
-        entries += [GalleryEntry(image=item.path, caption="", error=item.reason) for item in output.failed_inputs]
-        print(f"gallery: {write_gallery(out, entries)}", file=sys.stderr)
+    cleared = single
+    show = options.progress(args, len(found.paths))
+    with tqdm(total=len(found.paths), unit="img", file=sys.stderr, desc="drawing", disable=not show) as bar:
+        for result in captioned(args, found, output, decode, device, bar=False):
+            if not cleared:  # the model has loaded and the inputs are listed: the earlier gallery goes
+                files.clear()
+                cleared = True
+            number, picture = numbers[result.path], load_rgb(result.path, args.max_pixels)
+            target = out if single else files.record(files.sheet(number, result.path))
+            shading = draw_overlay(
+                picture, result.words, result.alphas, result.grid, target, result.locations, title=result.caption
+            )
+            if not single:
+                panels = []
+                for step, (word, panel) in enumerate(zip(result.words, shading.panels)):
+                    panels.append((word, save_picture(panel, files.record(files.panel(number, result.path, step)))))
+                entries[number] = GalleryEntry(
+                    result.path, result.caption, target, panels=tuple(panels), scale=(shading.uniform, shading.top)
+                )
+            output.caption(result, target)
+            bar.update(output.captioned + output.failed - len(found.errors) - bar.n)
+        bar.update(len(found.paths) - bar.n)
+    if not single and found.paths:
+        if not cleared:
+            files.clear()
+        for item in output.failed_inputs:
+            failed = GalleryEntry(image=item.path, caption="", error=item.reason)
+            if item.path in numbers:
+                entries[numbers[item.path]] = failed
+            else:
+                entries.append(failed)  # an input that named no image: a glob without a match, ...
+        gallery = [entry for entry in entries if entry is not None]
+        print(f"gallery: {write_gallery(out, gallery, files=files, max_pixels=args.max_pixels)}", file=sys.stderr)
     return output.close()

@@ -50,17 +50,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def captioned(
-    args: argparse.Namespace, found: Inputs, output: Output, decode: DecodingConfig, device: torch.device
+    args: argparse.Namespace,
+    found: Inputs,
+    output: Output,
+    decode: DecodingConfig,
+    device: torch.device,
+    bar: bool = True,
 ) -> Iterator[Captioned]:
     """The captioned images of ``found`` in order; its input errors and unreadable images go to ``output`` as
-    failures, its skipped files to its summary. The model is loaded only when there is an image to caption."""
+    failures, its skipped files to its summary. The model is loaded only when there is an image to caption.
+    ``bar``: show captioning's progress bar (``--no-progress`` and a terminal allowing); False when the caller
+    shows its own."""
     output.skipped = found.skipped
     output.failures(found.errors)
     if not found.paths:
         return
     loaded = options.load(args, device)
     output.start(len(found.paths))
-    show = options.progress(args, len(found.paths))
+    show = bar and options.progress(args, len(found.paths))
     for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, decode, args.max_pixels):
         if isinstance(result, Skipped):
             output.failure(result)

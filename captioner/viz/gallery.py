@@ -1,33 +1,41 @@
 """A static HTML page to browse generated captions, their images and the attention of every word.
 
-The page and everything it shows live in one folder, linked relatively: the folder can be moved or copied
-and still works. Images from elsewhere are copied in (re-encoded as JPEG, so that a TIFF or PPM shows in any
-browser). Each image shows its caption, the image and one attention panel at a readable size with its word
-under it; the words are stepped through with the arrow keys (once the image is clicked or tabbed to) or by
-clicking them. Inputs that could not be captioned are listed with their error.
+The pages and everything they show live in one folder, linked relatively: the folder can be moved or copied
+and still works. Files from elsewhere are copied in (a PNG, JPEG, GIF or WebP of at most COPY_SIDE pixels as
+it is; others re-encoded as JPEG, so that a TIFF or PPM shows in any browser). Each image shows its caption,
+the image and one attention panel at a readable size with its word under it; the words are stepped through
+with the arrow keys (once the image is clicked or tabbed to) or by clicking them. PAGE_SIZE images make a
+page, each page links every other; the inputs that could not be captioned are listed first, on the first
+page (index.html). Every file is named by captioner.viz.layout and recorded there before it is written.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import math
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from PIL import Image
+from PIL import ExifTags, Image
 
 from captioner.data.images import load_rgb
 from captioner.fileio import atomic_write
+from captioner.viz.layout import GalleryFiles
 
-COPIES = "images"  # the folder, inside the gallery's, that holds the copies of images from elsewhere
+PAGE_SIZE = 50  # captioned images per page
+AS_IS = ("PNG", "JPEG", "GIF", "WEBP")  # formats every browser shows: a still RGB or grey one small enough is copied
+# byte for byte (an EXIF orientation kept: browsers apply it)
 COPY_SIDE = 1024  # copies are shrunk to this longest side (pixels)
 SHOWN = (640, 320)  # images and panels are shown scaled to fit this box (width, height), small ones enlarged ...
 SHOWN_MIN = 120  # ... and in a box at least this wide and high: a 4000 x 20 image keeps room for its label
 # The brightness scale of the panels (captioner.viz.overlay.DIM_FLOOR): 15 % grey where a word puts no attention.
 LEGEND = "linear-gradient(to right, rgb(38, 38, 38), rgb(255, 255, 255))"
+MARK = "rgb(230, 120, 0)"  # the 1/L mark's colour, as on the sheets (captioner.viz.sheet.MARK)
 
 
 @dataclass(frozen=True)
@@ -36,10 +44,11 @@ class GalleryEntry:
 
     image: str | Path  # the image file
     caption: str
-    overlay: str | Path | None = None  # all panels in one PNG (captioner.viz.overlay.draw_overlay)
+    overlay: str | Path | None = None  # all panels in one image (captioner.viz.overlay.draw_overlay)
     references: tuple[str, ...] = ()  # reference captions, shown under the generated one
     image_id: int | None = None  # the heading; the image's file name when None
     panels: tuple[tuple[str, str | Path], ...] = ()  # (word, its attention panel), in caption order
+    scale: tuple[float, float] | None = None  # the panels' scale: (1/L, the top weight per cell; Shading's)
     error: str | None = None  # why the input was not captioned (the entry is listed, not shown)
 
 
@@ -56,8 +65,12 @@ body { font-family: sans-serif; margin: 1.5em; background: #fafafa; color: #222;
 .words button { font-size: 1.1em; margin: 0 0.2em 0.3em 0; padding: 0.2em 0.6em; border: 1px solid #aaa;
                 background: #f4f4f4; border-radius: 4px; cursor: pointer; }
 .words button.current { background: #4a90d9; color: white; border-color: #4a90d9; }
-.legend { display: flex; align-items: center; gap: 0.5em; color: #555; font-size: 0.9em; }
-.legend span.bar { display: inline-block; width: 12em; height: 0.9em; border: 1px solid #999; }
+.legend { display: flex; flex-wrap: wrap; align-items: center; gap: 0.5em; color: #555; font-size: 0.9em; }
+.legend > * { white-space: nowrap; }
+.legend span.bar { display: inline-block; position: relative; width: 12em; height: 0.9em; border: 1px solid #999; }
+.legend span.mark { position: absolute; top: -0.3em; bottom: -0.3em; width: 3px; margin-left: -1px; }
+.legend b { font-weight: bold; }
+nav.pages { margin: 0.5em 0 1em; } nav.pages a, nav.pages b { margin-right: 0.4em; }
 .refs { color: #555; }
 .failed { background: #fff4f4; border: 1px solid #e3b4b4; padding: 0.5em 1em; }
 .failed code { word-break: break-all; }
@@ -85,31 +98,36 @@ document.querySelectorAll(".entry[data-words]").forEach(entry => {
 """
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path.resolve().is_relative_to(folder.resolve())
-
-
 def _href(target: Path, out_dir: Path) -> str:
     """A relative, URL-quoted and HTML-escaped link from ``out_dir`` to ``target`` (a file inside it)."""
     relative = os.path.relpath(target.resolve(), out_dir.resolve())
     return html.escape(quote(Path(relative).as_posix()), quote=True)
 
 
-def _local(target: str | Path, out_dir: Path, number: int) -> str:
-    """The link to ``target`` from the page: the file itself when it lies inside ``out_dir``, else a copy
-    written into ``out_dir/images`` (as JPEG, at most COPY_SIDE pixels). FileNotFoundError when it is missing."""
+def _local(
+    target: str | Path, files: GalleryFiles, number: int, image: str | Path, role: str, max_pixels: int | None = None
+) -> str:
+    """The link to ``target`` from the pages: the file itself when it lies inside the gallery, else its copy
+    ``files.copy(number, image, role, ...)`` (recorded, then written). FileNotFoundError when it is missing."""
     target = Path(target)
     if not target.is_file():
         raise FileNotFoundError(f"gallery file not found: {target}")
-    if _inside(target, out_dir):
-        return _href(target, out_dir)
-    copy = out_dir / COPIES / f"{number:04d}_{target.stem}.jpg"
-    copy.parent.mkdir(parents=True, exist_ok=True)
-    picture = load_rgb(target)
-    picture.thumbnail((COPY_SIDE, COPY_SIDE))
-    with atomic_write(copy, "wb") as handle:
-        picture.save(handle, format="JPEG", quality=90)
-    return _href(copy, out_dir)
+    if target.resolve().is_relative_to(files.root.resolve()):
+        return _href(target, files.root)
+    with Image.open(target) as header:
+        still = not getattr(header, "is_animated", False) and header.mode != "CMYK"  # as captioned, as shown
+        as_is = header.format in AS_IS and still and max(header.size) <= COPY_SIDE
+        suffix = {"JPEG": ".jpg"}.get(header.format, f".{str(header.format).lower()}") if as_is else ".jpg"
+    copy = files.record(files.copy(number, image, role, suffix))
+    if as_is:
+        with atomic_write(copy, "wb", durable=False) as handle, open(target, "rb") as source:
+            shutil.copyfileobj(source, handle)
+    else:
+        picture = load_rgb(target, max_pixels, size=COPY_SIDE)
+        picture.thumbnail((COPY_SIDE, COPY_SIDE))
+        with atomic_write(copy, "wb", durable=False) as handle:
+            picture.save(handle, format="JPEG", quality=90)
+    return _href(copy, files.root)
 
 
 def _shown(link: str, out_dir: Path) -> str:
@@ -117,17 +135,37 @@ def _shown(link: str, out_dir: Path) -> str:
     SHOWN_MIN pixels each way (the image centred in it, its aspect ratio kept)."""
     with Image.open(out_dir / unquote(html.unescape(link))) as image:
         width, height = image.size
+        if image.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):  # a browser turns it on its side
+            width, height = height, width
     scale = min(SHOWN[0] / width, SHOWN[1] / height)
     return f"width: {max(SHOWN_MIN, round(width * scale))}px; height: {max(SHOWN_MIN, round(height * scale))}px"
 
 
-def _entry(number: int, entry: GalleryEntry, out_dir: Path) -> list[str]:
+def _legend(scale: tuple[float, float] | None) -> str:
+    """The panels' brightness scale, as the sheets' colour bar gives it: 0 to the caption's top weight per
+    cell, uniform attention (1/L) marked."""
+    if scale is None:
+        return (
+            f'attention: <span>none</span><span class="bar" style="background: {LEGEND}"></span>'
+            "<span>the caption's highest</span>"
+        )
+    uniform, top = scale
+    mark = f'<span class="mark" style="left: {100 * uniform / top:.1f}%; background: {MARK}"></span>'
+    return (
+        f'attention weight per cell: <span>0</span><span class="bar" style="background: {LEGEND}">{mark}</span>'
+        f"<span>{top:.3g} (this caption's highest)</span><span>&middot;</span>"
+        f'<span><b style="color: {MARK}">orange mark: 1/L = {uniform:.3g}</b>, uniform attention</span>'
+    )
+
+
+def _entry(number: int, entry: GalleryEntry, files: GalleryFiles, max_pixels: int | None) -> list[str]:
     """The HTML of one captioned input."""
+    out_dir = files.root
     caption = html.escape(entry.caption)
     name = html.escape(f"image {entry.image_id}" if entry.image_id is not None else Path(entry.image).name)
-    image = _local(entry.image, out_dir, number)
+    image = _local(entry.image, files, number, entry.image, "", max_pixels)
     words = [word for word, _ in entry.panels]
-    panels = [_local(panel, out_dir, number) for _, panel in entry.panels]
+    panels = [_local(panel, files, number, entry.image, f"{k + 1:02d}") for k, (_, panel) in enumerate(entry.panels)]
     data = ""
     if panels:
         unquoted = [html.unescape(link) for link in panels]
@@ -157,12 +195,12 @@ def _entry(number: int, entry: GalleryEntry, out_dir: Path) -> list[str]:
         )
         parts.append(f'<div class="words">{buttons}</div>')
         parts.append(
-            '<p class="legend">attention: <span>none</span><span class="bar" style="background: '
-            f"{LEGEND}\"></span><span>the caption's highest</span> &middot; click a word, or click the image "
-            "and step with the arrow keys</p>"
+            f'<p class="legend">{_legend(entry.scale)}<span>&middot;</span><span>click a word, or click the image and '
+            "step with the arrow keys</span></p>"
         )
     if entry.overlay is not None:
-        parts.append(f'<p><a href="{_local(entry.overlay, out_dir, number)}">every word in one image</a></p>')
+        sheet = _local(entry.overlay, files, number, entry.image, "sheet")
+        parts.append(f'<p><a href="{sheet}">every word in one image</a></p>')
     if entry.references:
         items = "".join(f"<li>{html.escape(ref)}</li>" for ref in entry.references)
         parts.append(f'<ul class="refs">{items}</ul>')
@@ -170,39 +208,75 @@ def _entry(number: int, entry: GalleryEntry, out_dir: Path) -> list[str]:
     return parts
 
 
-def write_gallery(
-    out_dir: str | os.PathLike, entries: Sequence[GalleryEntry], title: str = "captioner gallery"
-) -> Path:
-    """Write ``out_dir/index.html`` atomically, one section per entry in the given order and a list of the
-    entries with an error; return its path.
-
-    Every file the page shows lies in ``out_dir`` (images from elsewhere are copied in), linked relatively,
-    so the folder can be moved; all text is HTML-escaped. Raises FileNotFoundError for a missing image,
-    overlay or panel.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en">',
-        '<head><meta charset="utf-8">',
-        f"<title>{html.escape(title)}</title>",
-        f"<style>{_STYLE}</style>",
-        "</head>",
-        "<body>",
-        f"<h1>{html.escape(title)}</h1>",
+def _navigation(index: int, pages: int, files: GalleryFiles) -> str:
+    """The links to every page, the current one in bold (nothing for a single page)."""
+    if pages == 1:
+        return ""
+    links = [
+        f"<b>{k + 1}</b>" if k == index else f'<a href="{_href(files.page(k), files.root)}">{k + 1}</a>'
+        for k in range(pages)
     ]
+    return f'<nav class="pages">page {" ".join(links)}</nav>'
+
+
+def page_count(images: int) -> int:
+    """How many pages a gallery of ``images`` captioned images has (at least one)."""
+    return max(1, math.ceil(images / PAGE_SIZE))
+
+
+def write_gallery(
+    out_dir: str | os.PathLike,
+    entries: Sequence[GalleryEntry],
+    title: str = "captioner gallery",
+    files: GalleryFiles | None = None,
+    max_pixels: int | None = None,
+) -> Path:
+    """Write the gallery's pages atomically (``index.html`` first, PAGE_SIZE captioned entries a page, in the
+    given order; entry ``n`` named ``n`` by ``files``); return the first page's path.
+
+    The first page starts with a count of the entries and the list of those with an error. Every file the
+    pages show lies in ``out_dir`` (files from elsewhere are copied in), linked relatively, so the folder can
+    be moved; all text is HTML-escaped. ``files``: the folder's names and record (default: ``out_dir``'s).
+    Raises FileNotFoundError for a missing image, overlay or panel, and FileExistsError where a file that no
+    gallery wrote (captioner.viz.layout's record) is in the way: it is never replaced. ``max_pixels``: the
+    pixel limit of the images copied in (``captioner.data.images.load_rgb``'s).
+    """
+    files = files if files is not None else GalleryFiles(out_dir)
+    files.root.mkdir(parents=True, exist_ok=True)
+    shown = [(number, entry) for number, entry in enumerate(entries) if entry.error is None]
     failed = [entry for entry in entries if entry.error is not None]
-    for number, entry in enumerate(entries):
-        if entry.error is None:
-            parts += _entry(number, entry, out_dir)
-    if failed:
-        items = "".join(
-            f"<li><code>{html.escape(str(entry.image))}</code>: {html.escape(entry.error)}</li>" for entry in failed
-        )
-        parts.append(f'<section class="failed"><h2>Not captioned ({len(failed)})</h2><ul>{items}</ul></section>')
-    parts += [f"<script>{_SCRIPT}</script>", "</body>", "</html>", ""]
-    index = out_dir / "index.html"
-    with atomic_write(index, "wb") as handle:
-        handle.write("\n".join(parts).encode("utf-8"))
-    return index
+    pages = page_count(len(shown))
+    bodies = [
+        [
+            part
+            for number, entry in shown[k * PAGE_SIZE : (k + 1) * PAGE_SIZE]
+            for part in _entry(number, entry, files, max_pixels)
+        ]
+        for k in range(pages)
+    ]
+    for index, body in enumerate(bodies):
+        parts = [
+            "<!DOCTYPE html>",
+            '<html lang="en">',
+            '<head><meta charset="utf-8">',
+            f"<title>{html.escape(title)}{f' ({index + 1}/{pages})' if pages > 1 else ''}</title>",
+            f"<style>{_STYLE}</style>",
+            "</head>",
+            "<body>",
+            f"<h1>{html.escape(title)}</h1>",
+        ]
+        if index == 0:
+            parts.append(f"<p>{len(shown)} captioned, {len(failed)} not captioned</p>")
+            if failed:
+                items = "".join(
+                    f"<li><code>{html.escape(str(entry.image))}</code>: {html.escape(str(entry.error))}</li>"
+                    for entry in failed
+                )
+                parts.append(
+                    f'<section class="failed"><h2>Not captioned ({len(failed)})</h2><ul>{items}</ul></section>'
+                )
+        navigation = _navigation(index, pages, files)
+        parts += [navigation, *body, navigation, f"<script>{_SCRIPT}</script>", "</body>", "</html>", ""]
+        with atomic_write(files.record(files.page(index)), "wb") as handle:
+            handle.write("\n".join(parts).encode("utf-8"))
+    return files.page(0)

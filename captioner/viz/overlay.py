@@ -7,8 +7,10 @@ brightness scale, from no attention (dimmed) to the caption's highest weight on 
 colour bar gives that scale with uniform attention (1/L) marked: a flat map looks flat, a sharp one
 bright on its spot. For hard attention the chosen cell is outlined.
 
-Figures are built with matplotlib's object-oriented API on an Agg canvas: no display, and no
-pyplot figure registry to leak from.
+:func:`shade` computes the panels once; :func:`word_panels` returns them, :func:`overlay_figure` lays them out
+as a matplotlib figure (for notebooks; the object-oriented API on an Agg canvas: no display, and no pyplot
+figure registry to leak from) and :func:`draw_overlay` as one PNG sheet (captioner.viz.sheet, drawn with
+Pillow: a figure per image costs seconds).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,8 +31,6 @@ from matplotlib.patches import Rectangle
 from PIL import Image, ImageDraw
 from torch import Tensor
 
-from captioner.fileio import atomic_write
-
 MAX_COLUMNS = 5  # panels per row
 MAX_SIDE = 448  # the image is shrunk to this longest side (pixels) before drawing
 PANEL_INCHES = 2.4  # width of one panel
@@ -40,17 +40,19 @@ ASPECT_RANGE = (0.5, 2.0)  # a panel's height / width, whatever the image's
 
 
 def upsample_attention(alpha: Tensor | np.ndarray, grid: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
-    """Bicubically upsample one attention map ``alpha`` ``(H*W,)`` to ``size = (width, height)``.
+    """Bicubically upsample attention maps ``alpha`` ``(H*W,)`` or ``(T, H*W)`` to ``size = (width, height)``.
 
-    Returns a float32 array ``(height, width)`` of attention weight per cell (a uniform map stays 1/L
-    everywhere), never negative, with cell (r, c) centred on its part of the image: no shift, whatever
-    the grid or aspect ratio.
+    Returns a float32 array ``(height, width)`` (or ``(T, height, width)``) of attention weight per cell (a
+    uniform map stays 1/L everywhere), never negative, with cell (r, c) centred on its part of the image: no
+    shift, whatever the grid or aspect ratio.
     """
     rows, cols = grid
     width, height = size
-    grid_map = torch.as_tensor(alpha).detach().to("cpu", torch.float32).reshape(1, 1, rows, cols)
-    smooth = F.interpolate(grid_map, size=(height, width), mode="bicubic", align_corners=False)
-    return smooth[0, 0].clamp_min(0.0).numpy()  # (height, width); bicubic overshoots below zero
+    maps = torch.as_tensor(alpha).detach().to("cpu", torch.float32)
+    grid_maps = maps.reshape(-1, 1, rows, cols)  # (T, 1, H, W)
+    smooth = F.interpolate(grid_maps, size=(height, width), mode="bicubic", align_corners=False)[:, 0]
+    smooth = smooth.clamp_min(0.0).numpy()  # (T, height, width); bicubic overshoots below zero
+    return smooth if maps.dim() == 2 else smooth[0]
 
 
 def _as_alphas(alphas: Tensor | np.ndarray, steps: int, grid: tuple[int, int]) -> np.ndarray:
@@ -64,19 +66,29 @@ def _as_alphas(alphas: Tensor | np.ndarray, steps: int, grid: tuple[int, int]) -
     return array
 
 
-def overlay_figure(
+@dataclass(frozen=True)
+class Shading:
+    """The panels of one caption: the image, and per word the image dimmed where the word's attention is low,
+    on the caption's one brightness scale from 0 (dimmed to DIM_FLOOR) to ``top`` (as is)."""
+
+    picture: Image.Image  # the image, RGB, shrunk to at most MAX_SIDE pixels
+    panels: tuple[Image.Image, ...]  # one per word, the picture's size; hard attention: the chosen cell outlined
+    top: float  # the scale's top: the caption's highest upsampled weight per cell (at least 1/L)
+    uniform: float  # 1/L: the weight of every cell under uniform attention
+    cells: tuple[tuple[float, float, float, float], ...] | None  # hard attention: the outlined box per word
+
+
+def shade(
     image: Image.Image,
     words: Sequence[str],
     alphas: Tensor | np.ndarray,
     grid: tuple[int, int],
     locations: Sequence[int] | None = None,
-    title: str | None = None,
-) -> Figure:
-    """Build the overlay figure: ``1 + len(words)`` axes, the image first, then one per word.
-
-    ``alphas`` is ``(T, H*W)`` (row t: the attention used for word t, ``T >= len(words)``);
-    ``locations`` (hard attention) gives the attended cell index per word, outlined in its panel.
-    """
+    outline: bool = True,
+) -> Shading:
+    """The panels of ``words``: ``alphas`` is ``(T, H*W)`` (row t: the attention used for word t, ``T >=
+    len(words)``); ``locations`` (hard attention) gives the attended cell index per word, outlined in its panel
+    unless ``outline`` is false (a figure draws its own). ValueError for shapes that do not match."""
     rows, cols = grid
     if rows < 1 or cols < 1:
         raise ValueError(f"grid must be positive, got {grid}")
@@ -87,16 +99,54 @@ def overlay_figure(
         bad = [loc for loc in locations[: len(words)] if not 0 <= int(loc) < rows * cols]
         if bad:
             raise ValueError(f"locations {bad} are outside the {rows}x{cols} grid")
-
     picture = image.convert("RGB")
     picture.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.LANCZOS)
     width, height = picture.size
-    pixels = np.asarray(picture, dtype=np.float32) / 255.0  # (height, width, 3)
-
-    heat = [upsample_attention(maps[step], grid, (width, height)) for step in range(len(words))]
+    pixels = np.asarray(picture, dtype=np.float32)  # (height, width, 3)
     uniform = 1.0 / (rows * cols)
-    scale = Normalize(0.0, max([uniform, *(float(h.max()) for h in heat)]))  # one scale for the caption
+    if not words:
+        return Shading(picture, (), uniform, uniform, None if locations is None else ())
+    heat = upsample_attention(maps[: len(words)], grid, (width, height))  # (T, height, width)
+    top = max(uniform, float(heat.max()))
+    brightness = DIM_FLOOR + (1.0 - DIM_FLOOR) * np.clip(heat / top, 0.0, 1.0)  # (T, height, width)
+    panels = [Image.fromarray((pixels * level[..., None]).round().astype(np.uint8)) for level in brightness]
+    cells = None
+    if locations is not None:
+        cells = []
+        for step, panel in enumerate(panels):
+            row, col = divmod(int(locations[step]), cols)
+            box = (col * width / cols, row * height / rows, (col + 1) * width / cols - 1, (row + 1) * height / rows - 1)
+            if outline:
+                ImageDraw.Draw(panel).rectangle(box, outline=(255, 0, 0), width=max(1, min(width, height) // 100))
+            cells.append(box)
+        cells = tuple(cells)
+    return Shading(picture, tuple(panels), top, uniform, cells)
 
+
+def word_panels(
+    image: Image.Image,
+    words: Sequence[str],
+    alphas: Tensor | np.ndarray,
+    grid: tuple[int, int],
+    locations: Sequence[int] | None = None,
+) -> list[Image.Image]:
+    """One image per word (:func:`shade`'s panels), without titles or axes: a page shows the word beside it at
+    its own size."""
+    return list(shade(image, words, alphas, grid, locations).panels)
+
+
+def overlay_figure(
+    image: Image.Image,
+    words: Sequence[str],
+    alphas: Tensor | np.ndarray,
+    grid: tuple[int, int],
+    locations: Sequence[int] | None = None,
+    title: str | None = None,
+) -> Figure:
+    """The panels of :func:`shade` as a matplotlib figure: ``1 + len(words)`` axes, the image first, then one
+    per word with the word as its title, and the colour bar of the caption's scale (1/L marked)."""
+    shading = shade(image, words, alphas, grid, locations, outline=False)
+    width, height = shading.picture.size
     panels = 1 + len(words)
     ncols = min(MAX_COLUMNS, panels)
     nrows = math.ceil(panels / ncols)
@@ -112,27 +162,21 @@ def overlay_figure(
     if title:
         fig.suptitle(title, parse_math=False)
     axes = []
-    for panel in range(panels):
+    for panel, picture in enumerate([shading.picture, *shading.panels]):
         ax = fig.add_subplot(nrows, ncols, panel + 1)
         ax.set_axis_off()
+        ax.imshow(np.asarray(picture, dtype=np.float32) / 255.0)
         axes.append(ax)
-        if panel == 0:
-            ax.imshow(pixels)
-            continue
-        step = panel - 1
-        weight = np.clip(scale(heat[step]), 0.0, 1.0)  # (height, width) in [0, 1] on the caption's scale
-        ax.imshow(pixels * (DIM_FLOOR + (1.0 - DIM_FLOOR) * weight[..., None]))
-        ax.set_title(words[step], parse_math=False)
-        if locations is not None:
-            row, col = divmod(int(locations[step]), cols)
-            cell_w, cell_h = width / cols, height / rows
-            ax.add_patch(
-                Rectangle(
-                    (col * cell_w - 0.5, row * cell_h - 0.5), cell_w, cell_h, fill=False, edgecolor="red", linewidth=1.5
-                )
+        if panel > 0:
+            ax.set_title(words[panel - 1], parse_math=False)
+        if panel > 0 and shading.cells is not None:
+            left, top, right, bottom = shading.cells[panel - 1]
+            outline = Rectangle(
+                (left - 0.5, top - 0.5), right + 1 - left, bottom + 1 - top, fill=False, edgecolor="red"
             )
+            ax.add_patch(outline)
     if words:
-        _colour_bar(fig, axes, scale, uniform)
+        _colour_bar(fig, axes, Normalize(0.0, shading.top), shading.uniform)
     return fig
 
 
@@ -140,11 +184,12 @@ def _colour_bar(fig: Figure, axes: list, scale: Normalize, uniform: float) -> No
     """The caption's brightness scale beside the panels: attention weight per cell, 1/L marked."""
     shades = LinearSegmentedColormap.from_list("dimming", [(DIM_FLOOR,) * 3, (1.0, 1.0, 1.0)])
     bar = fig.colorbar(ScalarMappable(scale, shades), ax=axes, shrink=0.8, aspect=30)
-    bar.set_label("attention weight per cell")
-    bar.ax.axhline(uniform, color="tab:orange", linewidth=1.5)
+    bar.set_label("attention weight per cell (0 to this caption's highest)")
+    bar.ax.axhline(uniform, color="tab:orange", linewidth=2)
     bar.ax.text(
-        1.05, uniform, "1/L", transform=bar.ax.get_yaxis_transform(), va="center", color="tab:orange", fontsize=8
-    )
+        -0.15, uniform, "1/L", transform=bar.ax.get_yaxis_transform(), ha="right", va="center", color="tab:orange",
+        fontsize=10, fontweight="bold",
+    )  # fmt: skip
 
 
 def draw_overlay(
@@ -155,39 +200,12 @@ def draw_overlay(
     out_path: str | os.PathLike,
     locations: Sequence[int] | None = None,
     title: str | None = None,
-) -> Path:
-    """Draw :func:`overlay_figure` into a PNG at ``out_path`` (written atomically); return the path."""
-    fig = overlay_figure(image, words, alphas, grid, locations=locations, title=title)
-    with atomic_write(out_path, "wb") as handle:
-        fig.savefig(handle, format="png", dpi=DPI)
-    return Path(out_path)
+) -> Shading:
+    """Write the panels of :func:`shade` as one PNG sheet at ``out_path`` (atomically; captioner.viz.sheet):
+    the image, then one panel per word under its word, the colour bar of the caption's scale; return the
+    shading, whose panels a gallery shows one at a time."""
+    from captioner.viz.sheet import write_sheet
 
-
-def word_panels(
-    image: Image.Image,
-    words: Sequence[str],
-    alphas: Tensor | np.ndarray,
-    grid: tuple[int, int],
-    locations: Sequence[int] | None = None,
-) -> list[Image.Image]:
-    """One image per word, as the panels of :func:`overlay_figure` draw it (the image dimmed where the word's
-    attention is low, one scale for the caption, the attended cell outlined for hard attention), without
-    titles or axes: a page shows the word beside it at its own size."""
-    rows, cols = grid
-    maps = _as_alphas(alphas, len(words), grid)
-    picture = image.convert("RGB")
-    picture.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.LANCZOS)
-    width, height = picture.size
-    pixels = np.asarray(picture, dtype=np.float32) / 255.0
-    heat = [upsample_attention(maps[step], grid, (width, height)) for step in range(len(words))]
-    scale = Normalize(0.0, max([1.0 / (rows * cols), *(float(h.max()) for h in heat)]))
-    panels = []
-    for step in range(len(words)):
-        weight = np.clip(scale(heat[step]), 0.0, 1.0)[..., None]
-        panel = Image.fromarray((pixels * (DIM_FLOOR + (1.0 - DIM_FLOOR) * weight) * 255).round().astype(np.uint8))
-        if locations is not None:
-            row, col = divmod(int(locations[step]), cols)
-            box = (col * width / cols, row * height / rows, (col + 1) * width / cols - 1, (row + 1) * height / rows - 1)
-            ImageDraw.Draw(panel).rectangle(box, outline=(255, 0, 0), width=max(1, min(width, height) // 100))
-        panels.append(panel)
-    return panels
+    shading = shade(image, words, alphas, grid, locations)
+    write_sheet(shading, words, out_path, title)
+    return shading

@@ -1,0 +1,131 @@
+"""The files of a gallery folder: every name a gallery gives (one numbering for all of them), and the record of
+what it wrote there, so that a later ``--force`` removes exactly those files and nothing of the user's.
+
+Entry ``n`` of image ``photos/cat.png`` is ``0007_cat``: its sheet ``0007_cat.jpg``, its panels
+``0007_cat/01.jpg``, ..., and copies of files from elsewhere under ``images/``: ``0007_cat.jpg`` for the image,
+``0007_cat.sheet.jpg`` and ``0007_cat.01.jpg`` for a sheet or panel (each copy its own name). The pages are
+``index.html``, ``page002.html``, .... The record, ``.captioner-gallery``, lists one written file per line (a
+JSON string, relative to the folder), each added before the file is written: a run that stops halfway still
+leaves a record of all it wrote. Hidden, it is never listed as an input either.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+MANIFEST = ".captioner-gallery"  # the record of the files a gallery wrote into its folder
+COPIES = "images"  # the folder, inside the gallery's, that holds the copies of files from elsewhere
+
+
+class GalleryFiles:
+    """The names of a gallery's files in ``root``, and the record of those a gallery wrote there."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.earlier = self._read()  # what an earlier gallery recorded (paths relative to root, POSIX)
+        self.written: set[str] = set()  # what this one recorded
+
+    def _read(self) -> set[str]:
+        record = self.root / MANIFEST
+        if not record.is_file():
+            return set()
+        written = set()
+        for line in record.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                name = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a run that stopped while writing it
+                continue
+            if isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts:
+                written.add(name)
+        return written
+
+    # ----------------------------------------------------------------------------------------- names
+    @staticmethod
+    def entry(number: int, image: str | os.PathLike) -> str:
+        """The name of entry ``number`` (its position in the gallery, from 0) of ``image``: ``0007_cat``."""
+        return f"{number:04d}_{Path(image).stem}"
+
+    def sheet(self, number: int, image: str | os.PathLike) -> Path:
+        """The sheet of every word (captioner.viz.sheet) of entry ``number``."""
+        return self.root / f"{self.entry(number, image)}.jpg"
+
+    def panel(self, number: int, image: str | os.PathLike, step: int) -> Path:
+        """The panel of word ``step`` (from 0) of entry ``number``."""
+        return self.root / self.entry(number, image) / f"{step + 1:02d}.jpg"
+
+    def panels(self, number: int, image: str | os.PathLike) -> Path:
+        """The folder of entry ``number``'s panels."""
+        return self.root / self.entry(number, image)
+
+    def copy(self, number: int, image: str | os.PathLike, role: str, suffix: str) -> Path:
+        """The copy of a file from elsewhere shown by entry ``number``: ``role`` is "" for the image itself,
+        ``sheet`` or a panel's ``01``, ``02``, ...; ``suffix`` the copy's format (``.jpg``, ``.png``)."""
+        return self.root / COPIES / f"{self.entry(number, image)}{'.' + role if role else ''}{suffix}"
+
+    def page(self, index: int) -> Path:
+        """Page ``index`` (from 0) of the gallery: ``index.html``, then ``page002.html``, ..."""
+        return self.root / ("index.html" if index == 0 else f"page{index + 1:03d}.html")
+
+    def planned(self, number: int, image: str | os.PathLike) -> list[Path]:
+        """What entry ``number`` of ``image`` may write: its sheet, its panels' folder and its copies."""
+        copies = (self.root / COPIES).glob(f"{glob.escape(self.entry(number, image))}.*")
+        return [self.sheet(number, image), self.panels(number, image), *copies]
+
+    # ------------------------------------------------------------------------------------- the record
+    def relative(self, path: str | os.PathLike) -> str:
+        """``path`` (inside root) relative to root, as the record writes it."""
+        return Path(os.path.relpath(os.path.realpath(path), os.path.realpath(self.root))).as_posix()
+
+    def ours(self, path: str | os.PathLike) -> bool:
+        """Whether a gallery (an earlier one, or this one) recorded ``path``."""
+        name = self.relative(path)
+        return name in self.earlier or name in self.written
+
+    def conflicts(self, paths: Iterable[Path]) -> list[Path]:
+        """Those of ``paths`` (files or folders a gallery would write) that exist and that no gallery wrote: a
+        file not recorded, a folder that holds one."""
+        found = []
+        for path in paths:
+            if path.is_dir() and not path.is_symlink():
+                if any(not self.ours(inner) for inner in path.rglob("*") if not inner.is_dir()):
+                    found.append(path)
+            elif (path.exists() or path.is_symlink()) and not self.ours(path):
+                found.append(path)
+        return found
+
+    def record(self, path: str | os.PathLike) -> Path:
+        """Add ``path`` to the record before it is written; return it. FileExistsError when it exists and no
+        gallery wrote it: a user's file is never overwritten."""
+        path = Path(path)
+        if self.ours(path):
+            return path
+        if path.exists() or path.is_symlink():
+            raise FileExistsError(f"{path} exists and no gallery wrote it; it is left as it is")
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / MANIFEST, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(self.relative(path)) + "\n")
+        self.written.add(self.relative(path))
+        return path
+
+    def clear(self) -> None:
+        """Remove every file an earlier gallery recorded, then its folders left empty, and start a new record.
+        Files that are gone already are skipped; nothing unrecorded is touched."""
+        folders = set()
+        for name in sorted(self.earlier):
+            path = self.root / name
+            if path.is_dir():
+                continue
+            if path.exists() or path.is_symlink():
+                path.unlink()
+            folders.update(
+                parent for parent in path.parents if parent.is_relative_to(self.root) and parent != self.root
+            )
+        for folder in sorted(folders, key=lambda item: len(item.parts), reverse=True):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        (self.root / MANIFEST).unlink(missing_ok=True)
+        self.earlier = set()
