@@ -7,10 +7,10 @@ pick one with ``_target_`` under ``data.source``; nothing else in the project ne
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from captioner.config import ShapesSpec
 from captioner.data.readers import SPLITS, Record, read_coco, read_karpathy
@@ -114,6 +114,21 @@ class KarpathySource:
         """Read ``split`` (restval joins train unless ``restval_as_train`` is off)."""
         check_choice("split", split, SPLITS)
         return read_karpathy(self.split_file, self.image_root, splits=(split,), restval_as_train=self.restval_as_train)
+
+
+def shapes_folder(base: str, params: Mapping[str, Any], given: Collection[str]) -> str:
+    """Where a built-in set goes when ``data.source.root`` is not given: ``base`` (its dataset config's folder,
+    ``data/shapes``) holds the set the config describes; a set with any of its parameters ``given`` (the names
+    of ``ShapesSpec`` fields set on the command line, ``params`` their values) goes to a folder of its own, named
+    from them, so that a trial of another size never takes the place of the config's set:
+    ``<base>_<n_train>_<n_val>_<n_test>``, then ``_<name>-<value>`` for each other parameter given
+    (``data/shapes_64_16_16``, ``data/shapes_3000_250_250_seed-3``)."""
+    names = [item.name for item in fields(ShapesSpec) if item.name in given]
+    if not names:
+        return base
+    sizes = [str(params[f"n_{split}"]) for split in SPLITS]
+    others = [f"{name}-{params[name]}" for name in names if name.removeprefix("n_") not in SPLITS]
+    return "_".join([base, *sizes, *others])
 
 
 @dataclass(init=False)
