@@ -42,8 +42,10 @@ def _require(path: str | Path, what: str) -> Path:
     return path
 
 
-def _check_config_path(key: str, path: str | Path, kind: str) -> None:
+def _check_config_path(key: str, path: str | Path | None, kind: str) -> None:
     """Raise ConfigError naming ``data.source.<key>`` unless ``path`` is an existing ``kind`` ("file" or "folder")."""
+    if path is None:
+        raise ConfigError(f"{CONFIG_KEY}.{key} is null; give the {kind}'s path")
     target = Path(path)
     if not target.exists():
         raise ConfigError(f"{CONFIG_KEY}.{key}={str(path)!r}: {kind} not found ({DATASET_HELP})")

@@ -4,7 +4,9 @@
 its remedy and the section of ``docs/datasets.md`` that explains it: the dataset's split or caption files and
 image folders, how many of each split's images are there (``val: 0 of 5,000 images found under
 data/coco/val2014``), whether a sample of each split decodes, the vocabulary, checkpoint and logger packages the
-config names, the encoder's weights file and the accelerator the trainer asks for. ``ValidateConfig``
+config names, the encoder's weights file and the accelerator the trainer asks for; a check that fails in a way
+it does not expect (a folder this user cannot list, a null where a path goes) is a problem too, naming the error,
+so the run never starts on a traceback turned into a warning by Hydra. ``ValidateConfig``
 (``training/validate.py``) runs it once the config's values are valid; ``train.py`` prints the lines and exits
 with status 2 before any run folder exists.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +55,10 @@ class PreflightError(ConfigError):
         self.problems = found
 
 
-def _path_problem(key: str, path: str, kind: str, remedy: str, section: str) -> Problem | None:
+def _path_problem(key: str, path: str | None, kind: str, remedy: str, section: str) -> Problem | None:
     """A Problem unless ``path`` is an existing ``kind`` ("file" or "folder")."""
+    if path is None:
+        return Problem(f"{key} is null", f"give the {kind}'s path", section)
     target = Path(path)
     if not target.exists():
         return Problem(f"{key}={path!r}: {kind} not found", remedy, section)
@@ -80,7 +84,8 @@ def _source_paths(source: dict[str, Any]) -> Iterator[tuple[str, str, str, str, 
         yield "image_root", source["image_root"], "folder", "unzip the dataset's images there", "images"
     elif name == "CocoSource":
         for split, entry in source["splits"].items():
-            unzip = f"unzip annotations_trainval2014.zip into {Path(entry['captions']).parent.parent}"
+            where = Path(entry["captions"]).parent.parent if entry["captions"] else "the dataset's folder"
+            unzip = f"unzip annotations_trainval2014.zip into {where}"
             yield f"splits.{split}.captions", entry["captions"], "file", unzip, "split-files"
             yield f"splits.{split}.images", entry["images"], "folder", "unzip the split's images there", "images"
             if entry.get("instances"):
@@ -246,10 +251,32 @@ def _accelerator_problems(trainer: dict[str, Any]) -> list[Problem]:
     return []
 
 
+# The checks ``problems`` runs, in order: what each checks, and what to look at when it fails unexpectedly.
+CHECKS: tuple[tuple[str, Callable[[dict[str, Any]], list[Problem]], str, str], ...] = (
+    ("the dataset", _data_problems, "see the dataset's config in conf/data", "split-files"),
+    ("the files the config names", _file_problems, "see the run's keys in conf/config.yaml", "train"),
+    ("the encoder's weights", _encoder_problems, "see the encoder's config in conf/model", "encoder-weights"),
+    ("the accelerator", lambda cfg: _accelerator_problems(cfg["trainer"]), "see the trainer's config in conf/trainer",
+     "gpu"),
+)  # fmt: skip
+
+
 def problems(cfg: dict[str, Any]) -> list[Problem]:
     """Every problem with the files and devices the resolved training config ``cfg`` needs, in the order data,
-    files, encoder weights, accelerator; empty when the run can start."""
-    return [*_data_problems(cfg), *_file_problems(cfg), *_encoder_problems(cfg), *_accelerator_problems(cfg["trainer"])]
+    files, encoder weights, accelerator; empty when the run can start.
+
+    A check that fails in a way it does not expect (a folder this user cannot list, a value of the wrong
+    kind) is one problem naming the error, and the other checks still run."""
+    found = []
+    for what, find, remedy, section in CHECKS:
+        try:
+            found += find(cfg)
+        except Exception as exc:  # noqa: BLE001 - any failure of a check is reported, never a traceback
+            hint = "check that this user can read it" if isinstance(exc, OSError) else remedy
+            found.append(
+                Problem(f"{what} could not be checked: {type(exc).__name__}: {first_line(exc)}", hint, section)
+            )
+    return found
 
 
 def check(cfg: dict[str, Any]) -> None:
