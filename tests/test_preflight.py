@@ -209,3 +209,15 @@ def test_train_py_stops_on_an_error_preflight_does_not_expect_with_one_line(swee
     ]
     assert not (tmp_path / "s").exists()  # the run never started: nothing generated
     assert sweep or not logs.exists()
+
+
+def test_a_grid_larger_than_the_feature_map_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    message = (
+        "model.encoder.grid=40 is larger than the 12x12 feature map of resnet18 (layer2 of data.image_size=96 px "
+        "images); the grid only shrinks: set model.encoder.grid to at most 12, or read larger images "
+        f"({GUIDE}#train)"
+    )
+    root = f"data.source.root={tmp_path}/s"
+    assert _lines(["model.encoder.grid=40", root], tmp_path) == [message]
+    assert _lines(["model.encoder.grid=12", root], tmp_path) == []
+    assert _lines(["model.encoder.grid=40", root, f"init_from={tmp_path}"], tmp_path) == []  # the checkpoint's grid
