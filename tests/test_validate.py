@@ -193,4 +193,4 @@ def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups
     assert "  model.decoding.method=greedy  (one of: greedy, beam, sample; greedy for validation and test" in (
         "\n".join(lines)
     )
-    assert "  data.pad_to=null  (>= max_len + 2; Training captions padded" in proc.stdout
+    assert "  data.pad_to=null  (>= caption_tokens; Training captions padded" in proc.stdout
