@@ -41,7 +41,7 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
     [
         ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
         ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
-        ("model.decoding.min_len=20", "model.decoding.min_len=20 must be < max_len=20"),
+        ("model.decoding.min_len=16", "model.decoding.min_len=16 must be < max_len=16"),
         ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be >= 0"),
         ("model.nonfinite_check_interval=0", "model.nonfinite_check_interval=0 must be >= 1"),
         ("model.attention=medium", "model.attention='medium' is not valid; choose one of: soft, hard"),
