@@ -69,7 +69,7 @@ def train(cfg: DictConfig) -> float | None:
     if start.model is not None:  # the model of the checkpoint, not of the config
         with open_dict(cfg):
             for key, value in model_settings(start, plain, output_dir).items():
-                OmegaConf.update(cfg, key, value, merge=True)  # full sections: a replacement
+                OmegaConf.update(cfg, key, value, merge=True)
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         print_config_tree(plain, output_dir)  # the config that runs
     settings = validate_config(plain)  # the typed config, from here on

@@ -16,9 +16,11 @@ from omegaconf import OmegaConf
 from test_train import compose_cfg
 
 from captioner.config import (
+    MAX_LEN,
     Attention,
     DataConfig,
     DecoderConfig,
+    DecodingConfig,
     ModelConfig,
     TrainConfig,
     from_dict,
@@ -27,6 +29,7 @@ from captioner.config import (
 from captioner.errors import ConfigError
 from captioner.training.command_line import error_line
 from captioner.training.schemas import register_schemas
+from captioner.training.validate import validate_config
 from conftest import ROOT, compose_plain
 
 CONF = ROOT / "conf"
@@ -98,10 +101,30 @@ def test_every_schema_field_has_a_value_after_composition(overrides: list[str], 
 
 def test_the_schema_defaults_are_the_demo_model_the_yaml_files_do_not_repeat_them(tmp_path: Path) -> None:
     plain = OmegaConf.to_container(compose_cfg([], tmp_path), resolve=True, enum_to_str=True)
-    # conf/model/soft.yaml sets attention=soft, the default; conf/experiment/demo.yaml the SCST switch
-    assert plain["model"] == to_dict(ModelConfig(objective="scst"))
+    # conf/model/soft.yaml sets attention=soft, the default; conf/experiment/demo.yaml the SCST switch;
+    # conf/model/base.yaml decodes as long as the training captions are cut (the demo's: 16 words)
+    decoding = DecodingConfig(max_len=plain["data"]["max_len"])
+    assert plain["model"] == to_dict(ModelConfig(objective="scst", decoding=decoding))
     model_yaml = yaml.safe_load((CONF / "model" / "base.yaml").read_text())
-    assert set(model_yaml) == {"defaults"}
+    assert model_yaml == {"defaults": ["/model_schema@_here_", "_self_"], "decoding": {"max_len": "${data.max_len}"}}
+
+
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        ([], 16),
+        (["experiment=scenes"], 24),  # its captions reach 23 words
+        (["experiment=scenes", "model=hard"], 24),
+        (["experiment=coco_soft", "model.encoder.weights=null"], MAX_LEN),
+        (["data.max_len=30"], 30),
+    ],
+)
+def test_validation_decodes_as_long_as_the_training_captions(overrides: list[str], words: int, tmp_path: Path) -> None:
+    settings = validate_config(compose_plain(overrides, tmp_path))
+    assert settings.model.decoding.max_len == settings.data.max_len == words
+    assert settings.model.decoding.for_captioning().max_len == words  # the run's final scores and its summary
+    shorter = validate_config(compose_plain([*overrides, "model.decoding.max_len=12"], tmp_path))
+    assert (shorter.model.decoding.max_len, shorter.data.max_len) == (12, words)  # still a setting of its own
 
 
 def test_a_misspelt_key_in_a_config_file_fails_at_composition_with_the_key(tmp_path: Path) -> None:

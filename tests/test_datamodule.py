@@ -126,6 +126,14 @@ def test_loaders_hold_each_image_once_with_all_its_captions(source: ListSource) 
     assert list(per_caption.val_dataloader())[0]["captions"].shape[0] == 2  # validation stays per image
 
 
+def test_the_longest_training_caption_s_width_has_one_owner() -> None:
+    settings = DataConfig(max_len=8)
+    assert settings.caption_tokens == len(Vocabulary(["a"]).encode("a " * 20, settings.max_len)) == 10
+    assert DataConfig(max_len=8, pad_to=10).pad_to == 10
+    with pytest.raises(ConfigError, match=r"pad_to=9 must be >= 10"):
+        DataConfig(max_len=8, pad_to=9)
+
+
 def test_pad_to_gives_every_batch_the_same_caption_length(source: ListSource) -> None:
     datamodule = _datamodule(source, pad_to=10, max_len=8, num_workers=1)  # the partial collate reaches a worker
     datamodule.setup("fit")

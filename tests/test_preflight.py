@@ -134,3 +134,90 @@ def test_train_py_lists_every_problem_at_once_and_makes_no_run_folder(tmp_path: 
     gpu = [] if torch.cuda.is_available() else ["trainer.accelerator"]
     assert keys == ["data.source.split_file", "data.source.image_root", "model.encoder.weights", *gpu]
     assert not logs.exists()
+
+
+def test_a_null_file_or_an_unreadable_folder_is_a_problem_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "data"
+    coco = ["experiment=coco_soft", "data=coco", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu"]
+    lines = _lines([*coco, "data.source.splits.train.captions=null"], tmp_path)
+    assert lines[0] == f"data.source.splits.train.captions is null; give the file's path ({GUIDE}#split-files)"
+    _karpathy_tree(data, present={"train": 2, "val": 2, "test": 2}, sizes={"train": 2, "val": 2, "test": 2})
+
+    def denied(folder: str) -> list[str]:
+        raise PermissionError(13, "Permission denied", folder)
+
+    monkeypatch.setattr("os.listdir", denied)  # as for another user's folder (root reads every folder)
+    lines = _lines(["experiment=coco_soft", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu"], tmp_path)
+    assert lines == [
+        "the dataset could not be checked: PermissionError: [Errno 13] Permission denied: "
+        f"'{data / 'coco' / 'train2014'}'; check that this user can read it ({GUIDE}#split-files)"
+    ]
+
+
+def test_any_other_error_of_a_check_is_one_problem_and_the_others_still_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(name: str, weights: str) -> None:
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr("captioner.model.encoder.resolve_weights", broken)
+    overrides = [
+        f"data.source.root={tmp_path}/s",
+        f"data.vocab_file={tmp_path}/v.json",
+        "model.encoder.weights=DEFAULT",
+    ]
+    assert _lines(overrides, tmp_path) == [
+        f"data.vocab_file='{tmp_path}/v.json': file not found; give a vocabulary JSON file written by "
+        f"Vocabulary.save, or null to build one from the captions ({GUIDE}#train)",
+        "the encoder's weights could not be checked: ZeroDivisionError: division by zero; see the encoder's config "
+        f"in conf/model ({GUIDE}#encoder-weights)",
+    ]
+    with pytest.raises(PreflightError):
+        check(compose_plain(overrides[::2], tmp_path))
+
+
+# ``python -c SCRIPT ARGS...``: train.py with ARGS, the dataset's check raising what preflight never expects.
+BROKEN_CHECK = f"""import runpy, sys
+from captioner.data.sources import ShapesSource
+def broken(self):
+    raise RuntimeError("the dataset's check broke")
+ShapesSource.check_files = broken
+sys.argv[0] = {str(ROOT / "train.py")!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_train_py_stops_on_an_error_preflight_does_not_expect_with_one_line(sweep: bool, tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    tiny = ["+trainer.fast_dev_run=true", "data.source.n_train=4", "data.source.n_val=2", "data.source.n_test=2"]
+    args = [
+        *["-m"] * sweep,
+        f"paths.log_dir={logs}",
+        f"data.source.root={tmp_path}/s",
+        f"hydra.sweep.dir={logs}",
+        *tiny,
+    ]
+    proc = subprocess.run([sys.executable, "-c", BROKEN_CHECK, *args], cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: the dataset could not be checked: RuntimeError: the dataset's check broke; see the dataset's config "
+        f"in conf/data ({GUIDE}#split-files)"
+    ]
+    assert not (tmp_path / "s").exists()  # the run never started: nothing generated
+    assert sweep or not logs.exists()
+
+
+def test_a_grid_larger_than_the_feature_map_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    message = (
+        "model.encoder.grid=40 is larger than the 12x12 feature map of resnet18 (layer2 of data.image_size=96 px "
+        "images); the grid only shrinks: set model.encoder.grid to at most 12, or read larger images "
+        f"({GUIDE}#train)"
+    )
+    root = f"data.source.root={tmp_path}/s"
+    assert _lines(["model.encoder.grid=40", root], tmp_path) == [message]
+    assert _lines(["model.encoder.grid=12", root], tmp_path) == []
+    assert _lines(["model.encoder.grid=40", root, f"init_from={tmp_path}"], tmp_path) == []  # the checkpoint's grid

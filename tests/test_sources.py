@@ -193,3 +193,35 @@ def test_preflight_reports_every_missing_path_of_any_source_from_the_source_s_ow
     with pytest.raises(ConfigError) as info:
         check_paths(instantiate(plain["data"]["source"]).paths())
     assert str(info.value) == f"data.source.captions='{captions}': file not found {HELP}"
+
+
+@pytest.mark.parametrize(
+    "overrides,folder",
+    [
+        ([], "shapes"),  # the demo's set: data/shapes, as ever
+        (["data.source.n_train=64", "data.source.n_val=16", "data.source.n_test=16"], "shapes_64_16_16"),
+        (["data.source.n_val=16"], "shapes_3000_16_250"),  # every size, given or not: the name says them all
+        (["data.source.seed=3", "data.source.image_size=48"], "shapes_3000_250_250_image_size-48_seed-3"),
+        (["data=scenes"], "scenes"),
+        (["data=scenes", "data.source.n_train=64"], "scenes_64_200_200"),
+        (["data.source.n_train=64", "data.source.root={tmp}/mine"], "{tmp}/mine"),  # a root given is the root
+    ],
+)
+def test_a_set_of_other_parameters_goes_to_a_folder_of_its_own(
+    overrides: list[str], folder: str, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    plain = compose_plain([f"paths.data_dir={data}", *(o.format(tmp=tmp_path) for o in overrides)], tmp_path)
+    expected = folder.format(tmp=tmp_path) if folder.startswith("{tmp}") else str(data / folder)
+    assert plain["data"]["source"]["root"] == expected
+    assert instantiate(plain["data"]["source"]).root == expected
+
+
+def test_a_small_trial_set_leaves_the_demo_s_folder_to_the_demo(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    sizes = ["data.source.n_train=4", "data.source.n_val=2", "data.source.n_test=2", "data.source.image_size=32"]
+    trial = instantiate(compose_plain([f"paths.data_dir={data}", *sizes], tmp_path)["data"]["source"])
+    trial.prepare()
+    demo = instantiate(compose_plain([f"paths.data_dir={data}"], tmp_path)["data"]["source"])
+    assert not Path(demo.root).exists() and demo.spec == ShapesSpec()  # generated there on first use, untouched
+    assert [p.name for p in data.iterdir()] == ["shapes_4_2_2_image_size-32"]

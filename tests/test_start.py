@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from captioner.config import to_dict
+from captioner.config import ARCHITECTURE, ModelConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
 from captioner.fileio import save_torch
+from captioner.model.captioner import build_captioner
 from captioner.training.start import model_settings, resolve_start
 from conftest import RUN_NET, net_v1, write_run
 
@@ -77,21 +79,78 @@ def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:
     settings = model_settings(start, config, tmp_path / "out")
     net = to_dict(net_v1(RUN_NET))  # every field: what RUN_NET leaves out is the bundle format's ABSENT_KEY_VALUES
     assert settings == {
-        **{f"model.{key}": value for key, value in net.items()},
+        **{f"model.{key}": _value(net, key) for key in ARCHITECTURE},
         "data.image_size": 64,
         "data.vocab_file": str(tmp_path / "out" / "vocab.json"),
         "ckpt_path": None,  # a cross-entropy run's ckpt_path starts an SCST run as init_from: the config says so
         "init_from": str(tmp_path / "ce" / "bundle.pt"),
     }
-    assert (net["attention"], net["scorer"], net["self_attention"]["blocks"]) == ("hard", "dot", 1)
+    assert (settings["model.attention"], settings["model.scorer"], settings["model.self_attention.blocks"]) == (
+        "hard",
+        "dot",
+        1,
+    )
+    assert (settings["model.encoder.grid"], settings["model.decoder.hidden_dim"]) == (2, 8)
     assert Vocabulary.load(tmp_path / "out" / "vocab.json") == start.model.vocab
 
 
-def test_model_settings_say_which_values_of_the_config_the_checkpoint_changes(
+def _value(values: dict, key: str) -> object:
+    for part in key.split("."):
+        values = values[part]
+    return values
+
+
+TRAINING_ONLY = {  # each differs from the checkpoint's (RUN_NET's) value
+    "model.decoder.dropout": 0.05,
+    "model.decoder.hard_expectation_prob": 0.9,
+    "model.decoder.hard_expectation_warmup": 0.25,
+    "model.decoder.gumbel_tau": 2.0,
+    "model.decoder.hard_estimator": "gumbel",
+    "model.encoder.trainable_stages": 1,
+}
+
+
+def test_an_override_beats_the_checkpoint_s_training_only_settings(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     start = resolve_start(None, str(write_run(tmp_path / "ce", None)), "cross_entropy", 0)
-    config = {"model": to_dict(net_v1(RUN_NET)), "data": {"image_size": 96, "vocab_file": None}}
+    checkpoint = to_dict(start.model.config)
+    assert all(_value(checkpoint, key.removeprefix("model.")) != value for key, value in TRAINING_ONLY.items())
+    cfg = OmegaConf.create({"model": to_dict(ModelConfig()), "data": {"image_size": 96, "vocab_file": None}})
+    for key, value in TRAINING_ONLY.items():
+        OmegaConf.update(cfg, key, value)  # given on the command line
     with caplog.at_level(logging.INFO, logger="captioner.training.start"):
-        model_settings(start, config, tmp_path / "out")
-    assert "from the checkpoint, not the config: data.image_size, data.vocab_file" in caplog.text
+        for key, value in model_settings(start, OmegaConf.to_container(cfg), tmp_path / "out").items():
+            OmegaConf.update(cfg, key, value, merge=True)  # as train.py applies them
+    model = from_dict(ModelConfig, OmegaConf.to_container(cfg)["model"], "model")
+    assert {key: _value(to_dict(model), key.removeprefix("model.")) for key in TRAINING_ONLY} == TRAINING_ONLY
+    assert model.net().decoder.hidden_dim == 8 and model.encoder.grid == 2 and model.attention == "hard"  # its shape
+    build_captioner(model.net(), len(start.model.vocab)).load_state_dict(start.model.model.state_dict())
+    lines = [record.getMessage() for record in caplog.records]
+    assert (
+        "from the checkpoint (the network it trained), not the config: model.attention=hard (the config's: soft)"
+        in (lines[-2])
+    )
+    assert "model.decoder.hidden_dim=8 (the config's: 256)" in lines[-2] and "data.image_size=64" in lines[-2]
+    assert lines[-1] == (
+        "from the config (how this run trains), not the checkpoint: model.encoder.trainable_stages=1 (the "
+        "checkpoint's: 0), model.decoder.dropout=0.05 (the checkpoint's: 0.5), model.decoder.hard_expectation_prob=0.9"
+        " (the checkpoint's: 0.5), model.decoder.hard_expectation_warmup=0.25 (the checkpoint's: 0.0), "
+        "model.decoder.hard_estimator=gumbel (the checkpoint's: reinforce), model.decoder.gumbel_tau=2.0 (the "
+        "checkpoint's: 1.0)"
+    )
+
+
+def test_every_network_setting_is_the_checkpoint_s_or_the_run_s() -> None:
+    from captioner.config.network import NetConfig
+
+    leaves = set(_leaf_keys(to_dict(NetConfig())))
+    assert set(ARCHITECTURE) <= leaves
+    assert {key.removeprefix("model.") for key in TRAINING_ONLY} <= leaves - set(ARCHITECTURE)
+
+
+def _leaf_keys(values: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in values.items():
+        keys += _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys

@@ -42,7 +42,7 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
     [
         ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
         ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
-        ("model.decoding.min_len=20", "model.decoding.min_len=20 must be < max_len=20"),
+        ("model.decoding.min_len=16", "model.decoding.min_len=16 must be < max_len=16"),
         ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be >= 0"),
         ("model.nonfinite_check_interval=0", "model.nonfinite_check_interval=0 must be >= 1"),
         ("model.attention=medium", "model.attention='medium' is not valid; choose one of: soft, hard"),
@@ -194,7 +194,7 @@ def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups
     assert "  model.decoding.method=greedy  (one of: greedy, beam, sample; greedy for validation and test" in (
         "\n".join(lines)
     )
-    assert "  data.pad_to=null  (>= max_len + 2; Training captions padded" in proc.stdout
+    assert "  data.pad_to=null  (>= caption_tokens; Training captions padded" in proc.stdout
 
 
 def _leaf_keys(node: dict, prefix: str) -> list[str]:

@@ -45,6 +45,7 @@ from captioner.config.model import (
     ScstConfig,
 )
 from captioner.config.network import (
+    ARCHITECTURE,
     Attention,
     DecoderConfig,
     EncoderConfig,
@@ -60,6 +61,7 @@ from captioner.config.settings import Settings, from_dict, to_dict
 from captioner.config.train import SCHEMAS, TrainConfig
 
 __all__ = [
+    "ARCHITECTURE",
     "CAPTIONING_BATCH_SIZE",
     "CAPTIONING_METHOD",
     "CAPTIONING_WORKERS",

@@ -44,10 +44,10 @@ class DataConfig(Settings):
     feature_cache: str | None = None  # a folder: cache the encoder's frozen stages' output there
     feature_dtype: FeatureDtype = FeatureDtype.float16  # the cache's dtype
     vocab_file: str | None = None  # load this vocabulary JSON instead of building one from the captions
-    # Training captions padded to this many tokens (<start> and <end> included, so max_len + 2 holds every
-    # caption) instead of the batch's longest: every step has the same shapes, what a captured CUDA graph
-    # needs; the loss is unchanged (pad steps are masked). None: the batch's longest (fewer steps on a CPU), or
-    # max_len + 2 when model.compile is on.
+    # Training captions padded to this many tokens (<start> and <end> included, so caption_tokens = max_len + 2
+    # holds every caption) instead of the batch's longest: every step has the same shapes, what a captured CUDA
+    # graph needs; the loss is unchanged (pad steps are masked). None: the batch's longest (fewer steps on a
+    # CPU), or caption_tokens when model.compile is on.
     pad_to: int | None = None
     # Where the recipe that trains on this dataset is: the demo's recipe (``demo``) on any dataset but the
     # built-in shapes (``recipe: null``) stops at once, naming it.
@@ -65,7 +65,13 @@ class DataConfig(Settings):
             check_range("max_vocab", self.max_vocab, 4, MAX_VOCAB_SIZE, kind=int)
         check_range("max_len", self.max_len, 1, kind=int)
         if self.pad_to is not None:
-            check_range("pad_to", self.pad_to, self.max_len + 2, kind=int)
+            check_range("pad_to", self.pad_to, self.caption_tokens, kind=int)
+
+    @property
+    def caption_tokens(self) -> int:
+        """The tokens of the longest training caption: ``<start>``, ``max_len`` words, ``<end>``
+        (``Vocabulary.encode``); the width of every batch when ``pad_to`` is on."""
+        return self.max_len + 2
 
 
 class SceneKind(enum.StrEnum):

@@ -32,7 +32,7 @@ class DecodingConfig(Settings):
     # greedy for validation and test (one decode per epoch, fast); captioning: CAPTIONING_METHOD
     method: DecodeMethod = DecodeMethod.greedy
     beam_size: int = 3
-    max_len: int = MAX_LEN  # words at most, <end> excluded
+    max_len: int = MAX_LEN  # words at most, <end> excluded; a training run's: its data.max_len (conf/model/base.yaml)
     length_penalty: float = 0.0  # beam: score / length ** length_penalty
     temperature: float = 1.0  # sample: softmax(logits / temperature)
     min_len: int = 0  # no <end> before this many words (0: off)

@@ -164,3 +164,28 @@ class NetConfig(Settings):
             raise ConfigError(
                 f"decoder.attention_heads={self.decoder.attention_heads} needs scorer=multihead (got {self.scorer})"
             )
+
+
+# The settings that make a trained network what it is (its layers, their sizes, what its weights were trained to
+# read), as dotted keys of NetConfig: a run that starts from a checkpoint (init_from, ckpt_path) takes these from
+# it. Every other one (dropout, which stages train, the hard-attention estimator and its schedule, what hard
+# attention reads at inference) is how a run trains or reads the network: the run's config's.
+ARCHITECTURE = (
+    "attention",
+    "scorer",
+    "encoder.name",
+    "encoder.weights",
+    "encoder.stage",
+    "encoder.grid",
+    "feature_norm",
+    "self_attention.blocks",
+    "self_attention.heads",
+    "self_attention.positional",
+    "self_attention.max_distance",
+    "decoder.embed_dim",
+    "decoder.hidden_dim",
+    "decoder.attention_dim",
+    "decoder.attention_heads",
+    "decoder.gate",
+    "decoder.deep_output",
+)

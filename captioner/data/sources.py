@@ -9,7 +9,7 @@ pick one with ``_target_`` under ``data.source``; nothing else in the project ne
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,7 +41,7 @@ class SourcePath:
     and the training preflight all read."""
 
     key: str  # under ``data.source``: "split_file", "splits.train.captions"
-    path: str
+    path: str | None  # None: the config holds null where the path goes
     kind: str  # "file" or "folder"
     holds: Holds
     remedy: str = "see the dataset's config in conf/data"  # how to get it when it is missing or wrong
@@ -49,6 +49,8 @@ class SourcePath:
 
     def problem(self) -> str | None:
         """What is wrong with it (``data.source.split_file='...': file not found``), or None."""
+        if self.path is None:
+            return f"{CONFIG_KEY}.{self.key} is null; give the {self.kind}'s path"
         target = Path(self.path)
         if not target.exists():
             return None if self.generated else f"{CONFIG_KEY}.{self.key}={self.path!r}: {self.kind} not found"
@@ -111,7 +113,8 @@ class CocoSource:
         """Each split's captions file, image folder and instances file (when given)."""
         found = []
         for split, entry in self.splits.items():
-            unzip = f"unzip annotations_trainval2014.zip into {Path(entry['captions']).parent.parent}"
+            where = Path(entry["captions"]).parent.parent if entry["captions"] else "the dataset's folder"
+            unzip = f"unzip annotations_trainval2014.zip into {where}"
             found.append(SourcePath(f"splits.{split}.captions", entry["captions"], "file", Holds.annotations, unzip))
             images = "unzip the split's images there"
             found.append(SourcePath(f"splits.{split}.images", entry["images"], "folder", Holds.images, images))
@@ -153,6 +156,21 @@ class KarpathySource:
         """Read ``split`` (restval joins train unless ``restval_as_train`` is off)."""
         check_choice("split", split, SPLITS)
         return read_karpathy(self.split_file, self.image_root, splits=(split,), restval_as_train=self.restval_as_train)
+
+
+def shapes_folder(base: str, params: Mapping[str, Any], given: Collection[str]) -> str:
+    """Where a built-in set goes when ``data.source.root`` is not given: ``base`` (its dataset config's folder,
+    ``data/shapes``) holds the set the config describes; a set with any of its parameters ``given`` (the names
+    of ``ShapesSpec`` fields set on the command line, ``params`` their values) goes to a folder of its own, named
+    from them, so that a trial of another size never takes the place of the config's set:
+    ``<base>_<n_train>_<n_val>_<n_test>``, then ``_<name>-<value>`` for each other parameter given
+    (``data/shapes_64_16_16``, ``data/shapes_3000_250_250_seed-3``)."""
+    names = [item.name for item in fields(ShapesSpec) if item.name in given]
+    if not names:
+        return base
+    sizes = [str(params[f"n_{split}"]) for split in SPLITS]
+    others = [f"{name}-{params[name]}" for name in names if name.removeprefix("n_") not in SPLITS]
+    return "_".join([base, *sizes, *others])
 
 
 @dataclass(init=False)

@@ -61,7 +61,7 @@ class CaptionerModule(L.LightningModule):
     # ----------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
         """Compile the decoder's step (``model.compile``; None: reduce-overhead on CUDA, off elsewhere); with it
-        on, training captions are padded to ``data.max_len`` + 2 tokens (``data.pad_to``) unless set."""
+        on, training captions are padded to ``DataConfig.caption_tokens`` (``data.pad_to``) unless set."""
         mode = self.settings.compile
         if mode is None:  # the model is not on its device yet: ask the strategy where it goes
             mode = Compile.reduce_overhead if self.trainer.strategy.root_device.type == "cuda" else Compile.off
@@ -72,7 +72,7 @@ class CaptionerModule(L.LightningModule):
         datamodule = self.trainer.datamodule
         if datamodule is not None and datamodule.settings.pad_to is None:
             # one caption width: CUDA graphs replay the steps of a training batch as they were recorded
-            datamodule.settings.pad_to = datamodule.settings.max_len + 2
+            datamodule.settings.pad_to = datamodule.settings.caption_tokens
             log.info("captions padded to data.pad_to=%d tokens", datamodule.settings.pad_to)
 
     def configure_callbacks(self) -> list[L.Callback]:

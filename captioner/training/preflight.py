@@ -4,7 +4,10 @@
 its remedy and the section of ``docs/datasets.md`` that explains it: the dataset's split or caption files and
 image folders, how many of each split's images are there (``val: 0 of 5,000 images found under
 data/coco/val2014``), whether a sample of each split decodes, the vocabulary, checkpoint and logger packages the
-config names, the encoder's weights file and the accelerator the trainer asks for. ``ValidateConfig``
+config names, the encoder's weights file, whether the encoder's feature map holds the attention grid asked for
+and the accelerator the trainer asks for; a check that fails in a way
+it does not expect (a folder this user cannot list, a null where a path goes) is a problem too, naming the error,
+so the run never starts on a traceback turned into a warning by Hydra. ``ValidateConfig``
 (``training/validate.py``) runs it once the config's values are valid; ``train.py`` prints the lines and exits
 with status 2 before any run folder exists.
 """
@@ -12,10 +15,11 @@ with status 2 before any run folder exists.
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,6 +171,42 @@ def _encoder_problems(cfg: dict[str, Any]) -> list[Problem]:
     ]
 
 
+def _grid_problems(cfg: dict[str, Any]) -> list[Problem]:
+    """``model.encoder.grid`` against the feature map the encoder makes of ``data.image_size`` images (the model of
+    a checkpoint, which ``ckpt_path`` and ``init_from`` run, is the checkpoint's)."""
+    encoder, size = cfg["model"]["encoder"], cfg["data"]["image_size"]
+    if encoder.get("grid") is None or cfg.get("ckpt_path") is not None or cfg.get("init_from") is not None:
+        return []
+    try:
+        height, width = _feature_map(encoder["name"], encoder.get("stage"), size)
+    except CaptionerError as exc:
+        return [Problem(f"data.{first_line(exc)}", "read larger images", "train")]
+    grid = encoder["grid"]
+    if grid <= min(height, width):
+        return []
+    return [
+        Problem(
+            f"model.encoder.grid={grid} is larger than the {height}x{width} feature map of {encoder['name']} "
+            f"({encoder.get('stage') or 'the last stage'} of data.image_size={size} px images)",
+            f"the grid only shrinks: set model.encoder.grid to at most {min(height, width)}, or read larger images",
+            "train",
+        )
+    ]
+
+
+@functools.cache
+def _feature_map(name: str, stage: str | None, image_size: int) -> tuple[int, int]:
+    """The (H, W) feature map of encoder ``name`` cut at ``stage`` for ``image_size`` images: built on the meta
+    device, no weights allocated or read."""
+    import torch
+
+    from captioner.config import EncoderConfig
+    from captioner.model.encoder import Encoder
+
+    with torch.device("meta"):
+        return Encoder(EncoderConfig(name=name, stage=stage)).grid_size(image_size)
+
+
 def _accelerator_problems(trainer: dict[str, Any]) -> list[Problem]:
     """The GPUs the trainer asks for, and bf16 precision, which needs an Ampere or newer GPU."""
     accelerator = trainer.get("accelerator", "auto")
@@ -202,10 +242,33 @@ def _accelerator_problems(trainer: dict[str, Any]) -> list[Problem]:
     return []
 
 
+# The checks ``problems`` runs, in order: what each checks, and what to look at when it fails unexpectedly.
+CHECKS: tuple[tuple[str, Callable[[dict[str, Any]], list[Problem]], str, str], ...] = (
+    ("the dataset", _data_problems, "see the dataset's config in conf/data", "split-files"),
+    ("the files the config names", _file_problems, "see the run's keys in conf/config.yaml", "train"),
+    ("the encoder's weights", _encoder_problems, "see the encoder's config in conf/model", "encoder-weights"),
+    ("the attention grid", _grid_problems, "see the encoder's config in conf/model", "train"),
+    ("the accelerator", lambda cfg: _accelerator_problems(cfg["trainer"]), "see the trainer's config in conf/trainer",
+     "gpu"),
+)  # fmt: skip
+
+
 def problems(cfg: dict[str, Any]) -> list[Problem]:
     """Every problem with the files and devices the resolved training config ``cfg`` needs, in the order data,
-    files, encoder weights, accelerator; empty when the run can start."""
-    return [*_data_problems(cfg), *_file_problems(cfg), *_encoder_problems(cfg), *_accelerator_problems(cfg["trainer"])]
+    files, encoder weights, attention grid, accelerator; empty when the run can start.
+
+    A check that fails in a way it does not expect (a folder this user cannot list, a value of the wrong
+    kind) is one problem naming the error, and the other checks still run."""
+    found = []
+    for what, find, remedy, section in CHECKS:
+        try:
+            found += find(cfg)
+        except Exception as exc:  # noqa: BLE001 - any failure of a check is reported, never a traceback
+            hint = "check that this user can read it" if isinstance(exc, OSError) else remedy
+            found.append(
+                Problem(f"{what} could not be checked: {type(exc).__name__}: {first_line(exc)}", hint, section)
+            )
+    return found
 
 
 def check(cfg: dict[str, Any]) -> None:

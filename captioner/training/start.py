@@ -11,9 +11,10 @@ cross-entropy run refuses a bundle as ``ckpt_path``: it cannot be resumed, and `
 ``python train.py experiment=demo_scst ckpt_path=<cross-entropy run>`` starts self-critical training from
 the cross-entropy model, and ``ckpt_path=<that SCST run>`` resumes it.
 
-Either way the run's model (architecture, vocabulary, image size) is the checkpoint's: ``model_settings``
-gives the config values that describe it, and for a ``ckpt_path`` taken as ``init_from`` the run's config
-says so (``init_from`` set to it, ``ckpt_path`` null).
+Either way the run's network (its architecture, vocabulary and image size) is the checkpoint's and how it
+trains (dropout, the hard-attention estimator and schedule, which stages train) is the run's config's:
+``model_settings`` gives the config values that describe the network, and for a ``ckpt_path`` taken as
+``init_from`` the run's config says so (``init_from`` set to it, ``ckpt_path`` null).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from captioner.bundle import TrainedModel, is_bundle, is_lightning_checkpoint, load_trained
-from captioner.config import Objective, to_dict
+from captioner.config import ARCHITECTURE, Objective, to_dict
 from captioner.errors import ConfigError
 from captioner.fileio import load_torch
 from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, LAST_CHECKPOINT, VOCAB_FILE
@@ -115,29 +116,52 @@ def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, 
 
 
 def model_settings(start: Start, config: dict[str, Any], output_dir: Path) -> dict[str, Any]:
-    """The config values (``"section.key"`` -> value) that make the model ``start.model`` the run's.
+    """The config values (dotted keys -> value) that make the network of ``start.model`` the run's.
 
-    Its architecture and image size, and its vocabulary, written to ``<output_dir>/vocab.json`` for
-    ``data.vocab_file``; for a ``ckpt_path`` taken as ``init_from``, ``init_from`` (and ``ckpt_path``
-    null). The values that differ from ``config`` (the composed config, plain) are logged.
+    Its architecture (``ARCHITECTURE``: what its weights fit) and image size, and its vocabulary, written to
+    ``<output_dir>/vocab.json`` for ``data.vocab_file``; for a ``ckpt_path`` taken as ``init_from``,
+    ``init_from`` (and ``ckpt_path`` null). How the run trains (dropout, the hard-attention estimator and its
+    schedule, which stages train, ...) stays the run's config's. Both kinds of value where the config
+    (``config``, composed and plain) and the checkpoint differ are logged, each with the other's value.
     """
     model = start.model
     net = to_dict(model.config)
     vocab_file = Path(output_dir) / VOCAB_FILE
     model.vocab.save(vocab_file)
-    settings = {f"model.{key}": value for key, value in net.items()}
-    settings.update(
-        {
-            "data.image_size": model.image_size,
-            "data.vocab_file": str(vocab_file),
-        }
-    )
-    changed = [
-        key for key, value in settings.items() if config.get(key.split(".")[0], {}).get(key.split(".")[1]) != value
+    settings = {f"model.{key}": _at(net, key) for key in ARCHITECTURE}
+    settings.update({"data.image_size": model.image_size, "data.vocab_file": str(vocab_file)})
+    taken = [f"{key}={_text(value)} (the config's: {_text(_at(config, key))})"
+             for key, value in settings.items() if _at(config, key) != value]  # fmt: skip
+    kept = [
+        f"model.{key}={_text(value)} (the checkpoint's: {_text(_at(net, key))})"
+        for key in _leaf_keys(net)
+        if key not in ARCHITECTURE and (value := _at(config, f"model.{key}")) is not None and value != _at(net, key)
     ]
     if start.init_from_ckpt_path:
         settings.update({"ckpt_path": None, "init_from": start.init})
-        changed += ["ckpt_path", "init_from"]
-    if changed:
-        log.info("from the checkpoint, not the config: %s", ", ".join(changed))
+        taken += [f"ckpt_path=null, init_from={start.init}"]
+    if taken:
+        log.info("from the checkpoint (the network it trained), not the config: %s", ", ".join(taken))
+    if kept:
+        log.info("from the config (how this run trains), not the checkpoint: %s", ", ".join(kept))
     return settings
+
+
+def _at(values: Any, key: str) -> Any:
+    """The value at the dotted ``key`` of nested mappings ``values``; None where there is none."""
+    for part in key.split("."):
+        values = values.get(part) if isinstance(values, dict) else None
+    return values
+
+
+def _leaf_keys(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of the values (not mappings) of nested mappings, in their order."""
+    keys = []
+    for key, value in values.items():
+        keys += _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys
+
+
+def _text(value: Any) -> str:
+    """A config value as the command line writes it."""
+    return "null" if value is None else str(value)
