@@ -6,6 +6,7 @@ V vocabulary size, T teacher-forced steps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,11 +85,15 @@ class ShowAttendTellDecoder(nn.Module):
         """Run every step (teacher-forced or decoding, one word each) through ``torch.compile(mode=mode)``
         of the one-word step, whole (``fullgraph``), with its inputs' batch dimension dynamic: one
         compilation per train/eval mode and state shape serves every caption length, batch size and word.
-        ``Compile.off``: eager again."""
+        ``Compile.off``: eager again.
+
+        The compiled function is the class's, given this decoder as a partial's argument rather than bound to
+        it: a ``deepcopy`` of the decoder (``AveragedModel``'s, say) then steps with the copy's own weights."""
         self.compiled_step = None
         self.graphed = mode in (Compile.reduce_overhead, Compile.max_autotune)
         if mode != Compile.off:
-            self.compiled_step = torch.compile(self._eager_step, mode=mode.value, fullgraph=True)
+            step = torch.compile(ShowAttendTellDecoder._eager_step, mode=mode.value, fullgraph=True)
+            self.compiled_step = functools.partial(step, self)
 
     def anneal(self, progress: float) -> None:
         """Set what changes over training for ``progress`` in [0, 1]: the Gumbel-softmax temperature falls
