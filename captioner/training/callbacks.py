@@ -56,7 +56,7 @@ class NonFiniteLossGuard(L.Callback):
         self.check_interval = check_interval
         # (epoch, step, [loss, loss non-finite, gradients non-finite]) of each optimiser step, on the device
         self.unchecked: list[tuple[int, int, torch.Tensor]] = []
-        self.losses: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, non-finite) since the last step
+        self.losses: list[torch.Tensor] = []  # [loss, non-finite] of each backward since the last step
         self.backward_in_batch = False  # whether this batch's training_step returned a loss
 
     def on_train_batch_start(
@@ -66,10 +66,17 @@ class NonFiniteLossGuard(L.Callback):
         self.backward_in_batch = False
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        """Flag the coming optimiser step on the device when ``loss`` is not finite."""
-        nonfinite = (~torch.isfinite(loss.detach())).float()
-        nonfinite = trainer.strategy.reduce(nonfinite, reduce_op="sum") > 0  # () bool, on the device
-        self.losses.append((loss.detach().float(), nonfinite))
+        """Flag the coming optimiser step on the device when the training step's loss is not finite on a rank.
+
+        ``loss`` is what Lightning back-propagates: the training step's divided by ``accumulate_grad_batches``
+        and, under 16-mixed, multiplied by the scaler's scale; the loss recorded is the training step's, the
+        mean over the ranks (NaN when a rank's is), reduced with the flag in one collective."""
+        value = loss.detach().float() * trainer.accumulate_grad_batches
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            value = value / scaler._get_scale_async()  # the scale as a tensor: no host read
+        record = torch.stack([value, (~torch.isfinite(value)).float()])
+        self.losses.append(trainer.strategy.reduce(record, reduce_op="mean"))  # [loss, share of ranks non-finite]
         self.backward_in_batch = True
 
     def on_before_optimizer_step(
@@ -81,8 +88,8 @@ class NonFiniteLossGuard(L.Callback):
         if not losses:  # no backward since the last step: no gradients, or Lightning takes no step
             skip_flagged_step(optimizer, None)
             return
-        loss = torch.stack([value for value, _ in losses]).sum()
-        nonfinite = torch.stack([flag for _, flag in losses]).any()
+        loss, nonfinite = torch.stack(losses).mean(dim=0)  # over the accumulated batches: the step's loss
+        nonfinite = nonfinite > 0
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         gradients = None
         if scaler is not None:
