@@ -1,5 +1,5 @@
-"""Training callbacks of the captioner: the non-finite guard, and the best checkpoint of the epochs that have
-its metric.
+"""Training callbacks of the captioner: the non-finite guard, and the best checkpoint and early stopping of the
+epochs that have their metric, outside hard attention's warm-up.
 
 A NaN/inf loss, or NaN/inf gradients, are handled without reading them back every step (a host
 synchronisation that stalls a GPU): the optimiser skips its step on the device, and the host looks at the
@@ -19,7 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from captioner.config import NonFinite
 from captioner.errors import CaptionerError
@@ -158,14 +158,29 @@ def skip_flagged_step(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor 
         optimizer.zero_grad(set_to_none=True)  # parameters without gradients are not updated
 
 
+def in_warmup(trainer: L.Trainer) -> bool:
+    """Whether the model being trained is inside hard attention's warm-up, where a validation neither gives the
+    best checkpoint nor counts for early stopping (``CaptionerModule.in_warmup``; False for another module)."""
+    return getattr(trainer.lightning_module, "in_warmup", False)
+
+
 class BestCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint``, for which a validation without the monitored metric (an attention
     correctness that no caption allowed, a metric a quick-check override left out) makes that epoch no
-    candidate for the best checkpoint, with a warning, where Lightning raises once a validation has run.
+    candidate for the best checkpoint, with a warning, where Lightning raises once a validation has run; nor
+    does a validation inside hard attention's warm-up (unless ``model.select_in_warmup``).
     ``last.ckpt`` is written all the same."""
 
     def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
-        """Lightning's top-k save, skipped when ``monitor`` is not among this save's metrics."""
+        """Lightning's top-k save, skipped when ``monitor`` is not among this save's metrics or inside the warm-up."""
+        if self.monitor is not None and self.save_top_k != 0 and in_warmup(trainer):
+            log.info(
+                "epoch %d, step %d: inside hard attention's warm-up, so no candidate for the best checkpoint "
+                "(model.select_in_warmup=true makes it one)",
+                trainer.current_epoch,
+                trainer.global_step,
+            )
+            return
         if self.monitor is not None and self.save_top_k != 0 and self.monitor not in monitor_candidates:
             log.warning(
                 "epoch %d, step %d: no %s, so no candidate for the best checkpoint",
@@ -175,6 +190,16 @@ class BestCheckpoint(ModelCheckpoint):
             )
             return
         super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+
+class WarmupEarlyStopping(EarlyStopping):
+    """Lightning's ``EarlyStopping``, for which a validation inside hard attention's warm-up (unless
+    ``model.select_in_warmup``) does not count: its patience and best score start when the warm-up ends."""
+
+    def _run_early_stopping_check(self, trainer: L.Trainer) -> None:
+        """Lightning's check, outside the warm-up."""
+        if not in_warmup(trainer):
+            super()._run_early_stopping_check(trainer)
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str | None:
