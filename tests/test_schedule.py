@@ -10,6 +10,7 @@ import pytest
 
 from captioner.config import ModelConfig, from_dict
 from captioner.training.schedule import CrossEntropyPhase
+from conftest import make_decoder
 
 HARD = {"attention": "hard", "decoder": {"hard_expectation_warmup": 0.5, "hard_expectation_prob": 0.5}}
 
@@ -28,12 +29,16 @@ def phase_of(model: ModelConfig, max_epochs: int, max_steps: int = -1, batches: 
 
 
 def test_scst_epochs_are_not_part_of_the_warm_up() -> None:
-    """The demo's recipe with model=hard: 11 epochs, SCST after 6. Cross-entropy ends at its step 60, with the
-    warm-up over at step 30, half of it (the share of the whole run counted SCST's epochs: 60/110 = 0.545)."""
-    model = settings(objective="scst", scst={"after_epochs": 6})
+    """The demo's recipe with model=hard: 11 epochs, SCST after 5. Cross-entropy ends at its step 50 reading the
+    mix (0.5 of the images the expected context), the warm-up over at step 25, half of it (as a share of the whole
+    run, SCST's epochs counted, cross-entropy ended at 50/110 of the warm-up's 0.5: a share of 0.545)."""
+    model = settings(objective="scst", scst={"after_epochs": 5})
     phase = phase_of(model, max_epochs=11)
-    assert phase.steps == 60 and phase.warmup_end(model) == 30
-    assert phase.progress(30) == 0.5 and phase.progress(60) == 1.0 and phase.progress(100) == 1.0
+    assert phase.steps == 50 and phase.warmup_end(model) == 25
+    assert phase.progress(25) == 0.5 and phase.progress(50) == 1.0 and phase.progress(100) == 1.0
+    decoder = make_decoder(attention="hard", hard_expectation_prob=0.5, hard_expectation_warmup=0.5)
+    decoder.anneal(phase.progress(50))
+    assert decoder.hard_expectation_prob == 0.5
     assert phase_of(settings(), max_epochs=11).steps == 110  # cross-entropy only: the whole run
     assert phase_of(settings(), max_epochs=11, max_steps=25).steps == 25  # max_steps cuts it
     scst_at_once = settings(objective="scst", scst={"after_epochs": 0})  # fine-tunes a trained model
