@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from captioner.bundle import TrainedModel, load_trained
-from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_WORKERS, Attention, DecodingConfig, HardInference
+from captioner.config import CAPTIONING_BATCH_SIZE, CAPTIONING_WORKERS, DecodingConfig, HardInference
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.data.vocab import UNK_ID
@@ -146,7 +146,7 @@ def _caption_batch(loaded: LoadedModel, pixels: torch.Tensor, decoding: Decoding
     generation, grid = model.generate(pixels.to(device), decoding, unk_id=UNK_ID)
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
     # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
-    argmax = model.decoder.mode == Attention.hard and model.decoder.hard_inference == HardInference.argmax
+    argmax = model.decoder.hard_read == HardInference.argmax
     results = []
     for row in range(tokens.size(0)):
         words = vocab.decode(tokens[row].tolist())

@@ -305,3 +305,22 @@ def test_a_deepcopy_of_a_compiled_decoder_steps_with_its_own_weights(monkeypatch
         eager = model._eager_step(*inputs, model.attention.keys(features), None)
         torch.testing.assert_close(compiled[0], eager[0])  # logits (3, V)
         torch.testing.assert_close(compiled[1][0], eager[1][0])  # h (3, H)
+
+
+def test_hard_read_is_the_one_answer_to_which_read_from_the_decoders_config():
+    """None for soft attention; for hard attention its config's hard_inference, read when decoding: setting the
+    config (what ``--hard-inference`` does to a loaded model's) changes what the decoder reads."""
+    assert make_decoder().hard_read is None
+    settings = net_config(attention="hard", embed_dim=E, hidden_dim=H, attention_dim=A, gate="none")
+    decoder = ShowAttendTellDecoder(V, D, settings).eval()
+    assert decoder.hard_read == "argmax" and not hasattr(decoder, "hard_inference")
+    features = torch.randn(3, L, D, generator=torch.Generator().manual_seed(3))
+    keys, state = decoder.attention.keys(features), decoder.init_state(features)
+    tokens = torch.tensor([1, 1, 1])
+    argmax = decoder.step(tokens, state, features, keys)[0]
+    settings.decoder.hard_inference = "expectation"
+    assert decoder.hard_read == "expectation"
+    expectation = decoder.step(tokens, state, features, keys)[0]
+    decoder.mode = "soft"  # the same weights reading the expected context
+    assert_close(expectation, decoder.step(tokens, state, features, keys)[0])
+    assert not torch.allclose(argmax, expectation)
