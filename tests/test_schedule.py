@@ -92,6 +92,10 @@ def test_a_run_with_a_length_or_nothing_laid_over_it_is_scheduled() -> None:
     assert settings().unscheduled(-1, 300) is None
     plain = settings(attention="soft", scheduler={"name": "none"})
     assert plain.unscheduled(None, None) is None  # nothing to lay out: until max_time or early stopping
-    # objective=scst: its cross-entropy epochs bound the warm-up; the constant rates need no length
+    # objective=scst: its cross-entropy epochs bound the warm-up, but the rates' switch to lr x lr_scale is
+    # laid out over the run's steps (build_scheduler: after_epochs x steps / max_epochs)
     bounded = settings(objective="scst", scst={"after_epochs": 3}, scheduler={"name": "none"})
-    assert bounded.unscheduled(None, None) is None
+    assert "model.scst.lr_scale=0.1 (from epoch model.scst.after_epochs on)" in bounded.unscheduled(None, None)
+    assert "hard_expectation_warmup" not in bounded.unscheduled(None, None)
+    at_once = settings(objective="scst", scst={"after_epochs": 0}, scheduler={"name": "none"})
+    assert at_once.unscheduled(None, None) is None

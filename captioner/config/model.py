@@ -203,6 +203,8 @@ class ModelConfig(NetConfig):
             needs.append("model.decoder.gumbel_tau's fall to gumbel_tau_min (over cross-entropy training)")
         if self.scheduler.name != Schedule.none:
             needs.append(f"model.scheduler.name={self.scheduler.name} (over the run's steps)")
+        elif self.objective == Objective.scst and self.scst.after_epochs > 0:
+            needs.append(f"model.scst.lr_scale={self.scst.lr_scale} (from epoch model.scst.after_epochs on)")
         if not needs:
             return None
         limit = "null" if max_epochs is None else max_epochs
