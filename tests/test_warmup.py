@@ -113,7 +113,7 @@ def test_no_best_checkpoint_nor_early_stop_inside_the_warm_up_unless_asked(
 ) -> None:
     """6 epochs of 2 steps, the warm-up over at step 6 (after epoch 2's steps). Patience 2: counted from epoch 0,
     the run stops after epoch 2 with epoch 0's checkpoint, the model that read the expected context most."""
-    checkpoint = BestCheckpoint(dirpath=tmp_path, filename="{epoch}", monitor="val/bleu4", mode="max")
+    checkpoint = BestCheckpoint(dirpath=tmp_path, filename="{epoch}", monitor="val/bleu4", mode="max", save_last=True)
     stopping = WarmupEarlyStopping(monitor="val/bleu4", mode="max", patience=2)
     module = hard_module(Scored, select_in_warmup=select_in_warmup)
     trainer = fit(module, max_epochs=6, callbacks=[checkpoint, stopping])
@@ -122,3 +122,5 @@ def test_no_best_checkpoint_nor_early_stop_inside_the_warm_up_unless_asked(
     else:
         assert Path(checkpoint.best_model_path).name == "epoch=2.ckpt" and trainer.current_epoch == 5
         assert stopping.best_score == pytest.approx(0.7)
+    # last.ckpt: after every validation, not only after a new best one (Lightning's), nor never in the warm-up
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["epoch"] == trainer.current_epoch - 1

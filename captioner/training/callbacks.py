@@ -169,27 +169,36 @@ class BestCheckpoint(ModelCheckpoint):
     correctness that no caption allowed, a metric a quick-check override left out) makes that epoch no
     candidate for the best checkpoint, with a warning, where Lightning raises once a validation has run; nor
     does a validation inside hard attention's warm-up (unless ``model.select_in_warmup``).
-    ``last.ckpt`` is written all the same."""
+    ``last.ckpt`` is written after every save all the same (``save_last``), where Lightning writes it only
+    after a save that made a new best checkpoint."""
 
     def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
-        """Lightning's top-k save, skipped when ``monitor`` is not among this save's metrics or inside the warm-up."""
-        if self.monitor is not None and self.save_top_k != 0 and in_warmup(trainer):
+        """Lightning's top-k save, skipped when ``monitor`` is not among this save's metrics or inside the
+        warm-up; then ``last.ckpt``."""
+        selecting = self.monitor is not None and self.save_top_k != 0
+        if selecting and in_warmup(trainer):
             log.info(
                 "epoch %d, step %d: inside hard attention's warm-up, so no candidate for the best checkpoint "
                 "(model.select_in_warmup=true makes it one)",
                 trainer.current_epoch,
                 trainer.global_step,
             )
-            return
-        if self.monitor is not None and self.save_top_k != 0 and self.monitor not in monitor_candidates:
+        elif selecting and self.monitor not in monitor_candidates:
             log.warning(
                 "epoch %d, step %d: no %s, so no candidate for the best checkpoint",
                 trainer.current_epoch,
                 trainer.global_step,
                 self.monitor,
             )
-            return
-        super()._save_topk_checkpoint(trainer, monitor_candidates)
+        else:
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+        self._save_last_checkpoint(trainer, monitor_candidates)
+
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        """Lightning's, once a training step (Lightning calls it again after a new best)."""
+        if getattr(self, "_last_written_step", None) != trainer.global_step:
+            self._last_written_step = trainer.global_step
+            super()._save_last_checkpoint(trainer, monitor_candidates)
 
 
 class WarmupEarlyStopping(EarlyStopping):
