@@ -49,7 +49,6 @@ def train(cfg: DictConfig) -> float | None:
     # Imported here, not at the top: a config error is reported before torch is imported.
     import lightning as L
 
-    from captioner.config import Attention
     from captioner.evaluation.results import write_metrics, write_results
     from captioner.run_files import BUNDLE_NAME, METRICS_FILE, VAL_CAPTIONS_FILE
     from captioner.training import quick_checks
@@ -120,8 +119,8 @@ def train(cfg: DictConfig) -> float | None:
     decoded = f"{module.settings.decoding.describe()} as `captioner evaluate` decodes"
     if settings.train and epochs_decoding != module.settings.decoding:
         decoded += f"; each epoch's validation, which picked the checkpoint: {epochs_decoding.describe()}"
-    if module.settings.attention == Attention.hard:
-        decoded += f"; {module.settings.decoder.hard_inference.describe()}"
+    if (read := module.model.decoder.hard_read) is not None:
+        decoded += f"; {read.describe()}"
     print(summary(metrics, ckpt_path, bundle, output_dir, missing, checkpoint_note, decoded))
     return metrics.get(metric(VAL, PROGRESS))
 

@@ -22,7 +22,6 @@ from captioner.bundle import TrainedModel, load_trained
 from captioner.config import (
     CAPTIONING_BATCH_SIZE,
     CAPTIONING_WORKERS,
-    Attention,
     DecodingConfig,
     HardInference,
     captioning_settings,
@@ -174,7 +173,7 @@ def _caption_batch(
     generation, grid = model.generate(pixels.to(device), decoding, generator, unk_id=UNK_ID)
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
     # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
-    argmax = model.decoder.mode == Attention.hard and model.decoder.hard_inference == HardInference.argmax
+    argmax = model.decoder.hard_read == HardInference.argmax
     results = []
     for row in range(tokens.size(0)):
         words = vocab.decode(tokens[row].tolist())

@@ -1,10 +1,13 @@
 """Show-Attend-Tell decoder: one step against the paper's equations, teacher forcing, hard attention."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from captioner.config import Compile
 from captioner.errors import ConfigError
 from captioner.model.decoder import ShowAttendTellDecoder
 from conftest import net_config
@@ -279,3 +282,45 @@ def test_k_states_per_image_equal_the_features_repeated_per_state(batch, attenti
     assert_close(logits, rows[0].view(3, 4, V))
     assert_close((h, c), tuple(s.view(3, 4, H) for s in rows[1]))
     assert_close(alpha, rows[2].view(3, 4, L))
+
+
+def test_a_deepcopy_of_a_compiled_decoder_steps_with_its_own_weights(monkeypatch: pytest.MonkeyPatch):
+    """``compile_step``'s compiled step, copied with the decoder (``AveragedModel`` deep-copies its model), reads
+    the copy's weights: with other weights than the original's, the copy's compiled step equals its eager one.
+    Compiled by dynamo with the eager backend (inductor's kernels take a minute on a CPU: the step they run is
+    dynamo's graph either way)."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **options: compile_(fn, backend="eager", **options))
+    torch._dynamo.reset()
+    decoder = make_decoder().train()
+    decoder.compile_step(Compile.default)
+    copied = copy.deepcopy(decoder)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.mul_(-1.5)
+    features = torch.randn(3, L, D, generator=torch.Generator().manual_seed(2))
+    for model in (copied, decoder):
+        inputs = model.embedding(torch.tensor([4, 5, 6])), model.init_state(features), features
+        compiled = model.compiled_step(*inputs, model.attention.keys(features), None)
+        eager = model._eager_step(*inputs, model.attention.keys(features), None)
+        torch.testing.assert_close(compiled[0], eager[0])  # logits (3, V)
+        torch.testing.assert_close(compiled[1][0], eager[1][0])  # h (3, H)
+
+
+def test_hard_read_is_the_one_answer_to_which_read_from_the_decoders_config():
+    """None for soft attention; for hard attention its config's hard_inference, read when decoding: setting the
+    config (what ``--hard-inference`` does to a loaded model's) changes what the decoder reads."""
+    assert make_decoder().hard_read is None
+    settings = net_config(attention="hard", embed_dim=E, hidden_dim=H, attention_dim=A, gate="none")
+    decoder = ShowAttendTellDecoder(V, D, settings).eval()
+    assert decoder.hard_read == "argmax" and not hasattr(decoder, "hard_inference")
+    features = torch.randn(3, L, D, generator=torch.Generator().manual_seed(3))
+    keys, state = decoder.attention.keys(features), decoder.init_state(features)
+    tokens = torch.tensor([1, 1, 1])
+    argmax = decoder.step(tokens, state, features, keys)[0]
+    settings.decoder.hard_inference = "expectation"
+    assert decoder.hard_read == "expectation"
+    expectation = decoder.step(tokens, state, features, keys)[0]
+    decoder.mode = "soft"  # the same weights reading the expected context
+    assert_close(expectation, decoder.step(tokens, state, features, keys)[0])
+    assert not torch.allclose(argmax, expectation)

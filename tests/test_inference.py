@@ -83,3 +83,19 @@ def test_progress_bar_on_stderr(loaded, files, capsys):
     list(caption_files(loaded, files[:2], progress=True, decoding=DecodingConfig(method="greedy", max_len=2)))
     err = capsys.readouterr().err
     assert "captioning" in err and "2/2" in err
+
+
+def test_hard_inference_option_sets_what_the_loaded_model_reads_and_says(tmp_path) -> None:
+    """``--hard-inference`` changes the loaded model's config, which its decoder reads: the config a caller sees
+    is the read (it was a decoder attribute the CLI changed alone, the config still saying argmax)."""
+    import argparse
+
+    from captioner.cli.options import load
+    from conftest import write_bundle
+
+    bundle = write_bundle(tmp_path / "hard.pt", ["a", "red", "circle"], mode="hard")
+    args = argparse.Namespace(model=str(bundle), hard_inference="expectation", seed=None)
+    loaded = load(args, torch.device("cpu"))
+    assert loaded.config.decoder.hard_inference == "expectation" and loaded.model.decoder.hard_read == "expectation"
+    default = load(argparse.Namespace(model=str(bundle), hard_inference=None, seed=None), torch.device("cpu"))
+    assert default.config.decoder.hard_inference == "argmax" and default.model.decoder.hard_read == "argmax"

@@ -135,7 +135,9 @@ def test_a_validation_without_the_monitored_metric_is_no_candidate_for_the_best(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     validated = SimpleNamespace(_has_run=True)  # Lightning raises once a validation has run
-    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(val_loop=validated)))
+    trainer = SimpleNamespace(
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(val_loop=validated)), lightning_module=None
+    )
     trainer.current_epoch, trainer.global_step = 2, 30
     metrics = {"val/bleu4": torch.tensor(0.5)}  # no val/attention_correctness: no caption named a boxed object
     options = {"dirpath": tmp_path, "monitor": "val/attention_correctness", "mode": "max"}

@@ -248,3 +248,27 @@ def test_one_demo_time_everywhere() -> None:
         text = " ".join(text.split())
         assert said in text, name
         assert not re.search(r"(a few|within \d+|about \d+) minutes", text.replace(said, "")), name
+
+
+@pytest.mark.parametrize(
+    "overrides,needs",
+    [
+        (["model=hard"], "model.decoder.hard_expectation_warmup=0.5 (a fraction of cross-entropy training)"),
+        (["model=soft"], "model.scheduler.name=cosine (over the run's steps)"),
+    ],
+)
+def test_a_run_without_a_length_is_refused_before_it_starts(overrides: list[str], needs: str, tmp_path: Path) -> None:
+    """trainer.max_epochs=null: Lightning's 1000 epochs (a warm-up of 500) or, with max_time, no limit (an
+    OverflowError when the module laid its schedule over it)."""
+    cross_entropy = [*overrides, "model.objective=cross_entropy"]
+    message = config_error([*cross_entropy, "trainer.max_epochs=null"], tmp_path)
+    assert message.startswith("trainer.max_epochs=null with no trainer.max_steps gives the run no known length")
+    assert needs in message
+    validate_config(compose_plain([*cross_entropy, "trainer.max_epochs=null", "+trainer.max_steps=500"], tmp_path))
+
+
+def test_max_time_without_max_epochs_is_one_line(tmp_path: Path) -> None:
+    args = ["model=hard", "trainer.max_epochs=null", "+trainer.max_time=00:00:10:00", f"paths.log_dir={tmp_path}"]
+    line = error_line_of(run_train(args, check=False))
+    assert line.startswith("error: trainer.max_epochs=null with no trainer.max_steps gives the run no known length")
+    assert not any(tmp_path.iterdir())  # refused before the run's folder exists

@@ -12,7 +12,7 @@ import torch
 
 from captioner import load_model
 from captioner.cli import parser
-from captioner.config import METHOD_SETTINGS, Attention, DecodingConfig, HardInference, captioning_settings
+from captioner.config import METHOD_SETTINGS, DecodingConfig, HardInference, captioning_settings
 from captioner.errors import ConfigError, DataError, check_range
 
 if TYPE_CHECKING:
@@ -55,12 +55,12 @@ def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
     loaded = load_model(args.model, map_location="cpu")
     loaded.model.to(on)
     if getattr(args, "hard_inference", None) is not None:
-        if loaded.model.decoder.mode != Attention.hard:
+        if loaded.model.decoder.hard_read is None:
             raise ConfigError(
                 f"--hard-inference {args.hard_inference}: {args.model} uses {loaded.model.decoder.mode} attention; "
                 "the option chooses what a hard attention model reads"
             )
-        loaded.model.decoder.hard_inference = HardInference(args.hard_inference)
+        loaded.config.decoder.hard_inference = HardInference(args.hard_inference)  # what the decoder reads
     return loaded
 
 

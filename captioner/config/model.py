@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from captioner.config.decoding import DecodingConfig
-from captioner.config.network import NetConfig
+from captioner.config.network import Attention, HardEstimator, NetConfig
 from captioner.config.settings import Settings, _convert
 from captioner.errors import ConfigError, check_range
 
@@ -164,6 +164,11 @@ class ModelConfig(NetConfig):
     # demo_scst and coco_scst (which fine-tune a cross-entropy run's model).
     objective: Objective = Objective.cross_entropy
     scst: ScstConfig = field(default_factory=ScstConfig)
+    # Hard attention with a warm-up (decoder.hard_expectation_warmup): whether a validation inside it may give
+    # the best checkpoint and count for early stopping. False: the best checkpoint and early stopping's
+    # patience start once the warm-up is over (a model that still reads the expected context for most images
+    # is not the hard attention model the run trains; last.ckpt is written all the same).
+    select_in_warmup: bool = False
 
     def __post_init__(self) -> None:
         if self.compile is not None:
@@ -177,3 +182,33 @@ class ModelConfig(NetConfig):
     def net(self) -> NetConfig:
         """The network part (what a bundle stores)."""
         return NetConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(NetConfig)})
+
+    def unscheduled(self, max_epochs: int | None, max_steps: int | None) -> str | None:
+        """Why the run's schedules cannot be laid out over a run of the trainer's ``max_epochs`` (None: null, -1:
+        no limit) and ``max_steps`` (None or -1: no limit), in one line naming the settings; None when they can.
+
+        Hard attention's expected-context warm-up and its Gumbel temperature are fractions of cross-entropy
+        training, the learning-rate schedule of the run: a run without a known end (Lightning reads
+        max_epochs=null as 1000 epochs, or as no limit with max_time) has none to take a fraction of.
+        """
+        if max_epochs not in (None, -1) or max_steps not in (None, -1):
+            return None
+        open_phase = self.objective == Objective.cross_entropy  # objective=scst: scst.after_epochs bounds it
+        decoder = self.decoder
+        hard = self.attention == Attention.hard
+        needs = []
+        if open_phase and hard and (warmup := decoder.hard_expectation_warmup) > 0:
+            needs.append(f"model.decoder.hard_expectation_warmup={warmup} (a fraction of cross-entropy training)")
+        if open_phase and hard and decoder.hard_estimator == HardEstimator.gumbel:
+            needs.append("model.decoder.gumbel_tau's fall to gumbel_tau_min (over cross-entropy training)")
+        if self.scheduler.name != Schedule.none:
+            needs.append(f"model.scheduler.name={self.scheduler.name} (over the run's steps)")
+        elif self.objective == Objective.scst and self.scst.after_epochs > 0:
+            needs.append(f"model.scst.lr_scale={self.scst.lr_scale} (from epoch model.scst.after_epochs on)")
+        if not needs:
+            return None
+        limit = "null" if max_epochs is None else max_epochs
+        return (
+            f"trainer.max_epochs={limit} with no trainer.max_steps gives the run no known length, which "
+            f"{' and '.join(needs)} needs: set trainer.max_epochs or trainer.max_steps"
+        )

@@ -9,7 +9,6 @@ from pathlib import Path
 from captioner.config import (
     CAPTIONING_BATCH_SIZE,
     CAPTIONING_WORKERS,
-    Attention,
     DecodingConfig,
     HardInference,
     to_dict,
@@ -76,8 +75,8 @@ def evaluate_split(
     references = {r.image_id: [tokenize(c) for c in r.captions] for r in scored}
     metrics: dict = {"scale": SCALE, "images": len(scored), "skipped_images": len(skipped)}
     metrics["decoding"] = to_dict(decoding)
-    if loaded.model.decoder.mode == Attention.hard:
-        metrics["hard_inference"] = str(loaded.model.decoder.hard_inference)
+    if (read := loaded.model.decoder.hard_read) is not None:
+        metrics["hard_inference"] = str(read)
     metrics["bleu"] = corpus_bleu_scores(references, captions)
     per_image = {
         r.image_id: {

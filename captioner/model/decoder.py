@@ -6,6 +6,7 @@ V vocabulary size, T teacher-forced steps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,7 +55,7 @@ class ShowAttendTellDecoder(nn.Module):
         self.mode = config.attention
         self.hard_expectation_final = self.hard_expectation_prob = settings.hard_expectation_prob
         self.hard_expectation_warmup = settings.hard_expectation_warmup
-        self.hard_inference = settings.hard_inference
+        self.settings = settings  # read at inference for hard_inference (``hard_read``): one owner, the config
         self.hard_estimator = settings.hard_estimator
         self.gumbel_tau_start, self.gumbel_tau_min = settings.gumbel_tau, settings.gumbel_tau_min
         # annealed by ``anneal`` during training; a tensor, so that a compiled step reads it rather than
@@ -84,11 +85,23 @@ class ShowAttendTellDecoder(nn.Module):
         """Run every step (teacher-forced or decoding, one word each) through ``torch.compile(mode=mode)``
         of the one-word step, whole (``fullgraph``), with its inputs' batch dimension dynamic: one
         compilation per train/eval mode and state shape serves every caption length, batch size and word.
-        ``Compile.off``: eager again."""
+        ``Compile.off``: eager again.
+
+        The compiled function is the class's, given this decoder as a partial's argument rather than bound to
+        it: a ``deepcopy`` of the decoder (``AveragedModel``'s, say) then steps with the copy's own weights."""
         self.compiled_step = None
         self.graphed = mode in (Compile.reduce_overhead, Compile.max_autotune)
         if mode != Compile.off:
-            self.compiled_step = torch.compile(self._eager_step, mode=mode.value, fullgraph=True)
+            step = torch.compile(ShowAttendTellDecoder._eager_step, mode=mode.value, fullgraph=True)
+            self.compiled_step = functools.partial(step, self)
+
+    @property
+    def hard_read(self) -> HardInference | None:
+        """What this decoder reads at inference: None for soft attention (the expected context), else hard
+        attention's ``hard_inference`` (the most likely location, or the expected context). The one answer to
+        "is this a hard attention model, and which read"; ``hard_inference`` is its config's
+        (``model.decoder.hard_inference``, a bundle's, or what ``--hard-inference`` set there)."""
+        return self.settings.hard_inference if self.mode == Attention.hard else None
 
     def anneal(self, progress: float) -> None:
         """Set what changes over training for ``progress`` in [0, 1]: the Gumbel-softmax temperature falls
@@ -190,7 +203,7 @@ class ShowAttendTellDecoder(nn.Module):
         With the Gumbel estimator log p(s_t) is None: the straight-through one-hot carries the gradient.
         """
         context, alpha = self.attention(keys, features, h)  # eq. 4-5; soft: expected context (section 4.2)
-        if self.mode == Attention.soft or (not self.training and self.hard_inference == HardInference.expectation):
+        if self.mode == Attention.soft or (not self.training and self.hard_read == HardInference.expectation):
             return context, alpha, None, None
         # each row's image, broadcast against the location indices (B,) or (B, K)
         images = torch.arange(features.size(0), device=features.device).view(-1, *[1] * (h.dim() - 2))

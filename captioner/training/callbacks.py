@@ -1,5 +1,5 @@
-"""Training callbacks of the captioner: the non-finite guard, and the best checkpoint of the epochs that have
-its metric.
+"""Training callbacks of the captioner: the non-finite guard, and the best checkpoint and early stopping of the
+epochs that have their metric, outside hard attention's warm-up.
 
 A NaN/inf loss, or NaN/inf gradients, are handled without reading them back every step (a host
 synchronisation that stalls a GPU): the optimiser skips its step on the device, and the host looks at the
@@ -19,7 +19,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from captioner.config import NonFinite
 from captioner.errors import CaptionerError
@@ -56,7 +56,7 @@ class NonFiniteLossGuard(L.Callback):
         self.check_interval = check_interval
         # (epoch, step, [loss, loss non-finite, gradients non-finite]) of each optimiser step, on the device
         self.unchecked: list[tuple[int, int, torch.Tensor]] = []
-        self.losses: list[tuple[torch.Tensor, torch.Tensor]] = []  # (loss, non-finite) since the last step
+        self.losses: list[torch.Tensor] = []  # [loss, non-finite] of each backward since the last step
         self.backward_in_batch = False  # whether this batch's training_step returned a loss
 
     def on_train_batch_start(
@@ -66,10 +66,17 @@ class NonFiniteLossGuard(L.Callback):
         self.backward_in_batch = False
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        """Flag the coming optimiser step on the device when ``loss`` is not finite."""
-        nonfinite = (~torch.isfinite(loss.detach())).float()
-        nonfinite = trainer.strategy.reduce(nonfinite, reduce_op="sum") > 0  # () bool, on the device
-        self.losses.append((loss.detach().float(), nonfinite))
+        """Flag the coming optimiser step on the device when the training step's loss is not finite on a rank.
+
+        ``loss`` is what Lightning back-propagates: the training step's divided by ``accumulate_grad_batches``
+        and, under 16-mixed, multiplied by the scaler's scale; the loss recorded is the training step's, the
+        mean over the ranks (NaN when a rank's is), reduced with the flag in one collective."""
+        value = loss.detach().float() * trainer.accumulate_grad_batches
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            value = value / scaler._get_scale_async()  # the scale as a tensor: no host read
+        record = torch.stack([value, (~torch.isfinite(value)).float()])
+        self.losses.append(trainer.strategy.reduce(record, reduce_op="mean"))  # [loss, share of ranks non-finite]
         self.backward_in_batch = True
 
     def on_before_optimizer_step(
@@ -81,8 +88,8 @@ class NonFiniteLossGuard(L.Callback):
         if not losses:  # no backward since the last step: no gradients, or Lightning takes no step
             skip_flagged_step(optimizer, None)
             return
-        loss = torch.stack([value for value, _ in losses]).sum()
-        nonfinite = torch.stack([flag for _, flag in losses]).any()
+        loss, nonfinite = torch.stack(losses).mean(dim=0)  # over the accumulated batches: the step's loss
+        nonfinite = nonfinite > 0
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         gradients = None
         if scaler is not None:
@@ -152,23 +159,57 @@ def skip_flagged_step(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor 
         optimizer.zero_grad(set_to_none=True)  # parameters without gradients are not updated
 
 
+def in_warmup(trainer: L.Trainer) -> bool:
+    """Whether the model being trained is inside hard attention's warm-up, where a validation neither gives the
+    best checkpoint nor counts for early stopping (``CaptionerModule.in_warmup``; False for another module)."""
+    return getattr(trainer.lightning_module, "in_warmup", False)
+
+
 class BestCheckpoint(ModelCheckpoint):
     """Lightning's ``ModelCheckpoint``, for which a validation without the monitored metric (an attention
     correctness that no caption allowed, a metric a quick-check override left out) makes that epoch no
-    candidate for the best checkpoint, with a warning, where Lightning raises once a validation has run.
-    ``last.ckpt`` is written all the same."""
+    candidate for the best checkpoint, with a warning, where Lightning raises once a validation has run; nor
+    does a validation inside hard attention's warm-up (unless ``model.select_in_warmup``).
+    ``last.ckpt`` is written after every save all the same (``save_last``), where Lightning writes it only
+    after a save that made a new best checkpoint."""
 
     def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
-        """Lightning's top-k save, skipped when ``monitor`` is not among this save's metrics."""
-        if self.monitor is not None and self.save_top_k != 0 and self.monitor not in monitor_candidates:
+        """Lightning's top-k save, skipped when ``monitor`` is not among this save's metrics or inside the
+        warm-up; then ``last.ckpt``."""
+        selecting = self.monitor is not None and self.save_top_k != 0
+        if selecting and in_warmup(trainer):
+            log.info(
+                "epoch %d, step %d: inside hard attention's warm-up, so no candidate for the best checkpoint "
+                "(model.select_in_warmup=true makes it one)",
+                trainer.current_epoch,
+                trainer.global_step,
+            )
+        elif selecting and self.monitor not in monitor_candidates:
             log.warning(
                 "epoch %d, step %d: no %s, so no candidate for the best checkpoint",
                 trainer.current_epoch,
                 trainer.global_step,
                 self.monitor,
             )
-            return
-        super()._save_topk_checkpoint(trainer, monitor_candidates)
+        else:
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+        self._save_last_checkpoint(trainer, monitor_candidates)
+
+    def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        """Lightning's, once a training step (Lightning calls it again after a new best)."""
+        if getattr(self, "_last_written_step", None) != trainer.global_step:
+            self._last_written_step = trainer.global_step
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+
+
+class WarmupEarlyStopping(EarlyStopping):
+    """Lightning's ``EarlyStopping``, for which a validation inside hard attention's warm-up (unless
+    ``model.select_in_warmup``) does not count: its patience and best score start when the warm-up ends."""
+
+    def _run_early_stopping_check(self, trainer: L.Trainer) -> None:
+        """Lightning's check, outside the warm-up."""
+        if not in_warmup(trainer):
+            super()._run_early_stopping_check(trainer)
 
 
 def _last_checkpoint(trainer: L.Trainer) -> str | None:

@@ -11,6 +11,7 @@ Adam and gradient clipping under every precision ``training.optimization``'s, th
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import lightning as L
@@ -22,7 +23,7 @@ from captioner.config import Compile, ModelConfig, Objective, to_dict
 from captioner.data.dataset import SkipCounter
 from captioner.data.features import FeatureCache
 from captioner.data.vocab import PAD_ID, UNK_ID, Vocabulary
-from captioner.errors import DataError
+from captioner.errors import ConfigError, DataError
 from captioner.evaluation.cider import CiderD
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoding import Generation
@@ -32,9 +33,11 @@ from captioner.training.callbacks import NonFiniteLossGuard
 from captioner.training.evaluation import EvaluationEpoch
 from captioner.training.metrics import LOSS, PROGRESS, TEST, TRAIN, VAL, metric
 from captioner.training.optimization import build_optimizer, clip_gradients
-from captioner.training.schedule import build_scheduler, self_critical_epoch
+from captioner.training.schedule import CrossEntropyPhase, build_scheduler, self_critical_epoch
 
 log = logging.getLogger(__name__)
+
+PHASE_KEY = "cross_entropy_steps"  # a checkpoint's CrossEntropyPhase.steps
 
 
 class CaptionerModule(L.LightningModule):
@@ -57,11 +60,15 @@ class CaptionerModule(L.LightningModule):
         self._evaluation: EvaluationEpoch | None = None
         self.predictions: dict[str, dict[int, list[str]]] = {}  # split -> image id -> words, all ranks
         self._frozen_fingerprint: str | None = None  # of the encoder's frozen stages, which a run never changes
+        self.phase: CrossEntropyPhase | None = None  # set when training starts, or by the resumed checkpoint
 
     # ----------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
         """Compile the decoder's step (``model.compile``; None: reduce-overhead on CUDA, off elsewhere); with it
-        on, training captions are padded to ``DataConfig.caption_tokens`` (``data.pad_to``) unless set."""
+        on, training captions are padded to ``DataConfig.caption_tokens`` (``data.pad_to``) unless set. A fit
+        whose length the schedules cannot be laid out over is refused (``ModelConfig.unscheduled``)."""
+        if stage == "fit" and (problem := self.settings.unscheduled(self.trainer.max_epochs, self.trainer.max_steps)):
+            raise ConfigError(problem)
         mode = self.settings.compile
         if mode is None:  # the model is not on its device yet: ask the strategy where it goes
             mode = Compile.reduce_overhead if self.trainer.strategy.root_device.type == "cuda" else Compile.off
@@ -84,7 +91,7 @@ class CaptionerModule(L.LightningModule):
         self.skips.add(batch["skipped"])
         if batch["captions"].numel() == 0:
             return None
-        self.model.decoder.anneal(self.global_step / max(1, int(self.trainer.estimated_stepping_batches)))
+        self.model.decoder.anneal(self.phase.progress(self.global_step))
         if self.scst_epoch:
             terms = self.self_critical_terms(batch)
         else:
@@ -99,6 +106,19 @@ class CaptionerModule(L.LightningModule):
     def scst_epoch(self) -> bool:
         """Whether this epoch trains with SCST (objective=scst, after ``scst.after_epochs`` cross-entropy epochs)."""
         return self_critical_epoch(self.settings.objective, self.settings.scst, self.current_epoch)
+
+    def on_train_start(self) -> None:
+        """Measure the cross-entropy phase the decoder anneals over, unless the resumed checkpoint holds it."""
+        if self.phase is None:
+            self.phase = CrossEntropyPhase.of_run(self.settings, self.trainer)
+        if (note := self.phase.warmup_note(self.settings)) is not None:
+            log.info(note)
+
+    @property
+    def in_warmup(self) -> bool:
+        """Whether the model is inside hard attention's warm-up, where no validation selects the best checkpoint
+        nor counts for early stopping (``training.callbacks``) unless ``select_in_warmup``."""
+        return self.phase is not None and self.phase.selection_waits(self.settings, self.global_step)
 
     def on_train_epoch_start(self) -> None:
         """Say when self-critical training takes over from cross-entropy in the run."""
@@ -152,7 +172,7 @@ class CaptionerModule(L.LightningModule):
             settings.scheduler,
             settings.objective,
             settings.scst,
-            int(self.trainer.estimated_stepping_batches),
+            _finite(self.trainer.estimated_stepping_batches),
             self.trainer.max_epochs or 1,
         )
         if scheduler is None:
@@ -262,3 +282,17 @@ class CaptionerModule(L.LightningModule):
         checkpoint[CHECKPOINT_KEY] = bundle_metadata(
             self.net, self.vocab, {"image_size": self.trainer.datamodule.settings.image_size}
         )
+        if self.phase is not None:
+            checkpoint[PHASE_KEY] = self.phase.steps
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A resumed run anneals over the cross-entropy phase its checkpoint was measuring (one written before
+        the phase was stored: measured again from this run's settings)."""
+        if PHASE_KEY in checkpoint:
+            self.phase = CrossEntropyPhase(checkpoint[PHASE_KEY])
+
+
+def _finite(steps: float) -> int:
+    """Lightning's ``estimated_stepping_batches`` as an int (0 for an unbounded run: no schedule uses it then,
+    as ``setup`` refused those that would)."""
+    return int(steps) if math.isfinite(steps) else 0

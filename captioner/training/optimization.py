@@ -10,11 +10,14 @@ saved on a fused device resumes plain where there are no kernels.
 
 Under 16-mixed Lightning's plugin steps through its ``GradScaler``: it unscales the gradients of a plain Adam
 before ``on_before_optimizer_step`` and leaves a fused one's to the fused step, which cannot be clipped. So
-``unscale_for_step`` (called by the non-finite guard, first in ``on_before_optimizer_step``) unscales a fused
+``unscale_for_step``, called by the non-finite guard in its ``on_before_optimizer_step``, unscales a fused
 Adam's gradients when the plugin will step, and adds the guard's non-finite-loss flag to the scaler's
-``found_inf``: the scaler then skips the step of a non-finite loss even when its gradients are finite.
-``clip_gradients`` then clips true gradients under every precision; a step whose ``training_step`` returned
-None is never unscaled (the plugin skips its ``step`` and ``update``, so an unscale would be left pending).
+``found_inf``: the scaler then skips the step of a non-finite loss even when its gradients are finite. The
+guard is the module's callback, which Lightning places after the config's callbacks (``conf/callbacks``): their
+``on_before_optimizer_step`` runs before it and sees a fused Adam's gradients still scaled; the module's own
+hook and ``clip_gradients`` run after it. ``clip_gradients`` then clips true gradients under every precision; a
+step whose ``training_step`` returned None is never unscaled (the plugin skips its ``step`` and ``update``, so an
+unscale would be left pending).
 """
 
 from __future__ import annotations
@@ -88,8 +91,11 @@ def keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> d
     its param groups, so that loading it never turns a fused Adam plain or a plain one fused.
 
     A load-state-dict pre-hook: torch then moves each ``step`` count where the kept choice needs it (on the
-    parameters' device in float32 for a fused Adam). The caller's dict is not changed.
+    parameters' device in float32 for a fused Adam). The caller's dict is not changed. A state with another
+    number of param groups is returned as it is, for torch to refuse.
     """
+    if len(state_dict["param_groups"]) != len(optimizer.param_groups):
+        return state_dict
     groups = [
         {**saved, **{key: current.get(key) for key in IMPLEMENTATION_KEYS}}
         for saved, current in zip(state_dict["param_groups"], optimizer.param_groups)

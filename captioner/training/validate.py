@@ -3,7 +3,8 @@
 Every key's type, choice and range is the schema's (``captioner.config``: Hydra refuses an unknown key or
 a value of the wrong type when it composes the config, ``validate_config`` builds the typed settings and so
 runs their range checks). What is left here: rules across sections (a metric to monitor must be one the
-module logs) and the few trainer values Lightning accepts without a word (``max_epochs=0`` trains nothing).
+module logs, a schedule needs a run of known length: ``ModelConfig.unscheduled``) and the few trainer values
+Lightning accepts without a word (``max_epochs=0`` trains nothing).
 The files and devices the config needs are ``training/preflight.py``'s. Lightning checks the rest of the
 trainer's, callbacks' and loggers' arguments when ``train.py`` builds them.
 
@@ -43,7 +44,8 @@ def _check_trainer(trainer: dict[str, Any]) -> None:
         check_range("trainer.max_epochs", trainer["max_epochs"], 1, kind=int)
     if trainer.get("gradient_clip_val") is not None:
         check_range("trainer.gradient_clip_val", trainer["gradient_clip_val"], 0.0)
-    if trainer.get("min_epochs") is not None and trainer["min_epochs"] > trainer.get("max_epochs", 1):
+    max_epochs = trainer.get("max_epochs")
+    if trainer.get("min_epochs") is not None and max_epochs is not None and trainer["min_epochs"] > max_epochs:
         raise ConfigError(
             f"trainer.min_epochs={trainer['min_epochs']} must be <= trainer.max_epochs={trainer.get('max_epochs')}"
         )
@@ -60,7 +62,10 @@ def _check_monitors(callbacks: dict[str, Any] | None) -> None:
 def validate_config(cfg: dict[str, Any]) -> TrainConfig:
     """The typed settings of a resolved training config (a plain dict); ConfigError for the first invalid value."""
     settings = from_dict(TrainConfig, cfg)
-    _check_trainer(cfg.get("trainer") or {})
+    trainer = cfg.get("trainer") or {}
+    _check_trainer(trainer)
+    if (problem := settings.model.unscheduled(trainer.get("max_epochs"), trainer.get("max_steps"))) is not None:
+        raise ConfigError(problem)
     _check_monitors(cfg.get("callbacks"))
     cache = settings.data.feature_cache
     if cache and Path(cache).exists() and not Path(cache).is_dir():

@@ -1,0 +1,101 @@
+"""The cross-entropy phase that hard attention's warm-up and the Gumbel temperature are fractions of
+(``training.schedule.CrossEntropyPhase``), and the runs whose length no schedule can be laid over
+(``ModelConfig.unscheduled``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from captioner.config import ModelConfig, from_dict
+from captioner.training.schedule import CrossEntropyPhase
+from conftest import make_decoder
+
+HARD = {"attention": "hard", "decoder": {"hard_expectation_warmup": 0.5, "hard_expectation_prob": 0.5}}
+
+
+def settings(**options) -> ModelConfig:
+    """The model settings of a hard attention run with a warm-up of half its cross-entropy training."""
+    return from_dict(ModelConfig, {**HARD, **options})
+
+
+def phase_of(model: ModelConfig, max_epochs: int, max_steps: int = -1, batches: int = 10) -> CrossEntropyPhase:
+    """The phase ``CaptionerModule`` measures as a fit starts (Lightning's limits after it parsed them)."""
+    trainer = SimpleNamespace(
+        num_training_batches=batches, accumulate_grad_batches=1, max_epochs=max_epochs, max_steps=max_steps
+    )
+    return CrossEntropyPhase.of_run(model, trainer)
+
+
+def test_scst_epochs_are_not_part_of_the_warm_up() -> None:
+    """The demo's recipe with model=hard: 11 epochs, SCST after 5. Cross-entropy ends at its step 50 reading the
+    mix (0.5 of the images the expected context), the warm-up over at step 25, half of it (as a share of the whole
+    run, SCST's epochs counted, cross-entropy ended at 50/110 of the warm-up's 0.5: a share of 0.545)."""
+    model = settings(objective="scst", scst={"after_epochs": 5})
+    phase = phase_of(model, max_epochs=11)
+    assert phase.steps == 50 and phase.warmup_end(model) == 25
+    assert phase.progress(25) == 0.5 and phase.progress(50) == 1.0 and phase.progress(100) == 1.0
+    decoder = make_decoder(attention="hard", hard_expectation_prob=0.5, hard_expectation_warmup=0.5)
+    decoder.anneal(phase.progress(50))
+    assert decoder.hard_expectation_prob == 0.5
+    assert phase_of(settings(), max_epochs=11).steps == 110  # cross-entropy only: the whole run
+    assert phase_of(settings(), max_epochs=11, max_steps=25).steps == 25  # max_steps cuts it
+    scst_at_once = settings(objective="scst", scst={"after_epochs": 0})  # fine-tunes a trained model
+    assert phase_of(scst_at_once, max_epochs=4).steps == 0 and phase_of(scst_at_once, 4).progress(0) == 1.0
+
+
+def test_the_warm_up_counts_optimiser_steps() -> None:
+    trainer = SimpleNamespace(num_training_batches=10, accumulate_grad_batches=3, max_epochs=2, max_steps=-1)
+    assert CrossEntropyPhase.of_run(settings(), trainer).steps == 8  # ceil(10 / 3) = 4 steps an epoch
+
+
+def test_checkpoint_selection_waits_for_the_end_of_a_hard_models_warm_up() -> None:
+    phase = CrossEntropyPhase(100)
+    assert phase.selection_waits(settings(), 49) and not phase.selection_waits(settings(), 50)
+    assert not phase.selection_waits(settings(select_in_warmup=True), 10)  # asked for
+    assert not phase.selection_waits(settings(attention="soft"), 10)  # no warm-up: soft attention
+    no_warmup = settings(decoder={"hard_expectation_warmup": 0.0})
+    assert not phase.selection_waits(no_warmup, 0) and phase.warmup_note(no_warmup) is None
+    assert phase.warmup_note(settings()) == (
+        "hard attention's warm-up: the share of images reading the expected context falls from 1 to 0.5 until "
+        "optimiser step 50 of the 100 of cross-entropy training; no best checkpoint nor early stop before"
+    )
+
+
+@pytest.mark.parametrize(
+    "options,max_epochs,needs",
+    [
+        ({}, None, "model.decoder.hard_expectation_warmup=0.5 (a fraction of cross-entropy training)"),
+        ({}, -1, "model.decoder.hard_expectation_warmup=0.5 (a fraction of cross-entropy training)"),
+        (
+            {"scheduler": {"name": "none"}, "decoder": {"hard_expectation_warmup": 0.0, "hard_estimator": "gumbel"}},
+            None,
+            "model.decoder.gumbel_tau's fall to gumbel_tau_min (over cross-entropy training)",
+        ),
+        ({"attention": "soft"}, None, "model.scheduler.name=cosine (over the run's steps)"),
+    ],
+)
+def test_a_run_without_a_length_is_refused_when_something_is_laid_over_it(
+    options: dict, max_epochs: int | None, needs: str
+) -> None:
+    """max_epochs=null is Lightning's 1000 epochs (a warm-up of 500), or no limit with max_time (-1 once parsed)."""
+    problem = settings(**options).unscheduled(max_epochs, None)
+    limit = "null" if max_epochs is None else max_epochs
+    assert problem.startswith(f"trainer.max_epochs={limit} with no trainer.max_steps gives the run no known length")
+    assert needs in problem and problem.endswith("set trainer.max_epochs or trainer.max_steps")
+    assert "\n" not in problem
+
+
+def test_a_run_with_a_length_or_nothing_laid_over_it_is_scheduled() -> None:
+    assert settings().unscheduled(5, None) is None and settings().unscheduled(None, 300) is None
+    assert settings().unscheduled(-1, 300) is None
+    plain = settings(attention="soft", scheduler={"name": "none"})
+    assert plain.unscheduled(None, None) is None  # nothing to lay out: until max_time or early stopping
+    # objective=scst: its cross-entropy epochs bound the warm-up, but the rates' switch to lr x lr_scale is
+    # laid out over the run's steps (build_scheduler: after_epochs x steps / max_epochs)
+    bounded = settings(objective="scst", scst={"after_epochs": 3}, scheduler={"name": "none"})
+    assert "model.scst.lr_scale=0.1 (from epoch model.scst.after_epochs on)" in bounded.unscheduled(None, None)
+    assert "hard_expectation_warmup" not in bounded.unscheduled(None, None)
+    at_once = settings(objective="scst", scst={"after_epochs": 0}, scheduler={"name": "none"})
+    assert at_once.unscheduled(None, None) is None
