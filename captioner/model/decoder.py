@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Categorical
+from torch.nn.parallel import DistributedDataParallel
 
 from captioner.config import Attention, Compile, Gate, HardEstimator, HardInference, NetConfig
 from captioner.model.attention import build_attention
@@ -155,7 +156,17 @@ class ShowAttendTellDecoder(nn.Module):
             return self._eager_step(embedded, state, features, keys, expect)
         for tensor in (embedded, *state, features, keys, *([] if expect is None else [expect])):
             torch._dynamo.maybe_mark_dynamic(tensor, 0)  # B (or N): the last batch, beams' images, captions
-        output = self.compiled_step(embedded, state, features, keys, expect)
+        inputs = (embedded, state, features, keys, expect)
+        if DistributedDataParallel._get_active_ddp_module() is None:
+            output = self.compiled_step(*inputs)
+        else:
+            # Inside DDP's forward dynamo hands a new graph to its DDPOptimizer, which splits it at gradient-bucket
+            # boundaries so that a whole model compiled at once overlaps its all-reduces with the backward. Run T
+            # times a forward, this step's parameters are ready only when the first step's backward is done, so
+            # a split gains nothing, and the split fails ("output spec mismatch": a torch.Size crosses it). One
+            # graph, with DDP's own reducer all-reducing the gradients as in eager mode.
+            with torch._dynamo.config.patch(optimize_ddp=False):
+                output = self.compiled_step(*inputs)
         if self.graphed and not torch.is_grad_enabled():
             # Without a backward to wait for, every call of a CUDA-graphed step starts a new iteration that
             # reuses the last one's output memory: the next word's inputs (the state) and what the loop keeps
