@@ -200,8 +200,13 @@ def random_features(model: Captioner, size: Setup, count: int, device: torch.dev
     return torch.randn(count, *shape, device=device).relu()
 
 
-def random_captions(size: Setup, images: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``CAPTIONS_PER_IMAGE`` longest captions per image: ids (N, steps + 1) and image_index (N,).
+def random_captions(
+    size: Setup, images: int, device: torch.device, gathered: bool = False
+) -> tuple[Tensor, Tensor | int]:
+    """``CAPTIONS_PER_IMAGE`` longest captions per image: ids (N, steps + 1) and their images as the decoder reads
+    them: K = ``CAPTIONS_PER_IMAGE`` per image, the layout of training's batches (``collate``'s
+    ``captions_per_image``), or with ``gathered`` each caption's image (N,), the layout of batches whose images
+    have unequal numbers of captions (each image's features copied to each of its captions).
 
     Each is ``<start>``, ``data.max_len`` random words and ``<end>``: no padding, every step counts.
     """
@@ -209,6 +214,8 @@ def random_captions(size: Setup, images: int, device: torch.device) -> tuple[Ten
     words = torch.randint(UNK_ID + 1, len(size.vocab), (count, size.data.max_len), device=device)
     start = torch.full((count, 1), START_ID, device=device)
     end = torch.full((count, 1), END_ID, device=device)
+    if not gathered:
+        return torch.cat([start, words, end], dim=1), CAPTIONS_PER_IMAGE
     index = torch.arange(images, device=device).repeat_interleave(CAPTIONS_PER_IMAGE)
     return torch.cat([start, words, end], dim=1), index
 

@@ -44,6 +44,7 @@ TRAIN_COLUMNS = [
 DECODER_COLUMNS = [
     "size",
     "attention",
+    "captions",
     "images x captions",
     "steps",
     "ms/step",
@@ -88,13 +89,14 @@ def step_row(size: composed.Setup, source: str, args: argparse.Namespace) -> lis
     ]
 
 
-def decoder_row(size: composed.Setup, images: int, args: argparse.Namespace) -> list[object]:
-    """Time the decoder's training step alone on grid features already in memory."""
+def decoder_row(size: composed.Setup, images: int, gathered: bool, args: argparse.Namespace) -> list[object]:
+    """Time the decoder's training step alone on grid features already in memory, its captions in training's
+    layout (K per image, one copy of each image's features) or ``gathered`` (the features copied to each)."""
     module = composed.build_module(size, args)
     decoder = module.model.decoder
     height, width, channels = composed.grid_shape(size)
     features = torch.randn(images, height * width, channels, device=args.device).relu()  # (B, L, C)
-    captions, index = composed.random_captions(size, images, args.device)
+    captions, index = composed.random_captions(size, images, args.device, gathered)
     step = composed.make_train_step(module, decoder, lambda: decoder(features, captions, index), captions, args)
     flops = clock.count_flops(step)
     with peak.PeakMemory(args.device) as memory, machine.OtherLoad() as others:
@@ -103,6 +105,7 @@ def decoder_row(size: composed.Setup, images: int, args: argparse.Namespace) -> 
     return [
         size.name,
         size.model.attention.value,
+        "gathered" if gathered else "K per image",
         f"{images} x {pairs}",
         size.steps,
         seconds * 1e3,
@@ -136,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
             f"memory: {peak.memory_method(args.device)}; 'step MiB' is the peak above the memory held before "
             "the first step (model, batch), i.e. activations, gradients and Adam state",
             "'CNN images/step' counts the images entering the encoder per step (a hook on its first stage)",
+            "captions: 'K per image' is training's layout (each image's 5 captions read one copy of its features), "
+            "'gathered' the features copied to each caption (batches whose images have unequal caption counts)",
             "'max/min': slowest / fastest timed run; 'others %': share of the cores other processes kept busy "
             "during the row (/proc/stat), above ~10 % the row is slowed by contention",
         ],
@@ -147,7 +152,12 @@ def main(argv: list[str] | None = None) -> None:
             if not (args.quick and pair[0].name.startswith("coco")):  # 5x the CNN work: slow at 448 px on a CPU
                 rows.append(step_row(pair[0], "per_caption", args))
         tables.print_table("Training step: encoder + decoder + loss + backward + Adam", TRAIN_COLUMNS, rows)
-        rows = [decoder_row(size, decoder_batch(size, args), args) for pair in zip(soft, hard) for size in pair]
+        rows = [
+            decoder_row(size, decoder_batch(size, args), gathered, args)
+            for pair in zip(soft, hard)
+            for size in pair
+            for gathered in (False, True)
+        ]
         tables.print_table("Decoder-only training step given features", DECODER_COLUMNS, rows)
 
 

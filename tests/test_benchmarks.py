@@ -86,8 +86,9 @@ def test_train_step_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable
     # FLOPs are counted, not timed: the cache saves the frozen stem's, the per-caption layout runs the CNN 5x
     soft_images, soft_cached, hard_images, hard_cached, per_caption = (float(row["GFLOP"]) for row in rows)
     assert 0 < soft_cached < soft_images < per_caption and (hard_images, hard_cached) == (soft_images, soft_cached)
-    rows = table(stdout, "Decoder-only training step given features", 2)
-    assert [row["attention"] for row in rows] == ["soft", "hard"]
+    rows = table(stdout, "Decoder-only training step given features", 4)
+    layouts = [(row["attention"], row["captions"]) for row in rows]
+    assert layouts == [(a, c) for a in ("soft", "hard") for c in ("K per image", "gathered")]
 
 
 def test_captioning_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable[..., str]) -> None:
@@ -168,7 +169,8 @@ def test_gpu_options_run_on_cpu(run_tiny: Callable[..., str], script: str) -> No
     # the options a GPU run uses (bf16 autocast, channels-last CNN) take the same code path on the CPU
     stdout = run_tiny(script, "--precision", "bf16", "--channels-last")
     assert "- precision bf16, channels-last True" in stdout
-    assert stdout.count("\n| tiny ") == 7  # both scripts: 5 rows in their first table, 2 in the second
+    # 5 rows in the first table of each, 2 in captioning's second, 4 in train_step's (two layouts of captions)
+    assert stdout.count("\n| tiny ") == {"train_step": 9, "captioning": 7}[script]
 
 
 def test_attention_ablation_scores_named_shapes_by_scene_size(

@@ -175,7 +175,8 @@ def test_collate_shapes_and_values(files, vocab):
     assert batch["images"].shape == (2, 3, SIZE, SIZE)
     assert torch.allclose(batch["images"][1, :, 0, 0], normalised((0, 0, 255)), atol=1e-5)
     assert [s.path for s in batch["skipped"]] == [str(files["missing"]), str(files["folder"])]
-    assert all(t.dtype == torch.long for k, t in batch.items() if k not in ("images", "skipped"))
+    assert batch["captions_per_image"] is None  # 2 and 3 captions: read gathered
+    assert all(t.dtype == torch.long for k, t in batch.items() if k not in ("images", "skipped", "captions_per_image"))
 
 
 def test_collate_pads_to_a_fixed_length_when_asked(files, vocab):

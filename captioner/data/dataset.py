@@ -111,8 +111,9 @@ def collate(items: list[dict | Skipped], pad_to: int | None = None) -> dict:
     Returns ``images`` (B, 3, H, W) (or ``features`` (B, L, C) for items that carry cached features),
     ``captions`` (N, T) padded with ``<pad>`` to the longest caption, or to T = ``pad_to`` when given (the
     same T for every batch: ``DataConfig.pad_to``), ``lengths`` (N,) including ``<start>``/``<end>``,
-    ``image_index`` (N,) the image of each caption, ``image_ids`` (B,), ``indices`` (B,) and
-    ``skipped`` (the Skipped items, dropped from the batch). B may be 0 when every image was skipped.
+    ``image_index`` (N,) the image of each caption, ``captions_per_image`` (K when every image has K
+    captions, which are then rows bK .. bK + K - 1 for image b; else None), ``image_ids`` (B,), ``indices``
+    (B,) and ``skipped`` (the Skipped items, dropped from the batch). B may be 0 when every image was skipped.
     """
     skipped = [item for item in items if isinstance(item, Skipped)]
     kept = [item for item in items if not isinstance(item, Skipped)]
@@ -131,6 +132,7 @@ def collate(items: list[dict | Skipped], pad_to: int | None = None) -> dict:
         "captions": padded,  # (N, T)
         "lengths": torch.tensor([len(c) for c in captions], dtype=torch.long),  # (N,)
         "image_index": torch.repeat_interleave(torch.arange(len(kept)), counts),  # (N,)
+        "captions_per_image": int(counts[0]) if bool((counts == counts[0]).all()) else None,
         "image_ids": torch.tensor([item["image_id"] for item in kept], dtype=torch.long),  # (B,)
         "indices": torch.tensor([item["index"] for item in kept], dtype=torch.long),  # (B,)
         "skipped": skipped,
@@ -145,6 +147,7 @@ def _empty_batch(skipped: list[Skipped]) -> dict:
         "captions": torch.zeros(0, 0, dtype=torch.long),
         "lengths": empty,
         "image_index": empty,
+        "captions_per_image": None,
         "image_ids": empty,
         "indices": empty,
         "skipped": skipped,

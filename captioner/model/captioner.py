@@ -80,16 +80,17 @@ class Captioner(nn.Module):
             return features
         return self.self_attention(features, grid or _square_grid(features.size(1)))
 
-    def forward(self, images: Tensor, captions: Tensor, image_index: Tensor | None = None) -> DecoderOutput:
+    def forward(self, images: Tensor, captions: Tensor, image_index: Tensor | int | None = None) -> DecoderOutput:
         """Teacher-forced outputs for captions (N, T+1) of images (B, ...); the encoder runs once per image.
 
-        ``image_index`` (N,) gives each caption's image (None: caption n belongs to image n).
+        ``image_index`` gives each caption's image as ``ShowAttendTellDecoder.forward`` reads it: (N,), or K
+        captions per image in order, or None (caption n belongs to image n).
         """
         features, grid = self.encode(images)  # (B, L', C')
         return self.forward_features(features, captions, image_index, grid)
 
     def forward_features(
-        self, features: Tensor, captions: Tensor, image_index: Tensor | None = None, grid: Grid | None = None
+        self, features: Tensor, captions: Tensor, image_index: Tensor | int | None = None, grid: Grid | None = None
     ) -> DecoderOutput:
         """Like ``forward`` from (cached) ``encode`` output (B, L', C') on its grid (default square)."""
         features, grid = self.finish_encoding(features, grid)  # (B, L, C)

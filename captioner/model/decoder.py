@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Categorical
+from torch.nn.parallel import DistributedDataParallel
 
 from captioner.config import Attention, Compile, Gate, HardEstimator, HardInference, NetConfig
 from captioner.model.attention import build_attention
@@ -129,35 +130,46 @@ class ShowAttendTellDecoder(nn.Module):
         """
         return self._step(self.embedding(tokens), state, features, keys, expect=None)
 
-    def forward(self, features: Tensor, captions: Tensor, image_index: Tensor | None = None) -> DecoderOutput:
+    def forward(self, features: Tensor, captions: Tensor, image_index: Tensor | int | None = None) -> DecoderOutput:
         """Teacher forcing of ``captions`` (N, T+1) on ``features`` (B, L, D) for a fixed T steps.
 
-        ``image_index`` (N,) names each caption's image (None: caption n belongs to image n). Keys
-        and initial states are computed on the B images once, then gathered to the N captions. Pad
-        steps run like the others (no per-step batch shrinking); the loss masks them.
+        ``image_index`` names each caption's image: a tensor (N,) any assignment, the features, keys and
+        initial states of the B images computed once and gathered to the N captions; an int K, captions
+        bK .. bK + K - 1 are image b's (N = B K), run as ``step`` runs K sequences per image, so that each
+        attention read and its backward touch one copy of the image's features instead of K; None: K = 1.
+        Either way the outputs are the same, row n caption n's. Pad steps run like the others (no per-step
+        batch shrinking); the loss masks them.
         """
+        images = features.size(0)  # B
+        per_image = image_index if isinstance(image_index, int) and image_index > 1 else None  # K
         keys = self.attention.keys(features)  # (B, L, A), once per image
         state = self.init_state(features)  # (B, H) x 2
         sampling = self.mode == Attention.hard and self.training
         expect = None
         if sampling:  # per image, as the paper says: the expected context instead of a sampled location
-            expect = torch.rand(features.size(0), device=features.device) < self.hard_expectation_prob  # (B,)
-        if image_index is not None:
+            expect = torch.rand(images, device=features.device) < self.hard_expectation_prob  # (B,)
+        if isinstance(image_index, Tensor):
             features, keys = features[image_index], keys[image_index]  # (N, L, D), (N, L, A)
             state = (state[0][image_index], state[1][image_index])  # (N, H) x 2
             expect = None if expect is None else expect[image_index]  # (N,)
+        elif per_image is not None:
+            # (B, K, H) x 2, contiguous as every later step's state: one compiled graph serves them all
+            state = tuple(s.unsqueeze(1).expand(-1, per_image, -1).contiguous() for s in state)
+            expect = None if expect is None else expect.unsqueeze(1).expand(-1, per_image)  # (B, K)
         embedded = self.embedding(captions[:, :-1])  # (N, T, E): E y_{t-1}
+        if per_image is not None:
+            embedded = embedded.view(images, per_image, *embedded.shape[1:])  # (B, K, T, E)
         steps = []
-        for t in range(embedded.size(1)):
-            logits, state, alpha, log_prob, entropy = self._step(embedded[:, t], state, features, keys, expect)
+        for t in range(embedded.size(-2)):
+            logits, state, alpha, log_prob, entropy = self._step(embedded[..., t, :], state, features, keys, expect)
             steps.append((logits, alpha, log_prob, entropy))
-        logits, alphas, log_probs, entropies = zip(*steps)
-        output = DecoderOutput(torch.stack(logits, dim=1), torch.stack(alphas, dim=1))  # (N, T, V), (N, T, L)
+        logits, alphas, log_probs, entropies = (_by_caption(out, per_image is not None) for out in zip(*steps))
+        output = DecoderOutput(logits, alphas)  # (N, T, V), (N, T, L)
         if sampling:
             if self.hard_estimator == HardEstimator.reinforce:
-                output.location_log_probs = torch.stack(log_probs, dim=1)  # (N, T)
-            output.entropy = torch.stack(entropies, dim=1)  # (N, T)
-            output.sampled = ~expect
+                output.location_log_probs = log_probs  # (N, T)
+            output.entropy = entropies  # (N, T)
+            output.sampled = ~expect.flatten()  # (N,)
         return output
 
     def _step(
@@ -168,7 +180,17 @@ class ShowAttendTellDecoder(nn.Module):
             return self._eager_step(embedded, state, features, keys, expect)
         for tensor in (embedded, *state, features, keys, *([] if expect is None else [expect])):
             torch._dynamo.maybe_mark_dynamic(tensor, 0)  # B (or N): the last batch, beams' images, captions
-        output = self.compiled_step(embedded, state, features, keys, expect)
+        inputs = (embedded, state, features, keys, expect)
+        if DistributedDataParallel._get_active_ddp_module() is None:
+            output = self.compiled_step(*inputs)
+        else:
+            # Inside DDP's forward dynamo hands a new graph to its DDPOptimizer, which splits it at gradient-bucket
+            # boundaries so that a whole model compiled at once overlaps its all-reduces with the backward. Run T
+            # times a forward, this step's parameters are ready only when the first step's backward is done, so
+            # a split gains nothing, and the split fails ("output spec mismatch": a torch.Size crosses it). One
+            # graph, with DDP's own reducer all-reducing the gradients as in eager mode.
+            with torch._dynamo.config.patch(optimize_ddp=False):
+                output = self.compiled_step(*inputs)
         if self.graphed and not torch.is_grad_enabled():
             # Without a backward to wait for, every call of a CUDA-graphed step starts a new iteration that
             # reuses the last one's output memory: the next word's inputs (the state) and what the loop keeps
@@ -233,3 +255,12 @@ class ShowAttendTellDecoder(nn.Module):
 def _clone(tensor: Tensor | None) -> Tensor | None:
     """A copy of ``tensor`` (None stays None)."""
     return None if tensor is None else tensor.clone()
+
+
+def _by_caption(steps: tuple[Tensor | None, ...], grouped: bool) -> Tensor | None:
+    """T steps' outputs, each (N, ...) or, ``grouped``, (B, K, ...), stacked to (N, T, ...) with caption n = bK + k."""
+    if steps[0] is None:
+        return None
+    if not grouped:
+        return torch.stack(steps, dim=1)
+    return torch.stack(steps, dim=2).flatten(0, 1)  # (B, K, T, ...) -> (N, T, ...)

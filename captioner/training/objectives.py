@@ -26,8 +26,10 @@ def cached_features(batch: dict, dtype: torch.dtype) -> torch.Tensor:
 
 
 def teacher_forced(model: Captioner, batch: dict, dtype: torch.dtype) -> Any:
-    """The model's teacher-forced output on a batch of images or of cached features, with all their captions."""
-    captions, index = batch["captions"], batch["image_index"]
+    """The model's teacher-forced output on a batch of images or of cached features, with all their captions:
+    in the decoder's (B, K) layout when every image has K captions (``collate``'s ``captions_per_image``)."""
+    per_image = batch.get("captions_per_image")
+    captions, index = batch["captions"], batch["image_index"] if per_image is None else per_image
     if "features" in batch:
         return model.forward_features(cached_features(batch, dtype), captions, index)
     return model(batch["images"], captions, index)
