@@ -183,7 +183,7 @@ BROKEN_CHECK = f"""import runpy, sys
 from captioner.data.sources import ShapesSource
 def broken(self):
     raise RuntimeError("the dataset's check broke")
-ShapesSource.check_files = broken
+ShapesSource.paths = broken
 sys.argv[0] = {str(ROOT / "train.py")!r}
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -47,10 +47,14 @@ class SourcePath:
     remedy: str = "see the dataset's config in conf/data"  # how to get it when it is missing or wrong
     generated: bool = False  # may be missing: the source makes it on first use
 
+    def fix(self) -> str:
+        """How to put it right: its remedy, or for a null path, to give one."""
+        return f"give the {self.kind}'s path" if self.path is None else self.remedy
+
     def problem(self) -> str | None:
         """What is wrong with it (``data.source.split_file='...': file not found``), or None."""
         if self.path is None:
-            return f"{CONFIG_KEY}.{self.key} is null; give the {self.kind}'s path"
+            return f"{CONFIG_KEY}.{self.key} is null"
         target = Path(self.path)
         if not target.exists():
             return None if self.generated else f"{CONFIG_KEY}.{self.key}={self.path!r}: {self.kind} not found"
@@ -65,6 +69,8 @@ def check_paths(paths: Iterable[SourcePath], error: type[CaptionerError] = Confi
     for path in paths:
         problem = path.problem()
         if problem:
+            if path.path is None:
+                raise error(f"{problem}; {path.fix()}")
             raise error(f"{problem} ({DATASET_HELP})" if problem.endswith("not found") else problem)
 
 

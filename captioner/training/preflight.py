@@ -106,7 +106,7 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
         return [Problem(first_line(exc), "see the dataset's config in conf/data", Section.split_files)]
     sections = {"annotations": Section.split_files, "images": Section.images}  # by what a path holds
     found = [
-        Problem(problem, path.remedy, sections[path.holds]) for path in built.paths() if (problem := path.problem())
+        Problem(problem, path.fix(), sections[path.holds]) for path in built.paths() if (problem := path.problem())
     ]
     if found:
         return found
