@@ -46,7 +46,7 @@ from captioner.config.network import (
     SelfAttentionConfig,
 )
 from captioner.config.settings import Settings, from_dict, to_dict
-from captioner.config.train import SCHEMAS, TrainConfig
+from captioner.config.train import SCHEMAS, SamplesConfig, TrainConfig
 
 __all__ = [
     "CAPTIONING_BATCH_SIZE",
@@ -81,6 +81,7 @@ __all__ = [
     "ScstBaseline",
     "ScstConfig",
     "SelfAttentionConfig",
+    "SamplesConfig",
     "SceneKind",
     "ShapesSpec",
     "Settings",

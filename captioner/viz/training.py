@@ -1,0 +1,146 @@
+"""Pictures of a training run: the sample sheet of a validation (a few images captioned and attended) and the
+curves of the whole run.
+
+The sheet stacks the CLI's overlay (``captioner.viz.overlay.draw_overlay``: the image, then one panel per word
+on the caption's one brightness scale, the attended cell outlined for hard attention) of each sample, its
+title giving the caption and one reference. The curves picture plots the training loss (mean per epoch),
+validation BLEU-4, CIDEr-D and attention correctness per epoch, with the switch from cross-entropy to SCST
+and the checkpoint the run picked marked. Both are drawn without a display (matplotlib's Agg canvas).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from PIL import Image
+from torch import Tensor
+
+from captioner.fileio import atomic_write
+from captioner.viz.overlay import draw_overlay
+
+GAP = 24  # white pixels between two samples on a sheet
+TRAIN_LOSS = "train_loss"  # a history row's key of the epoch's mean training loss
+CURVES = (  # (history key, panel title) of the curves picture, in reading order
+    (TRAIN_LOSS, "training loss (mean per epoch)"),
+    ("val/bleu4", "validation BLEU-4"),
+    ("val/cider", "validation CIDEr-D"),
+    ("val/attention_correctness", "attention correctness"),
+)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One validation image as a validation decoded it."""
+
+    image_id: int
+    image: Image.Image  # the image file as read (the overlay draws on it, not on the model's input)
+    words: list[str]  # the decoded caption
+    alphas: Tensor  # (T, H*W): the attention of each word, T >= len(words)
+    grid: tuple[int, int]  # (H, W)
+    references: tuple[str, ...]  # the image's reference captions (the sheet shows the first)
+    locations: list[int] | None = None  # hard attention decoded by argmax: the cell each word read
+
+    @property
+    def caption(self) -> str:
+        """The decoded caption as one string."""
+        return " ".join(self.words)
+
+    def title(self, epoch: int) -> str:
+        """The overlay's title: image, epoch, caption and one reference."""
+        reference = self.references[0] if self.references else "(none)"
+        return f"image {self.image_id}, epoch {epoch}: {self.caption or '(empty caption)'}\nreference: {reference}"
+
+
+def draw_samples(samples: Sequence[Sample], epoch: int, folder: str | os.PathLike) -> list[Path]:
+    """Draw each sample's overlay into ``folder`` (``image_<id>.png``); return the paths in ``samples``' order."""
+    paths = []
+    for sample in samples:
+        path = Path(folder) / f"image_{sample.image_id}.png"
+        draw_overlay(
+            sample.image, sample.words, sample.alphas, sample.grid, path, sample.locations, sample.title(epoch)
+        )
+        paths.append(path)
+    return paths
+
+
+def stack_pictures(paths: Sequence[str | os.PathLike], out_path: str | os.PathLike) -> Path:
+    """One PNG at ``out_path`` (written atomically) with the pictures of ``paths`` one under the other, left
+    aligned at their own size on white."""
+    pictures = [Image.open(path).convert("RGB") for path in paths]
+    width = max(p.width for p in pictures)
+    height = sum(p.height for p in pictures) + GAP * (len(pictures) - 1)
+    sheet = Image.new("RGB", (width, height), (255, 255, 255))
+    top = 0
+    for picture in pictures:
+        sheet.paste(picture, (0, top))
+        top += picture.height + GAP
+    with atomic_write(out_path, "wb") as handle:
+        sheet.save(handle, format="PNG", optimize=True)
+    return Path(out_path)
+
+
+def draw_sample_sheet(samples: Sequence[Sample], epoch: int, out_path: str | os.PathLike) -> list[Image.Image]:
+    """Draw the sheet of ``samples`` at ``epoch`` into ``out_path``; return each sample's overlay (RGB), for
+    the loggers that show them one by one."""
+    with tempfile.TemporaryDirectory(prefix="samples-") as scratch:
+        paths = draw_samples(samples, epoch, scratch)
+        stack_pictures(paths, out_path)
+        return [Image.open(path).convert("RGB") for path in paths]
+
+
+def curves_figure(history: Sequence[Mapping[str, object]], picked_epoch: int | None) -> Figure:
+    """The curves of ``history`` (one row per validation or epoch: ``epoch``, ``scst``, and the keys of
+    ``CURVES`` where known) as a 2 x 2 figure; the first SCST epoch and ``picked_epoch`` marked."""
+    fig = Figure(figsize=(10, 7), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    epochs = np.array([int(row["epoch"]) for row in history])
+    scst = [int(row["epoch"]) for row in history if row.get("scst")]
+    for panel, (key, title) in enumerate(CURVES):
+        ax = fig.add_subplot(2, 2, panel + 1)
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        values = np.array([_number(row.get(key)) for row in history], dtype=float)
+        known = ~np.isnan(values)
+        if not known.any():
+            ax.text(0.5, 0.5, "not computed", ha="center", va="center", transform=ax.transAxes, color="grey")
+        else:
+            ax.plot(epochs[known], values[known], marker="o", markersize=3, color="tab:blue")
+        if scst:
+            ax.axvline(min(scst) - 0.5, color="tab:orange", linestyle="--", label=f"SCST from epoch {min(scst)}")
+        if picked_epoch is not None:
+            picked = f"picked checkpoint (epoch {picked_epoch})"
+            ax.axvline(picked_epoch, color="tab:green", linestyle=":", label=picked)
+            chosen = known & (epochs == picked_epoch)
+            if chosen.any():
+                ax.plot(epochs[chosen], values[chosen], marker="*", markersize=14, color="tab:green", linestyle="none")
+        if len(epochs):
+            ax.set_xlim(epochs.min() - 0.6, epochs.max() + 0.6)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+        if scst or picked_epoch is not None:
+            ax.legend(loc="best", fontsize=8)
+    return fig
+
+
+def draw_curves(history: Sequence[Mapping[str, object]], picked_epoch: int | None, out_path: str | os.PathLike) -> Path:
+    """Draw :func:`curves_figure` into a PNG at ``out_path`` (written atomically); return the path."""
+    fig = curves_figure(history, picked_epoch)
+    with atomic_write(out_path, "wb") as handle:
+        fig.savefig(handle, format="png")
+    return Path(out_path)
+
+
+def _number(value: object) -> float:
+    """``value`` as a float, NaN for a missing or non-finite one."""
+    if value is None:
+        return math.nan
+    number = float(value)
+    return number if math.isfinite(number) else math.nan
