@@ -46,6 +46,8 @@ from captioner.viz.training import TRAIN_LOSS, Sample, draw_curves, draw_sample_
 log = logging.getLogger(__name__)
 
 PICKED_FILE = "picked.json"  # in SAMPLES_DIR: the images drawn, with their files and references
+# what the pictures cost, said when the fit ends (benchmarks/samples_cost.py reads it)
+COST_LINE = "pictures: %.2f s for %d sample sheets and the curves, %.2f %% of the fit's %.1f s"
 RECORDED = (metric(VAL, PROGRESS), metric(VAL, CIDER), metric(VAL, CORRECTNESS))  # a validation's history keys
 
 
@@ -59,6 +61,9 @@ class TrainingPictures(L.Callback):
         self.picked: list[int] = []  # image ids, chosen at the first validation
         self.history: list[dict[str, Any]] = []  # one row per validation (and per epoch without one)
         self.seconds = 0.0  # spent decoding and drawing in this process: what the pictures cost
+        self.validations = 0  # sample sheets drawn (or tried) in this process
+        self._fit_start = time.perf_counter()
+        self._stated = False  # whether samples/picked.json names the picked images in this run's folder
         self._loss_sum: torch.Tensor | None = None  # training loss summed on the device since the last row
         self._batches = 0
 
@@ -84,6 +89,7 @@ class TrainingPictures(L.Callback):
             values["monitor"] = float(trainer.callback_metrics[monitor])
         self._add_row(trainer, pl_module, values)
         if trainer.is_global_zero:
+            self.validations += 1
             self._guarded("samples", self._draw_samples, trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -111,10 +117,17 @@ class TrainingPictures(L.Callback):
         best = float(score)
         return next((row["epoch"] for row in self.history if np.isclose(row.get("monitor", np.nan), best)), None)
 
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Start the clock of the fit, against which the pictures' cost is told."""
+        self._fit_start = time.perf_counter()
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Draw the run's curves."""
-        if trainer.is_global_zero:
-            self._guarded("curves", self._draw_curves, trainer)
+        """Draw the run's curves; say what the pictures cost."""
+        if not trainer.is_global_zero:
+            return
+        self._guarded("curves", self._draw_curves, trainer)
+        wall = time.perf_counter() - self._fit_start
+        log.info(COST_LINE, self.seconds, self.validations, 100 * self.seconds / max(wall, 1e-9), wall)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         """A run that stops (an error, Ctrl-C) still gets the curves of what it trained."""
@@ -144,7 +157,7 @@ class TrainingPictures(L.Callback):
         records = self._records(datamodule.splits[VAL])
         if not records:
             return
-        samples = self._decode(pl_module, datamodule, records)
+        samples = self._decode(trainer, pl_module, records)
         if not samples:
             return
         epoch = trainer.current_epoch
@@ -164,25 +177,30 @@ class TrainingPictures(L.Callback):
                 log.warning("the validation split lacks images picked for samples earlier: picking again")
             count = min(self.count, len(split))
             self.picked = [split[i * len(split) // count].image_id for i in range(count)] if count else []
+            self._stated = False
+        if not self._stated:  # in this run's folder (a resumed run writes a new one)
             picked = [
                 {"image_id": by_id[i].image_id, "image": by_id[i].image_path, "references": list(by_id[i].captions)}
                 for i in self.picked
             ]
             with atomic_write(self.folder / SAMPLES_DIR / PICKED_FILE, "w") as handle:
                 json.dump(picked, handle, indent=2)
+            self._stated = True
         return [by_id[image_id] for image_id in self.picked]
 
-    def _decode(self, pl_module: L.LightningModule, datamodule: L.LightningDataModule, records: list) -> list[Sample]:
-        """The picked images decoded as validation decodes, with their pictures and references."""
-        dataset = datamodule.image_dataset(VAL, records=records)  # validation's preprocessing
+    def _decode(self, trainer: L.Trainer, pl_module: L.LightningModule, records: list[Record]) -> list[Sample]:
+        """The picked images decoded as validation decodes (its preprocessing, precision and decoding), with
+        their pictures and references."""
+        dataset = trainer.datamodule.image_dataset(VAL, records=records)
         items = [dataset[i] for i in range(len(records))]
         kept = [item for item in items if not isinstance(item, Skipped)]
         if not kept:
             return []
         batch = collate(kept)
-        with untouched(pl_module):
+        precision = trainer.precision_plugin
+        with untouched(pl_module), precision.forward_context():
             batch = {key: value.to(pl_module.device) for key, value in batch.items() if isinstance(value, torch.Tensor)}
-            generation, grid = pl_module.generate(batch)
+            generation, grid = pl_module.generate(precision.convert_input(batch))
         tokens, alphas = generation.tokens.cpu(), generation.alphas.float().cpu()
         samples = []
         for row, item in enumerate(kept):
