@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
-from PIL import Image
+from PIL import Image, ImageFont
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, TENSORS, EventAccumulator
 
 from captioner.bundle import load_trained
@@ -201,3 +201,27 @@ def test_wandb_gets_the_images_with_their_captions_and_mlflow_the_sheet(tmp_path
     )
     mlflow.experiment.log_artifact.assert_called_once_with("run-1", str(tmp_path / "epoch_001.png"), "samples")
     assert caption_markdown(samples[0]) == "**caption:** a dog\n\n**references:**\n\n- a cat"
+
+
+def test_a_sample_picture_shows_the_image_and_a_panel_per_word_in_rows(tmp_path: Path) -> None:
+    from captioner.viz.training import COLUMNS, PAD, TILE, draw_sample_sheet, sample_picture
+
+    red = Image.new("RGB", (48, 24), (200, 0, 0))
+    words = [f"w{k}" for k in range(COLUMNS + 1)]  # the image and COLUMNS + 1 panels: two rows
+    sample = Sample(7, red, words, torch.full((len(words), 4), 0.25), (2, 2), ("a red box",))
+    picture = sample_picture(sample, 3, ImageFont.load_default(size=15))
+    assert picture.width == PAD + COLUMNS * (TILE + PAD)
+    tile_height = TILE // 2  # the 2:1 image scaled to TILE on its longest side
+    column = [picture.getpixel((PAD + 1, y)) for y in range(picture.height)]
+    top = column.index((200, 0, 0))  # the image itself, first, under a heading of two lines
+    assert top > 2 * 15 and column[top : top + tile_height] == [(200, 0, 0)] * tile_height
+    assert column[top + tile_height] != (200, 0, 0)
+    second_row = [y for y in range(top + tile_height, picture.height) if column[y][1:] == (0, 0) and column[y][0] > 150]
+    assert second_row and len(second_row) == tile_height  # the panel of the word after COLUMNS - 1 words
+    panel = picture.getpixel((PAD + TILE + PAD + TILE // 2, top + tile_height // 2))
+    assert panel[0] > 150 and panel[1:] == (0, 0)  # a uniform map: every cell at the caption's top brightness
+    sheet = tmp_path / "epoch_003.png"
+    pictures = draw_sample_sheet([sample, sample], 3, sheet)
+    with Image.open(sheet) as drawn:
+        assert drawn.size == (picture.width, 2 * picture.height + 24)
+    assert [p.size for p in pictures] == [picture.size] * 2
