@@ -70,7 +70,7 @@ def test_tensorboard_gets_an_image_and_a_text_per_sample_at_each_validations_ste
         assert [i.step for i in images] == validation_steps  # beside the scalars of the same validation
         picture = Image.open(io.BytesIO(images[-1].encoded_image_string))
         assert picture.width == images[-1].width > 400 and picture.height > 200
-        texts = events.Tensors(tag)  # TensorBoard's text plugin stores its entries as string tensors
+        texts = events.Tensors(f"{tag}/text_summary")  # the text plugin's entries: string tensors
         assert [t.step for t in texts] == validation_steps
         text = texts[-1].tensor_proto.string_val[0].decode()
         assert "**caption:**" in text and all(reference in text for reference in entry["references"])
