@@ -50,7 +50,7 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
 
     from captioner.evaluation.results import write_metrics, write_results
-    from captioner.run_files import BUNDLE_NAME, METRICS_FILE, VAL_CAPTIONS_FILE
+    from captioner.run_files import BUNDLE_NAME, CURVES_FILE, METRICS_FILE, VAL_CAPTIONS_FILE
     from captioner.training import quick_checks
     from captioner.training.datamodule import CaptionDataModule
     from captioner.training.logs import route_lightning_logs, summary
@@ -121,7 +121,9 @@ def train(cfg: DictConfig) -> float | None:
         decoded += f"; each epoch's validation, which picked the checkpoint: {epochs_decoding.describe()}"
     if (read := module.model.decoder.hard_read) is not None:
         decoded += f"; {read.describe()}"
-    print(summary(metrics, ckpt_path, bundle, output_dir, missing, checkpoint_note, decoded))
+    curves = output_dir / CURVES_FILE  # callbacks.samples draws it when training ends
+    curves = curves if curves.is_file() else None
+    print(summary(metrics, ckpt_path, bundle, output_dir, missing, checkpoint_note, decoded, curves))
     return metrics.get(metric(VAL, PROGRESS))
 
 

@@ -30,6 +30,7 @@ from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.data.vocab import UNK_ID
 from captioner.errors import check_range
+from captioner.model.captioner import Captioner
 from captioner.model.decoding import seeded_generator
 
 # a file, a PIL image, a tensor (3, H, W) or a numpy array (H, W, 3) of uint8 (as PIL and OpenCV give, in RGB)
@@ -172,18 +173,19 @@ def _caption_batch(
     device = next(model.parameters()).device
     generation, grid = model.generate(pixels.to(device), decoding, generator, unk_id=UNK_ID)
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
-    # hard attention decoded by argmax attends to one cell per word: its one-hot map's argmax
-    argmax = model.decoder.hard_read == HardInference.argmax
     results = []
     for row in range(tokens.size(0)):
         words = vocab.decode(tokens[row].tolist())
         maps = alphas[row, : len(words)].float()  # (T, L)
-        results.append(
-            Captioned(
-                None, words, float(scores[row]), maps, grid, locations=maps.argmax(dim=1).tolist() if argmax else None
-            )
-        )
+        results.append(Captioned(None, words, float(scores[row]), maps, grid, locations=attended_cells(model, maps)))
     return results
+
+
+def attended_cells(model: Captioner, maps: torch.Tensor) -> list[int] | None:
+    """The cell each word read, for hard attention decoded by argmax (one cell per word: its one-hot map's
+    argmax), from the attention ``maps`` (T, L) of one caption; None for every other attention."""
+    argmax = model.decoder.hard_read == HardInference.argmax
+    return maps.argmax(dim=1).tolist() if argmax else None
 
 
 def caption_files(

@@ -15,3 +15,5 @@ CONFIG_FILE = "config.yaml"  # the composed config, resolved
 FAILED_FILE = "FAILED"  # written by a run that failed: its one-line error
 METRICS_FILE = "metrics.json"  # the final validation (and test) metrics; also what `captioner evaluate` writes
 VAL_CAPTIONS_FILE = "val_captions.json"  # the selected checkpoint's validation captions, COCO results format
+SAMPLES_DIR = "samples"  # a few validation images captioned and attended after every validation (epoch_NNN.png)
+CURVES_FILE = "curves.png"  # training loss, BLEU-4, CIDEr-D and attention correctness per epoch, drawn at the end

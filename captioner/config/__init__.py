@@ -58,7 +58,7 @@ from captioner.config.network import (
     SelfAttentionConfig,
 )
 from captioner.config.settings import Settings, from_dict, to_dict
-from captioner.config.train import SCHEMAS, TrainConfig
+from captioner.config.train import SCHEMAS, SamplesConfig, TrainConfig
 
 __all__ = [
     "ARCHITECTURE",
@@ -97,6 +97,7 @@ __all__ = [
     "ScstBaseline",
     "ScstConfig",
     "SelfAttentionConfig",
+    "SamplesConfig",
     "SceneKind",
     "ShapesSpec",
     "Settings",

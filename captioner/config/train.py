@@ -49,5 +49,15 @@ class TrainConfig(Settings):
             )
 
 
+@dataclass
+class SamplesConfig(Settings):
+    """What ``callbacks.samples`` (``captioner.training.samples.TrainingPictures``) draws after each validation."""
+
+    count: int = 4  # validation images captioned and attended after every validation, picked once for the run
+
+    def check(self) -> None:
+        check_range("callbacks.samples.count", self.count, 1, 32, kind=int)
+
+
 # The schemas of the configs: captioner.training.schemas stores each as <name>_schema.
 SCHEMAS: dict[str, type] = {"train": TrainConfig, "model": ModelConfig, "data": DataConfig}

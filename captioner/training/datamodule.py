@@ -83,12 +83,13 @@ class CaptionDataModule(L.LightningDataModule):
         """Object boxes per image id (empty for datasets without instances)."""
         return {r.image_id: r.boxes for r in self.splits[split] if r.boxes}
 
-    def image_dataset(self, split: str, train: bool = False, per_caption: bool = False) -> CaptionDataset:
-        """The image-decoding dataset of ``split``."""
+    def image_dataset(
+        self, split: str, train: bool = False, per_caption: bool = False, records: list[Record] | None = None
+    ) -> CaptionDataset:
+        """The image-decoding dataset of ``split`` (of its ``records`` only, when given)."""
         transform = build_transform(self.settings.image_size, train=train, augment=self.settings.augment and train)
-        return CaptionDataset(
-            self.splits[split], self.vocab, transform, max_len=self.settings.max_len, per_caption=per_caption
-        )
+        chosen = self.splits[split] if records is None else records
+        return CaptionDataset(chosen, self.vocab, transform, max_len=self.settings.max_len, per_caption=per_caption)
 
     def _dataset(self, split: str, train: bool) -> Dataset:
         per_caption = self.settings.per_caption and train

@@ -63,12 +63,14 @@ def summary(
     missing: dict[str, str],
     checkpoint_note: str | None,
     decoded: str,
+    curves: Path | None = None,
 ) -> str:
     """The lines a user acts on: the scores that exist, why the others were not computed, where the files are.
 
     ``missing``: split -> why its scores are not in ``metrics`` (``quick_checks.not_computed``);
     ``checkpoint_note``: why ``ckpt_path`` is the run's last checkpoint rather than its best (None: it is the
-    best); ``decoded``: how the captions scored were decoded (never teacher-forced).
+    best); ``decoded``: how the captions scored were decoded (never teacher-forced); ``curves``: the picture of
+    the run's curves (None: none was drawn).
     """
     lines = [""]
     if metric(VAL, BLEU[-1]) not in metrics:
@@ -92,6 +94,8 @@ def summary(
     lines.append(f"checkpoint:       {ckpt_path}{note}")
     lines.append(f"inference bundle: {bundle}")
     lines.append(f"run folder:       {output_dir}")
+    if curves is not None:
+        lines.append(f"training curves:  {curves}")
     lines.append(f"caption images:   captioner caption IMAGE... --model {bundle}")
     return "\n".join(lines)
 

@@ -1,0 +1,165 @@
+"""Pictures of a training run: the sample sheet of a validation (a few images captioned and attended) and the
+curves of the whole run.
+
+The sheet stacks one picture per sample: a heading with the caption and one reference, then the image and
+the panel of every word as the CLI draws them (``captioner.viz.overlay.word_panels``: on the caption's one
+brightness scale, the attended cell outlined for hard attention), composed with Pillow alone: a sheet costs
+milliseconds where a matplotlib figure per sample costs seconds, and it is drawn after every validation.
+The curves picture (matplotlib, on an Agg canvas: no display) plots the training loss (mean per epoch),
+validation BLEU-4, CIDEr-D and attention correctness per epoch, with the switch from cross-entropy to SCST
+and the checkpoint the run picked marked.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from PIL import Image, ImageDraw, ImageFont
+from torch import Tensor
+
+from captioner.fileio import atomic_write
+from captioner.viz.overlay import word_panels
+
+TILE = 192  # the longest side of the image and of each word's panel on a sheet (pixels)
+COLUMNS = 8  # panels per row of a sample
+PAD = 8  # pixels around and between panels
+FONT_SIZE = 15  # of the headings and words (Pillow's own font: no font file needed)
+GAP = 24  # white pixels between two samples on a sheet
+TRAIN_LOSS = "train_loss"  # a history row's key of the epoch's mean training loss
+CURVES = (  # (history key, panel title) of the curves picture, in reading order
+    (TRAIN_LOSS, "training loss (mean per epoch)"),
+    ("val/bleu4", "validation BLEU-4"),
+    ("val/cider", "validation CIDEr-D"),
+    ("val/attention_correctness", "attention correctness"),
+)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One validation image as a validation decoded it."""
+
+    image_id: int
+    image: Image.Image  # the image file as read (the overlay draws on it, not on the model's input)
+    words: list[str]  # the decoded caption
+    alphas: Tensor  # (T, H*W): the attention of each word, T >= len(words)
+    grid: tuple[int, int]  # (H, W)
+    references: tuple[str, ...]  # the image's reference captions (the sheet shows the first)
+    locations: list[int] | None = None  # hard attention decoded by argmax: the cell each word read
+
+    @property
+    def caption(self) -> str:
+        """The decoded caption as one string."""
+        return " ".join(self.words)
+
+    def title(self, epoch: int) -> str:
+        """The heading of the sample's picture: image, epoch, caption and one reference."""
+        reference = self.references[0] if self.references else "(none)"
+        return f"image {self.image_id}, epoch {epoch}: {self.caption or '(empty caption)'}\nreference: {reference}"
+
+
+def sample_picture(sample: Sample, epoch: int, font: ImageFont.ImageFont | ImageFont.FreeTypeFont) -> Image.Image:
+    """One sample drawn: a heading (image, epoch, caption, one reference), then the image and each word's panel
+    (``captioner.viz.overlay.word_panels``: the caption's one brightness scale, the attended cell outlined for
+    hard attention) with the word under it, ``COLUMNS`` to a row."""
+    picture = sample.image.convert("RGB")
+    scale = TILE / max(picture.size)
+    picture = picture.resize((max(1, round(picture.width * scale)), max(1, round(picture.height * scale))))
+    tiles = [picture, *word_panels(picture, sample.words, sample.alphas, sample.grid, sample.locations)]
+    labels = ["(image)", *sample.words]
+    line = _line_height(font)
+    heading = sample.title(epoch).splitlines()
+    columns = min(COLUMNS, len(tiles))
+    rows = math.ceil(len(tiles) / columns)
+    cell_w, cell_h = picture.width + PAD, picture.height + line + PAD
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    width = max(PAD + columns * cell_w, *(2 * PAD + math.ceil(measure.textlength(t, font=font)) for t in heading))
+    top = PAD + len(heading) * line + PAD
+    canvas = Image.new("RGB", (width, top + rows * cell_h), (255, 255, 255))
+    draw = ImageDraw.Draw(canvas)
+    for k, text in enumerate(heading):
+        draw.text((PAD, PAD + k * line), text, fill=(0, 0, 0), font=font)
+    for k, (tile, label) in enumerate(zip(tiles, labels)):
+        x, y = PAD + (k % columns) * cell_w, top + (k // columns) * cell_h
+        canvas.paste(tile, (x, y))
+        draw.text((x + tile.width / 2, y + tile.height + 2), label, fill=(0, 0, 0), font=font, anchor="ma")
+    return canvas
+
+
+def draw_sample_sheet(samples: Sequence[Sample], epoch: int, out_path: str | os.PathLike) -> list[Image.Image]:
+    """Draw the sheet of ``samples`` at ``epoch``: their pictures (:func:`sample_picture`) one under the other,
+    into a PNG at ``out_path`` (written atomically); return each sample's picture, for the loggers that show
+    them one by one."""
+    font = ImageFont.load_default(size=FONT_SIZE)
+    pictures = [sample_picture(sample, epoch, font) for sample in samples]
+    width = max(p.width for p in pictures)
+    sheet = Image.new("RGB", (width, sum(p.height for p in pictures) + GAP * (len(pictures) - 1)), (255, 255, 255))
+    top = 0
+    for picture in pictures:
+        sheet.paste(picture, (0, top))
+        top += picture.height + GAP
+    with atomic_write(out_path, "wb") as handle:
+        sheet.save(handle, format="PNG", compress_level=3)  # zlib level 6 takes 3x as long for 10 % less
+    return pictures
+
+
+def _line_height(font: ImageFont.ImageFont | ImageFont.FreeTypeFont) -> int:
+    """The height of a line of text in ``font``, with some space."""
+    left, top, right, bottom = font.getbbox("Ag")
+    return int(bottom - top) + 6
+
+
+def curves_figure(history: Sequence[Mapping[str, object]], picked_epoch: int | None) -> Figure:
+    """The curves of ``history`` (one row per validation or epoch: ``epoch``, ``scst``, and the keys of
+    ``CURVES`` where known) as a 2 x 2 figure; the first SCST epoch and ``picked_epoch`` marked."""
+    fig = Figure(figsize=(10, 7), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    epochs = np.array([int(row["epoch"]) for row in history])
+    scst = [int(row["epoch"]) for row in history if row.get("scst")]
+    for panel, (key, title) in enumerate(CURVES):
+        ax = fig.add_subplot(2, 2, panel + 1)
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        values = np.array([_number(row.get(key)) for row in history], dtype=float)
+        known = ~np.isnan(values)
+        if not known.any():
+            ax.text(0.5, 0.5, "not computed", ha="center", va="center", transform=ax.transAxes, color="grey")
+        else:
+            ax.plot(epochs[known], values[known], marker="o", markersize=3, color="tab:blue")
+        if scst:
+            ax.axvline(min(scst) - 0.5, color="tab:orange", linestyle="--", label=f"SCST from epoch {min(scst)}")
+        if picked_epoch is not None:
+            picked = f"picked checkpoint (epoch {picked_epoch})"
+            ax.axvline(picked_epoch, color="tab:green", linestyle=":", label=picked)
+            chosen = known & (epochs == picked_epoch)
+            if chosen.any():
+                ax.plot(epochs[chosen], values[chosen], marker="*", markersize=14, color="tab:green", linestyle="none")
+        if len(epochs):
+            ax.set_xlim(epochs.min() - 0.6, epochs.max() + 0.6)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+        if scst or picked_epoch is not None:
+            ax.legend(loc="best", fontsize=8)
+    return fig
+
+
+def draw_curves(history: Sequence[Mapping[str, object]], picked_epoch: int | None, out_path: str | os.PathLike) -> Path:
+    """Draw :func:`curves_figure` into a PNG at ``out_path`` (written atomically); return the path."""
+    fig = curves_figure(history, picked_epoch)
+    with atomic_write(out_path, "wb") as handle:
+        fig.savefig(handle, format="png")
+    return Path(out_path)
+
+
+def _number(value: object) -> float:
+    """``value`` as a float, NaN for a missing or non-finite one."""
+    if value is None:
+        return math.nan
+    number = float(value)
+    return number if math.isfinite(number) else math.nan
