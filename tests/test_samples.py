@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.loggers import MLFlowLogger, WandbLogger
-from PIL import Image, ImageFont
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, SCALARS, TENSORS, EventAccumulator
 
 from captioner.bundle import load_trained
@@ -203,23 +203,22 @@ def test_wandb_gets_the_images_with_their_captions_and_mlflow_the_sheet(tmp_path
     assert caption_markdown(samples[0]) == "**caption:** a dog\n\n**references:**\n\n- a cat"
 
 
-def test_a_sample_picture_shows_the_image_and_a_panel_per_word_in_rows(tmp_path: Path) -> None:
-    from captioner.viz.training import COLUMNS, PAD, TILE, draw_sample_sheet, sample_picture
+def test_a_sample_picture_is_the_sheet_the_cli_draws_under_its_two_line_heading(tmp_path: Path) -> None:
+    from captioner.viz.overlay import shade
+    from captioner.viz.sheet import CELL, TEXT, sheet_picture
+    from captioner.viz.training import draw_sample_sheet, sample_picture
 
     red = Image.new("RGB", (48, 24), (200, 0, 0))
-    words = [f"w{k}" for k in range(COLUMNS + 1)]  # the image and COLUMNS + 1 panels: two rows
+    words = ["w0", "w1", "w2"]
     sample = Sample(7, red, words, torch.full((len(words), 4), 0.25), (2, 2), ("a red box",))
-    picture = sample_picture(sample, 3, ImageFont.load_default(size=15))
-    assert picture.width == PAD + COLUMNS * (TILE + PAD)
-    tile_height = TILE // 2  # the 2:1 image scaled to TILE on its longest side
-    column = [picture.getpixel((PAD + 1, y)) for y in range(picture.height)]
-    top = column.index((200, 0, 0))  # the image itself, first, under a heading of two lines
-    assert top > 2 * 15 and column[top : top + tile_height] == [(200, 0, 0)] * tile_height
-    assert column[top + tile_height] != (200, 0, 0)
-    second_row = [y for y in range(top + tile_height, picture.height) if column[y][1:] == (0, 0) and column[y][0] > 150]
-    assert second_row and len(second_row) == tile_height  # the panel of the word after COLUMNS - 1 words
-    panel = picture.getpixel((PAD + TILE + PAD + TILE // 2, top + tile_height // 2))
-    assert panel[0] > 150 and panel[1:] == (0, 0)  # a uniform map: every cell at the caption's top brightness
+    picture = sample_picture(sample, 3)
+    assert sample.title(3) == "image 7, epoch 3: w0 w1 w2\nreference: a red box"
+    shading = shade(red.resize((CELL, CELL // 2)), words, sample.alphas, (2, 2))  # the image shown CELL wide
+    assert picture.tobytes() == sheet_picture(shading, words, sample.title(3)).tobytes()
+    one_line = sheet_picture(shading, words, "image 7, epoch 3: w0 w1 w2")
+    assert picture.width == one_line.width and picture.height == one_line.height + TEXT + 6  # the reference's line
+    pixels = np.asarray(picture)
+    assert ((pixels == (200, 0, 0)).all(axis=-1)).sum() >= CELL * (CELL // 2)  # the image, then uniform panels
     sheet = tmp_path / "epoch_003.png"
     pictures = draw_sample_sheet([sample, sample], 3, sheet)
     with Image.open(sheet) as drawn:

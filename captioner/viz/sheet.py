@@ -83,8 +83,14 @@ def _colour_bar(canvas: Image.Image, left: int, top: int, height: int, shading: 
 
 
 def write_sheet(shading: Shading, words: Sequence[str], out_path: str | os.PathLike, title: str | None) -> Path:
-    """Write the sheet of ``shading`` (one panel per word of ``words``, under ``title``) at ``out_path``
-    (``save_picture``: PNG or JPEG by its suffix); return the path."""
+    """Write the sheet of ``shading`` (:func:`sheet_picture`) at ``out_path`` (``save_picture``: PNG or JPEG by its
+    suffix); return the path."""
+    return save_picture(sheet_picture(shading, words, title), out_path)
+
+
+def sheet_picture(shading: Shading, words: Sequence[str], title: str | None) -> Image.Image:
+    """The sheet of ``shading``: ``title`` (each of its lines wrapped to the sheet's width), the image, one panel
+    per word of ``words`` under its word, and the colour bar of the caption's brightness scale."""
     width, height = shading.picture.size
     cell_height = round(CELL * min(max(height / width, ASPECT_RANGE[0]), ASPECT_RANGE[1]))
     label = TEXT + 8
@@ -94,7 +100,8 @@ def write_sheet(shading: Shading, words: Sequence[str], out_path: str | os.PathL
     text = font(TEXT)
     panels_width = columns * CELL + (columns + 1) * GAP
     bar_room = BAR[0] + BAR[1] + SMALL + 12 if words else 0
-    title_lines = _lines(title, panels_width + bar_room - 2 * GAP, text) if title else []
+    paragraphs = title.splitlines() if title else []
+    title_lines = [line for part in paragraphs for line in _lines(part, panels_width + bar_room - 2 * GAP, text)]
     head = len(title_lines) * (TEXT + 6) + (GAP if title_lines else 0)
     grid_height = rows * (label + cell_height + GAP)
     canvas = Image.new("RGB", (panels_width + bar_room, head + grid_height + GAP), "white")
@@ -114,7 +121,7 @@ def write_sheet(shading: Shading, words: Sequence[str], out_path: str | os.PathL
         bar_height = max(3 * SMALL, round(0.8 * (grid_height - GAP)))
         bar_top = head + GAP + (grid_height - GAP - bar_height) // 2
         _colour_bar(canvas, panels_width + SMALL + 12, bar_top, bar_height, shading)
-    return save_picture(canvas, out_path)
+    return canvas
 
 
 def save_picture(picture: Image.Image, path: str | os.PathLike) -> Path:

@@ -1,10 +1,10 @@
 """Pictures of a training run: the sample sheet of a validation (a few images captioned and attended) and the
 curves of the whole run.
 
-The sheet stacks one picture per sample: a heading with the caption and one reference, then the image and
-the panel of every word as the CLI draws them (``captioner.viz.overlay.word_panels``: on the caption's one
-brightness scale, the attended cell outlined for hard attention), composed with Pillow alone: a sheet costs
-milliseconds where a matplotlib figure per sample costs seconds, and it is drawn after every validation.
+The sheet stacks one picture per sample, each the sheet ``captioner attend`` draws of a caption
+(``captioner.viz.sheet``): a heading with the caption and one reference, then the image and the panel of
+every word on the caption's one brightness scale with its colour bar (the attended cell outlined for hard
+attention), composed with Pillow in milliseconds, so that it can be drawn after every validation.
 The curves picture (matplotlib, on an Agg canvas: no display) plots the training loss (mean per epoch),
 validation BLEU-4, CIDEr-D and attention correctness per epoch, with the switch from cross-entropy to SCST
 and the checkpoint the run picked marked.
@@ -21,16 +21,13 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageOps
 from torch import Tensor
 
 from captioner.fileio import atomic_write
-from captioner.viz.overlay import word_panels
+from captioner.viz.overlay import shade
+from captioner.viz.sheet import CELL, PNG_LEVEL, sheet_picture
 
-TILE = 192  # the longest side of the image and of each word's panel on a sheet (pixels)
-COLUMNS = 8  # panels per row of a sample
-PAD = 8  # pixels around and between panels
-FONT_SIZE = 15  # of the headings and words (Pillow's own font: no font file needed)
 GAP = 24  # white pixels between two samples on a sheet
 TRAIN_LOSS = "train_loss"  # a history row's key of the epoch's mean training loss
 CURVES = (  # (history key, panel title) of the curves picture, in reading order
@@ -64,40 +61,20 @@ class Sample:
         return f"image {self.image_id}, epoch {epoch}: {self.caption or '(empty caption)'}\nreference: {reference}"
 
 
-def sample_picture(sample: Sample, epoch: int, font: ImageFont.ImageFont | ImageFont.FreeTypeFont) -> Image.Image:
-    """One sample drawn: a heading (image, epoch, caption, one reference), then the image and each word's panel
-    (``captioner.viz.overlay.word_panels``: the caption's one brightness scale, the attended cell outlined for
-    hard attention) with the word under it, ``COLUMNS`` to a row."""
-    picture = sample.image.convert("RGB")
-    scale = TILE / max(picture.size)
-    picture = picture.resize((max(1, round(picture.width * scale)), max(1, round(picture.height * scale))))
-    tiles = [picture, *word_panels(picture, sample.words, sample.alphas, sample.grid, sample.locations)]
-    labels = ["(image)", *sample.words]
-    line = _line_height(font)
-    heading = sample.title(epoch).splitlines()
-    columns = min(COLUMNS, len(tiles))
-    rows = math.ceil(len(tiles) / columns)
-    cell_w, cell_h = picture.width + PAD, picture.height + line + PAD
-    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
-    width = max(PAD + columns * cell_w, *(2 * PAD + math.ceil(measure.textlength(t, font=font)) for t in heading))
-    top = PAD + len(heading) * line + PAD
-    canvas = Image.new("RGB", (width, top + rows * cell_h), (255, 255, 255))
-    draw = ImageDraw.Draw(canvas)
-    for k, text in enumerate(heading):
-        draw.text((PAD, PAD + k * line), text, fill=(0, 0, 0), font=font)
-    for k, (tile, label) in enumerate(zip(tiles, labels)):
-        x, y = PAD + (k % columns) * cell_w, top + (k // columns) * cell_h
-        canvas.paste(tile, (x, y))
-        draw.text((x + tile.width / 2, y + tile.height + 2), label, fill=(0, 0, 0), font=font, anchor="ma")
-    return canvas
+def sample_picture(sample: Sample, epoch: int) -> Image.Image:
+    """One sample drawn as ``captioner attend`` draws a caption (:func:`captioner.viz.sheet.sheet_picture`): the
+    heading (image, epoch, caption, one reference), the image and each word's panel on the caption's one
+    brightness scale with its colour bar (the attended cell outlined for hard attention)."""
+    picture = ImageOps.contain(sample.image.convert("RGB"), (CELL, CELL))  # shaded at the size it is shown
+    shading = shade(picture, sample.words, sample.alphas, sample.grid, sample.locations)
+    return sheet_picture(shading, sample.words, sample.title(epoch))
 
 
 def draw_sample_sheet(samples: Sequence[Sample], epoch: int, out_path: str | os.PathLike) -> list[Image.Image]:
     """Draw the sheet of ``samples`` at ``epoch``: their pictures (:func:`sample_picture`) one under the other,
     into a PNG at ``out_path`` (written atomically); return each sample's picture, for the loggers that show
     them one by one."""
-    font = ImageFont.load_default(size=FONT_SIZE)
-    pictures = [sample_picture(sample, epoch, font) for sample in samples]
+    pictures = [sample_picture(sample, epoch) for sample in samples]
     width = max(p.width for p in pictures)
     sheet = Image.new("RGB", (width, sum(p.height for p in pictures) + GAP * (len(pictures) - 1)), (255, 255, 255))
     top = 0
@@ -105,14 +82,8 @@ def draw_sample_sheet(samples: Sequence[Sample], epoch: int, out_path: str | os.
         sheet.paste(picture, (0, top))
         top += picture.height + GAP
     with atomic_write(out_path, "wb") as handle:
-        sheet.save(handle, format="PNG", compress_level=3)  # zlib level 6 takes 3x as long for 10 % less
+        sheet.save(handle, format="PNG", compress_level=PNG_LEVEL)
     return pictures
-
-
-def _line_height(font: ImageFont.ImageFont | ImageFont.FreeTypeFont) -> int:
-    """The height of a line of text in ``font``, with some space."""
-    left, top, right, bottom = font.getbbox("Ag")
-    return int(bottom - top) + 6
 
 
 def curves_figure(history: Sequence[Mapping[str, object]], picked_epoch: int | None) -> Figure:
