@@ -73,6 +73,7 @@ def train_steps(devices: int, strategy: str) -> dict:
     """``STEPS`` steps of the tiny captioner with its decoder step compiled, ``devices`` processes sharing each
     global batch (a distributed sampler deals rank r images r, r + devices, ...)."""
     torch._dynamo.reset()
+    counters.clear()  # the graphs of this run alone, not of the tests before it in this process
     module = ddp_module()
     recorder = StepLosses()
     trainer = L.Trainer(
