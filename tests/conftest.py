@@ -33,6 +33,9 @@ from captioner.model.encoder import Encoder
 from captioner.model.losses import CaptionLoss
 from captioner.training.schemas import register_schemas
 
+# The fixtures the captioner command's test files share (bundles, inputs, shapes): cli_helpers.py.
+pytest_plugins = ["cli_helpers"]
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 

@@ -1,5 +1,7 @@
-"""``captioner attend`` into a folder: ``--force`` replaces only what a gallery wrote, never an input or a user's
-file, and only once the model has loaded; a gallery inside its input folder is never read as input."""
+"""``captioner attend``: one overlay panel per word (hard attention outlines the attended cell), a folder of
+images drawn into a gallery of overlays and copied originals with its failed inputs listed; ``--out`` never
+overwritten without ``--force``, which replaces only what a gallery wrote, never an input or a user's file, and only
+once the model has loaded; a gallery inside its input folder is never read as input."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from PIL import Image
 
 from captioner import cli
 from captioner.cli import options
-from conftest import snapshot, write_bundle
+from captioner.viz import sheet
+from cli_helpers import MAX_LEN
+from conftest import Links, snapshot, write_bundle
 
 WORDS = ["a", "red", "blue", "circle", "square"]
 
@@ -130,3 +134,113 @@ def test_max_pixels_reaches_the_drawing_and_the_gallery_s_copies(bundle, tmp_pat
         assert copy.size == (60, 50)
     with Image.open(out / "0000_large.jpg") as sheet:
         assert sheet.width > 60
+
+
+@pytest.fixture
+def sheets(monkeypatch) -> list:
+    """The shading and words of every sheet ``draw_overlay`` writes, to count its panels and marks."""
+    written = []
+    write = sheet.write_sheet
+
+    def spy(shading, words, *args, **kwargs):
+        written.append((shading, list(words)))
+        return write(shading, words, *args, **kwargs)
+
+    monkeypatch.setattr(sheet, "write_sheet", spy)
+    return written
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+def test_attend_draws_one_panel_per_word(mode, bundles, inputs, sheets, tmp_path, capsys):
+    image = str(inputs[0] / "24_wide.PNG")
+    out = tmp_path / "overlay.png"
+    assert (
+        cli.main(["attend", image, "--model", bundles[mode], "--out", str(out), "--max-len", MAX_LEN, "--workers", "0"])
+        == 0
+    )
+    path, caption, target = capsys.readouterr().out.strip().split("\t")
+    assert (path, target) == (image, str(out))
+    with Image.open(out) as png:
+        png.load()
+        assert png.format == "PNG" and png.width > png.height  # the wide image's aspect ratio
+    ((shading, words),) = sheets
+    assert words == caption.split() and len(shading.panels) == len(words) == 3  # a panel per word
+    assert shading.picture.size == (120, 40)
+    assert (shading.cells is not None) == (mode == "hard")  # hard attention: the attended cell is outlined
+    assert shading.cells is None or len(shading.cells) == 3
+
+
+def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path, capsys):
+    folder, good, _ = inputs
+    bad = str(folder / "03_text.jpg")
+    images = [good[0], bad, good[-1], good[-2]]
+    out = tmp_path / "gallery"
+    assert (
+        cli.main(
+            [
+                "attend",
+                *images,
+                "--model",
+                bundles["soft"],
+                "--out",
+                str(out),
+                "--max-len",
+                MAX_LEN,
+                "--batch-size",
+                "2",
+            ]
+        )
+        == 1
+    )
+    stdout, err = capsys.readouterr()
+    rows = [line.split("\t") for line in stdout.splitlines()]
+    assert [row[0] for row in rows] == [good[0], good[-1], good[-2]]
+    assert sorted(out.glob("*.jpg")) == sorted(Path(row[2]) for row in rows)
+    assert err.splitlines()[0].startswith(f"error: {folder / '03_text.jpg'}: not an image file")
+    page = (out / "index.html").read_text()
+    parser = Links()
+    parser.feed(page)
+    names = [Path(row[2]).stem for row in rows]  # entry n for the n-th input: 0000_01_grey, 0002_25_bitmap, ...
+    assert names == [f"{n:04d}_{Path(image).stem}" for n, image in enumerate(images) if image != bad]
+    panels = [f"{name}/{step:02d}.jpg" for name in names for step in range(1, 4)]
+    assert sorted(str(p.relative_to(out)) for p in out.glob("0*/*.jpg")) == panels  # a panel per word
+    # the originals, copied so that the folder can be moved: a small PNG as it is, a BMP as JPEG
+    copies = [f"images/{name}{'.jpg' if name.endswith('bitmap') else '.png'}" for name in names]
+    assert parser.links == [
+        link for name, copy in zip(names, copies) for link in (copy, f"{name}/01.jpg", f"{name}.jpg")
+    ]
+    assert all(row[1] in page for row in rows)
+    assert f"<li><code>{folder / '03_text.jpg'}</code>: not an image file" in page  # the failed input is listed
+
+
+def test_force_replaces_an_earlier_gallery(bundles, inputs, tmp_path, capsys):
+    good = inputs[1]
+    out = tmp_path / "gallery"
+    args = ["attend", "--model", bundles["soft"], "--out", str(out), "--max-len", "1", "--workers", "0"]
+    assert cli.main([*args, good[0], good[1]]) == 0
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert cli.main([*args, good[2], "--force"]) == 0
+    written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    name = f"0000_{Path(good[2]).stem}"
+    gallery = ["index.html", f"{name}.jpg", f"{name}/01.jpg", f"images/{name}.png"]
+    assert written == sorted([*gallery, "notes.txt", ".captioner-gallery"])
+    assert sorted(json.loads(line) for line in (out / ".captioner-gallery").read_text().splitlines()) == sorted(gallery)
+
+
+def test_out_is_never_overwritten_without_force(bundles, inputs, tmp_path, capsys):
+    out = tmp_path / "overlay.png"
+    args = ["attend", inputs[1][0], "--model", bundles["soft"], "--out", str(out), "--max-len", "1", "--workers", "0"]
+    assert cli.main(args) == 0
+    before = out.read_bytes()
+    capsys.readouterr()
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --out {out}: {out} already exists; pass --force to overwrite it"
+    ]
+    assert out.read_bytes() == before
+    assert cli.main([*args, "--force"]) == 0
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "keep.txt").write_text("mine")
+    assert cli.main([*args[:4], "--out", str(tmp_path / "used")]) == 2
+    assert "pass --force" in capsys.readouterr().err

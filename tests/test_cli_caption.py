@@ -1,0 +1,151 @@
+"""``captioner caption`` on images: every mode and format Pillow reads captioned, each bad file one line on stderr
+(exit 1) while the good ones are still captioned; the TSV and JSON-lines output; the decoding options (beam, n-gram
+blocking, a seeded sample); a run folder as --model; --max-pixels for a large image."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+from PIL import Image
+
+from captioner import cli
+from cli_helpers import MAX_LEN, SHAPE_WORDS, before_summary, noise, one_error_line
+
+
+def test_caption_a_folder_of_every_kind_of_file(bundles, inputs, tmp_path, capsys):
+    folder, good, bad = inputs
+    missing = str(tmp_path / "missing.jpg")
+    code = cli.main(
+        ["caption", str(folder), missing, "--model", bundles["soft"], "--max-len", MAX_LEN, "--batch-size", "4"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 1
+    rows = [line.split("\t") for line in out.splitlines()]
+    assert [row[0] for row in rows] == good  # every good file once, in order; the text file is not an image name
+    assert all(len(row[1].split()) == 3 and set(row[1].split()) <= set(SHAPE_WORDS) for row in rows)
+    lines = err.splitlines()
+    assert "Traceback" not in err and len(lines) == len(bad) + 2
+    for path, reason in {**bad, missing: "file not found"}.items():
+        named = [line for line in lines if line.startswith(f"error: {path}: ")]
+        assert len(named) == 1 and reason in named[0], (path, lines)
+    assert re.fullmatch(
+        rf"summary: {len(good)} captioned, {len(bad) + 1} failed, 1 skipped \(files in folders that are not "
+        rf"images, e\.g\. {re.escape(str(folder / 'notes.txt'))}\), \d+\.\d images/s",
+        lines[-1],
+    )
+
+
+def test_json_lines_and_decoding_options(bundles, inputs, capsys):
+    good = inputs[1][:4]
+    common = ["caption", *good, "--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0", "--json"]
+    assert cli.main([*common, "--method", "greedy"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["path"] for row in rows] == good
+    for row in rows:
+        assert set(row) == {"path", "caption", "score", "tokens"}
+        assert row["caption"] == " ".join(row["tokens"]) and len(row["tokens"]) == 3
+        assert isinstance(row["score"], float) and row["score"] < 0  # a summed log-probability
+    assert cli.main([*common, "--method", "beam", "--beam-size", "1"]) == 0
+    beam = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["tokens"] for row in beam] == [row["tokens"] for row in rows]  # a beam of one is greedy
+    assert [row["score"] for row in beam] == pytest.approx([row["score"] for row in rows], abs=1e-3)
+
+
+@pytest.mark.parametrize("method", ["greedy", "beam"])
+def test_no_repeat_ngram_size_stops_square_square_square(method, bundles, inputs, capsys):
+    common = [
+        "caption",
+        *inputs[1][:4],
+        "--model",
+        bundles["soft"],
+        "--max-len",
+        MAX_LEN,
+        "--workers",
+        "0",
+        "--method",
+        method,
+    ]
+    assert cli.main(common) == 0
+    free = [line.split("\t")[1].split() for line in capsys.readouterr().out.splitlines()]
+    assert any(len(set(words)) < len(words) for words in free)  # the shape words repeat
+    assert cli.main([*common, "--no-repeat-ngram-size", "1", "--min-len", "2"]) == 0
+    blocked = [line.split("\t")[1].split() for line in capsys.readouterr().out.splitlines()]
+    assert len(blocked) == 4 and all(len(set(words)) == len(words) == 3 for words in blocked)
+
+
+def test_tsv_fields_are_escaped_and_json_has_a_record_for_every_input(bundles, tmp_path, capsys):
+    odd = tmp_path / "tab\there\nnewline back\\slash.png"
+    noise((20, 20)).save(odd)
+    missing, empty = tmp_path / "missing.png", tmp_path / "empty"
+    empty.mkdir()
+    common = ["--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0"]
+    assert cli.main(["caption", str(odd), *common]) == 0
+    out, err = capsys.readouterr()
+    (line,) = out.splitlines()  # one line for the image, two fields
+    path, caption = line.split("\t")
+    assert path == str(odd).replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+    assert path.encode().decode("unicode_escape") == str(odd) and len(caption.split()) == 3
+    before_summary(err, captioned=1, failed=0)
+
+    assert cli.main(["caption", str(odd), str(missing), str(empty), str(tmp_path / "*.gif"), *common, "--json"]) == 1
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [row for row in rows if "error" in row] == [
+        {"path": str(empty), "error": "folder holds no image files"},
+        {"path": str(tmp_path / "*.gif"), "error": "no file matches this pattern"},
+        {"path": str(missing), "error": "file not found"},
+    ]
+    assert [row["path"] for row in rows if "caption" in row] == [str(odd)]
+    assert len(before_summary(err, captioned=1, failed=3)) == 3  # each failure also named on stderr
+
+
+def test_sampling_takes_a_seed(bundles, inputs, capsys):
+    args = ["caption", *inputs[1][:6], "--model", bundles["soft"], "--method", "sample", "--workers", "0"]
+    captions = []
+    for seed in ("1", "1", "2"):
+        assert cli.main([*args, "--seed", seed, "--temperature", "3"]) == 0
+        captions.append([line.split("\t")[1] for line in capsys.readouterr().out.splitlines()])
+    assert captions[0] == captions[1] and len(captions[0]) == 6
+    assert captions[0] != captions[2]
+
+
+def test_model_takes_a_run_folder(bundles, inputs, tmp_path, capsys):
+    run = tmp_path / "runs" / "2026-01-01_00-00-00"
+    run.mkdir(parents=True)
+    shutil.copy(bundles["soft"], run / "bundle.pt")
+    image = inputs[1][0]
+    common = [image, "--max-len", MAX_LEN, "--workers", "0", "--method", "greedy"]
+    assert cli.main(["caption", *common, "--model", str(run)]) == 0
+    from_folder = capsys.readouterr().out
+    assert cli.main(["caption", *common, "--model", str(run / "bundle.pt")]) == 0
+    assert from_folder == capsys.readouterr().out and from_folder.startswith(image)
+    (run / "bundle.pt").unlink()
+    assert cli.main(["caption", *common, "--model", str(run)]) == 2
+    one_error_line(capsys.readouterr().err, run, "is a folder without bundle.pt")
+    (run / "FAILED").write_text("RuntimeError: CUDA out of memory.\n")  # as a run that failed leaves it
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    assert cli.main(["caption", *common, "--model", str(run)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run}: this run failed (RuntimeError: CUDA out of memory.), so it has no bundle.pt; give a run "
+        f"that finished, or one of its checkpoints ({run / 'checkpoints' / 'last.ckpt'})\n"
+    )
+
+
+def test_max_pixels_lets_a_large_image_through(bundles, tmp_path, monkeypatch, capsys):
+    image = tmp_path / "large.png"
+    noise((60, 50)).save(image)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2_000)
+    args = ["caption", str(image), "--model", bundles["soft"], "--workers", "0"]
+    assert cli.main(args) == 1
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"error: {image}: image too large: 60x50 is 3,000 pixels, over the limit of 2,000, refused as a possible "
+        "decompression bomb; for a file you trust raise the limit with --max-pixels N (max_pixels=N in Python)"
+    )
+    assert cli.main([*args, "--max-pixels", "3000"]) == 0
+    assert capsys.readouterr().out.startswith(f"{image}\t")
+    assert cli.main([*args, "--max-pixels", "0"]) == 2
+    assert capsys.readouterr().err == "error: --max-pixels=0 must be >= 1\n"

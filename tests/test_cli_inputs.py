@@ -1,0 +1,154 @@
+"""Which images ``captioner caption`` reads: folders (files without a suffix tried, hidden ones and non-images
+skipped and counted), glob patterns, paths on standard input (``-``, NUL-separated with ``-0``, piped into the
+command); an empty folder or standard input is refused; a progress bar only on a terminal."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+from captioner import cli
+from captioner.cli.inputs import expand_inputs
+from cli_helpers import before_summary, noise
+from conftest import ROOT
+
+
+def test_globs_and_a_progress_bar_for_many_images(bundles, inputs, monkeypatch, capsys):
+    folder = inputs[0]
+    args = ["caption", str(folder / "0*.png"), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]
+    monkeypatch.setattr(cli.parser, "PROGRESS_MIN_IMAGES", 3)
+    assert cli.main(args) == 1  # 06_empty.png matches the pattern too
+    assert "captioning" not in capsys.readouterr().err  # stderr is no terminal here: no progress bar in a log
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(args) == 1
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [
+        str(folder / name)
+        for name in (
+            "01_grey.png",
+            "02_bilevel.png",
+            "04_grey_alpha.png",
+            "05_palette.png",
+            "07_palette_transparent.png",
+            "08_rgba.png",
+        )
+    ]
+    assert "captioning" in err and "7/7" in err
+    assert cli.main([*args, "--no-progress"]) == 1
+    assert "captioning" not in capsys.readouterr().err
+    assert cli.main(["caption", str(folder / "*.jpeg"), "--model", bundles["soft"]]) == 1
+    error = capsys.readouterr().err
+    assert before_summary(error, captioned=0, failed=1) == [f"error: {folder / '*.jpeg'}: no file matches this pattern"]
+
+
+def test_expand_inputs(tmp_path):
+    (tmp_path / "a" / "deep").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for name in ("a/2.jpg", "a/deep/1.PNG", "a/readme.md", "b.gif"):
+        (tmp_path / name).write_bytes(b"x")
+    found = expand_inputs(
+        [str(tmp_path / "a"), str(tmp_path / "*.gif"), str(tmp_path / "empty"), str(tmp_path / "gone.jpg")]
+    )
+    assert found.paths == [
+        str(tmp_path / "a/2.jpg"),
+        str(tmp_path / "a/deep/1.PNG"),
+        str(tmp_path / "b.gif"),
+        str(tmp_path / "gone.jpg"),
+    ]  # a named file is kept: loading it says what is wrong
+    assert [(e.path, e.reason) for e in found.errors] == [(str(tmp_path / "empty"), "folder holds no image files")]
+    assert found.skipped == [str(tmp_path / "a/readme.md")]  # counted, and named in the summary
+
+
+def test_a_folder_scan_tries_files_without_a_suffix_and_counts_what_it_skips(bundles, tmp_path, capsys):
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    noise((20, 20)).save(folder / "IMG_0001", format="JPEG")  # an image without a suffix
+    (folder / "README").write_text("not an image")
+    (folder / "notes.txt").write_text("not an image either")
+    assert cli.main(["caption", str(folder), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [str(folder / "IMG_0001")]
+    assert before_summary(err, captioned=1, failed=0, skipped=2) == []
+    assert f"e.g. {folder / 'README'}" in err
+
+
+def test_a_folder_scan_takes_regular_files_skips_hidden_ones_and_names_each_file_once(tmp_path):
+    folder = tmp_path / "photos"
+    (folder / "album.jpg").mkdir(parents=True)  # a folder named like an image is walked
+    (folder / ".thumbs").mkdir()
+    for name in ("a.png", "album.jpg/b.png", ".thumbs/t.png", "._a.png", ".hidden.jpg"):
+        noise((8, 8)).save(folder / name, format="PNG")
+    named = [str(folder / "a.png"), str(folder), str(folder / "*.png"), str(folder / ".." / "photos" / "a.png")]
+    found = expand_inputs(named)
+    assert found.paths == [str(folder / "a.png"), str(folder / "album.jpg" / "b.png")]
+    assert found.errors == [] and found.skipped == []
+
+
+def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path, monkeypatch, capsys):
+    folder, good, _ = inputs
+    missing = str(tmp_path / "missing.png")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{good[1]}\n\n{missing}\r\n{good[2]}\n"))
+    code = cli.main(
+        [
+            "caption",
+            good[0],
+            "-",
+            str(folder / "24_wide.PNG"),
+            "--model",
+            bundles["soft"],
+            "--max-len",
+            "1",
+            "--workers",
+            "0",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 1  # the missing file named on standard input
+    assert [line.split("\t")[0] for line in out.splitlines()] == [
+        good[0],
+        good[1],
+        good[2],
+        str(folder / "24_wide.PNG"),
+    ]
+    assert before_summary(err, captioned=4, failed=1) == [f"error: {missing}: file not found"]
+    assert cli.main(["caption", "-", "-", "--model", bundles["soft"]]) == 2
+    assert "given more than once" in capsys.readouterr().err
+
+
+def test_nul_separated_paths_from_standard_input(bundles, inputs, monkeypatch, capsys):
+    good = inputs[1][:2]
+    odd = "\n".join(good)  # a name with a newline is no problem with -0 (here: two names, one per line)
+    data = ("\0".join([good[1], good[0], ""])).encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert cli.main(["caption", "-0", "-", "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [good[1], good[0]]
+    assert before_summary(err, captioned=2, failed=0) == []
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(odd.encode())))
+    assert expand_inputs(["-"], nul=True).paths == [odd]
+
+
+def test_paths_piped_into_the_command(bundles, inputs):
+    good = inputs[1][:2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "captioner.cli", "caption", "-", "--model", bundles["soft"], "--max-len", "2"],
+        input="\n".join(good) + "\n",
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split("\t")[0] for line in proc.stdout.splitlines()] == good
+
+
+def test_empty_standard_input_is_refused_like_an_empty_folder(bundles, tmp_path, monkeypatch, capsys):
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))
+    assert cli.main(["caption", "-", "--model", bundles["soft"]]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and before_summary(err, captioned=0, failed=1) == ["error: -: standard input named no image paths"]
+    assert cli.main(["caption", str(tmp_path / "empty"), "--model", bundles["soft"]]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and before_summary(err, 0, 1) == [f"error: {tmp_path / 'empty'}: folder holds no image files"]
