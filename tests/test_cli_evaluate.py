@@ -120,7 +120,7 @@ def test_evaluate_says_what_hard_attention_read(bundles, shapes, tmp_path, monke
             "--shapes nowhere: no generated shapes dataset there (meta.json is missing); python train.py generates "
             "it in data/shapes on first use, captioner shapes --out nowhere generates it there",
         ),
-        (["--coco-captions", "captions.json", "--images", "nowhere"], "COCO captions file for 'test' not found"),
+        (["--coco-captions", "captions.json", "--images", "nowhere"], "--coco-captions captions.json: file not found"),
     ],
 )
 def test_evaluate_refuses_a_missing_dataset(dataset, message, bundles, tmp_path, capsys):

@@ -81,6 +81,8 @@ def _records(args: argparse.Namespace) -> list[Record]:
         return sources.ShapesSource(args.shapes).records(args.split)
     if not args.image_dir:
         raise ConfigError("--images is required with --karpathy and --coco-captions")
+    dataset = ("--karpathy", args.karpathy) if args.karpathy else ("--coco-captions", args.coco_captions)
+    _check_given((*dataset, "file"), ("--images", args.image_dir, "folder"), ("--instances", args.instances, "file"))
     if args.karpathy:
         source = sources.KarpathySource(args.karpathy, args.image_dir)
     else:
@@ -90,3 +92,16 @@ def _records(args: argparse.Namespace) -> list[Record]:
     records = source.records(args.split)
     options.check_images_found(args, args.split, [record.image_path for record in records])
     return records
+
+
+def _check_given(*given: tuple[str, str | None, str]) -> None:
+    """Raise DataError naming the flag of the first ``(flag, path, kind)`` whose path, where given, is not an
+    existing ``kind`` ("file" or "folder")."""
+    for flag, path, kind in given:
+        if path is None:
+            continue
+        target = Path(path)
+        if not target.exists():
+            raise DataError(f"{flag} {path}: {kind} not found")
+        if (kind == "file") != target.is_file():
+            raise DataError(f"{flag} {path} is not a {kind}")
