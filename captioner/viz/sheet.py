@@ -72,9 +72,9 @@ def _colour_bar(canvas: Image.Image, left: int, top: int, height: int, shading: 
     draw.text((left + width + 6, top + height), "0", fill=INK, font=face, anchor="lm")
     mark = top + round((1.0 - shading.uniform / shading.top) * (height - 1))
     draw.line((left - 5, mark, left + width + 4, mark), fill=MARK, width=3)
-    near_end = min(abs(mark - top), abs(mark - top - height)) < SMALL
+    shift = SMALL if mark - top < SMALL else -SMALL if top + height - mark < SMALL else 0  # clear of 0 and the top
     label = f"1/L = {shading.uniform:.3g}"
-    draw.text((left + width + 6, mark + (SMALL if near_end else 0)), label, fill=MARK, font=face, anchor="lm")
+    draw.text((left + width + 6, mark + shift), label, fill=MARK, font=face, anchor="lm")
     caption = Image.new("RGB", (height, SMALL + 4), "white")
     ImageDraw.Draw(caption).text(
         (height // 2, 0), _fit("attention weight per cell", height, face), fill=INK, font=face, anchor="mt"
