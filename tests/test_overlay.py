@@ -161,14 +161,14 @@ def test_bad_shapes_raise(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_word_panels_dim_where_the_word_does_not_look_and_outline_hard_attention():
+def test_shaded_panels_dim_where_the_word_does_not_look_and_outline_hard_attention():
     image = Image.new("RGB", (40, 20), (200, 200, 200))
     alphas = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # grid 1 x 2: word 0 looks left, word 1 right
-    soft, _ = overlay.word_panels(image, ["left", "right"], alphas, (1, 2))
+    soft, _ = overlay.shade(image, ["left", "right"], alphas, (1, 2)).panels
     assert soft.size == (40, 20)
     pixels = np.asarray(soft).astype(float)
     assert pixels[10, 2].mean() > 190 and pixels[10, 37].mean() < 0.2 * 200 + 5  # bright left, dimmed right
-    (hard,) = overlay.word_panels(image, ["right"], alphas[1:], (1, 2), locations=[1])
+    (hard,) = overlay.shade(image, ["right"], alphas[1:], (1, 2), locations=[1]).panels
     assert tuple(np.asarray(hard)[0, 30]) == (255, 0, 0)  # the chosen cell's outline
     assert tuple(np.asarray(hard)[0, 10]) != (255, 0, 0)
 

@@ -7,8 +7,8 @@ brightness scale, from no attention (dimmed) to the caption's highest weight on 
 colour bar gives that scale with uniform attention (1/L) marked: a flat map looks flat, a sharp one
 bright on its spot. For hard attention the chosen cell is outlined.
 
-:func:`shade` computes the panels once; :func:`word_panels` returns them, :func:`overlay_figure` lays them out
-as a matplotlib figure (for notebooks; the object-oriented API on an Agg canvas: no display, and no pyplot
+:func:`shade` computes the panels once (one image per word, without titles or axes); :func:`overlay_figure` lays
+them out as a matplotlib figure (for notebooks; the object-oriented API on an Agg canvas: no display, and no pyplot
 figure registry to leak from) and :func:`draw_overlay` as one PNG sheet (captioner.viz.sheet, drawn with
 Pillow: a figure per image costs seconds).
 """
@@ -121,18 +121,6 @@ def shade(
             cells.append(box)
         cells = tuple(cells)
     return Shading(picture, tuple(panels), top, uniform, cells)
-
-
-def word_panels(
-    image: Image.Image,
-    words: Sequence[str],
-    alphas: Tensor | np.ndarray,
-    grid: tuple[int, int],
-    locations: Sequence[int] | None = None,
-) -> list[Image.Image]:
-    """One image per word (:func:`shade`'s panels), without titles or axes: a page shows the word beside it at
-    its own size."""
-    return list(shade(image, words, alphas, grid, locations).panels)
 
 
 def overlay_figure(
