@@ -97,11 +97,8 @@ def _records(args: argparse.Namespace) -> list[Record]:
 def _check_given(*given: tuple[str, str | None, str]) -> None:
     """Raise DataError naming the flag of the first ``(flag, path, kind)`` whose path, where given, is not an
     existing ``kind`` ("file" or "folder")."""
+    from captioner.data.sources import path_problem
+
     for flag, path, kind in given:
-        if path is None:
-            continue
-        target = Path(path)
-        if not target.exists():
-            raise DataError(f"{flag} {path}: {kind} not found")
-        if (kind == "file") != target.is_file():
-            raise DataError(f"{flag} {path} is not a {kind}")
+        if path is not None and (problem := path_problem(f"{flag} {path}", path, kind)):
+            raise DataError(problem)

@@ -55,12 +55,21 @@ class SourcePath:
         """What is wrong with it (``data.source.split_file='...': file not found``), or None."""
         if self.path is None:
             return f"{CONFIG_KEY}.{self.key} is null"
-        target = Path(self.path)
-        if not target.exists():
-            return None if self.generated else f"{CONFIG_KEY}.{self.key}={self.path!r}: {self.kind} not found"
-        if (self.kind == "file") != target.is_file():
-            return f"{CONFIG_KEY}.{self.key}={self.path!r} is not a {self.kind}"
-        return None
+        if self.generated and not Path(self.path).exists():
+            return None
+        return path_problem(f"{CONFIG_KEY}.{self.key}={self.path!r}", self.path, self.kind)
+
+
+def path_problem(name: str, path: str | Path, kind: str) -> str | None:
+    """What is wrong with ``path``, which should be an existing ``kind`` ("file" or "folder"), said of ``name``
+    (a config key or a command-line flag with its value): ``<name>: file not found``, ``<name> is not a folder``;
+    None when nothing is."""
+    target = Path(path)
+    if not target.exists():
+        return f"{name}: {kind} not found"
+    if (kind == "file") != target.is_file():
+        return f"{name} is not a {kind}"
+    return None
 
 
 def check_paths(paths: Iterable[SourcePath], error: type[CaptionerError] = ConfigError) -> None:
