@@ -1,6 +1,7 @@
 """DDP with the decoder's compiled step (``model.compile=default``): one process and two (CPU, gloo) train as one
 process without DDP does, step for step: the ranks' mean loss of each step equals the single process's on the
-same global batch, the weights end equal, and the step compiles once (one graph, no recompilation). And
+same global batch, the weights end equal, and the step compiles once (one graph, no recompilation); so do two
+processes running ``model.graphs``' steps, which all-reduce their gradients beside the graph. And
 ``python train.py trainer=ddp_cpu`` trains two processes with compile on.
 
     python tests/test_ddp.py OUT.json --devices 2 --strategy ddp   # what the DDP tests run
@@ -25,6 +26,7 @@ from captioner.data.dataset import collate
 from captioner.data.vocab import Vocabulary
 from captioner.training.module import CaptionerModule
 from conftest import ROOT, run_train, subprocess_env, tiny_overrides
+from test_graphed import EagerReplays
 from test_precision import WORDS
 
 STEPS, BATCH, PER_IMAGE = 3, 8, 2  # the global batch: 8 images, 2 captions each
@@ -43,7 +45,7 @@ def items(channels: int) -> list[dict]:
     ]
 
 
-def ddp_module() -> CaptionerModule:
+def ddp_module(kind: type[CaptionerModule] = CaptionerModule) -> CaptionerModule:
     """``test_precision``'s tiny captioner with its step compiled, its encoder frozen and no feature_norm: a BatchNorm
     in training mode normalises each rank's images by their own statistics (SyncBatchNorm runs on GPUs only)."""
     torch.manual_seed(0)
@@ -56,7 +58,7 @@ def ddp_module() -> CaptionerModule:
         scheduler={"name": "none"},
         compile="default",
     )
-    return CaptionerModule(Vocabulary(WORDS), from_dict(ModelConfig, settings))
+    return kind(Vocabulary(WORDS), from_dict(ModelConfig, settings))
 
 
 class StepLosses(L.Callback):
@@ -69,12 +71,13 @@ class StepLosses(L.Callback):
         self.losses.append(float(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")))
 
 
-def train_steps(devices: int, strategy: str) -> dict:
+def train_steps(devices: int, strategy: str, replays: bool = False) -> dict:
     """``STEPS`` steps of the tiny captioner with its decoder step compiled, ``devices`` processes sharing each
-    global batch (a distributed sampler deals rank r images r, r + devices, ...)."""
+    global batch (a distributed sampler deals rank r images r, r + devices, ...); ``replays``: the steps of
+    ``model.graphs`` (run uncaptured), whose gradients are all-reduced beside the graph, not by DDP's reducer."""
     torch._dynamo.reset()
     counters.clear()  # the graphs of this run alone, not of the tests before it in this process
-    module = ddp_module()
+    module = ddp_module(EagerReplays if replays else CaptionerModule)
     recorder = StepLosses()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -109,11 +112,14 @@ def one_process() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [1, 2])
-def test_ddp_with_the_compiled_step_trains_as_one_process(devices: int, one_process: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("devices", "replays"), [(1, False), (2, False), (2, True)])
+def test_ddp_with_the_compiled_step_trains_as_one_process(
+    devices: int, replays: bool, one_process: dict, tmp_path: Path
+) -> None:
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, __file__, str(out), "--devices", str(devices), "--strategy", "ddp"],
+        [sys.executable, __file__, str(out), "--devices", str(devices), "--strategy", "ddp"]
+        + (["--replays"] if replays else []),
         cwd=ROOT,
         env={**subprocess_env(), "PYTHONPATH": str(ROOT)},  # this checkout's captioner, in every rank
         capture_output=True,
@@ -156,8 +162,9 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--replays", action="store_true")
     args = parser.parse_args()
-    result = train_steps(args.devices, args.strategy)
+    result = train_steps(args.devices, args.strategy, args.replays)
     if result["rank"] == 0:
         Path(args.out).write_text(json.dumps(result))
 

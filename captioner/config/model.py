@@ -148,8 +148,14 @@ class ModelConfig(NetConfig):
     # torch.compile the decoder's step (one LSTM step, reused for every word of training and decoding): a
     # Compile choice (off, default, reduce-overhead, max-autotune; true/false read as default/off; typed
     # Any for Hydra, which reads `off` as false and knows no enum value with a hyphen); on, training pads
-    # its captions to data.max_len + 2 tokens. None: reduce-overhead on CUDA, off elsewhere.
+    # its captions to data.max_len + 2 tokens. None: off (on CUDA the step is already inside `graphs`' graph;
+    # reduce-overhead graphs each word, and needs graphs=false).
     compile: Any = None
+    # CUDA graphs of whole calls (captioner.model.graphs): each cross-entropy training step's forward, loss and
+    # backward is one replay (training.graphed), and so is each decoding call (every word of greedy, sampling,
+    # beam search). Training pads its captions to data.max_len + 2 tokens; 16-mixed and gradient accumulation
+    # train eagerly. None: on CUDA, off elsewhere (true elsewhere is refused: graphs need a CUDA device).
+    graphs: bool | None = None
     # Decoding (captions and SCST samples) runs all max_len steps with finished captions masked, no early exit
     # and no host read inside the loop: the same shapes on every call, what a captured CUDA graph needs, for
     # the same captions. None: on CUDA only; on a CPU stopping once every caption has ended is cheaper
@@ -178,6 +184,11 @@ class ModelConfig(NetConfig):
     def check(self) -> None:
         super().check()
         check_range("nonfinite_check_interval", self.nonfinite_check_interval, 1, kind=int)
+        if self.graphs and self.compile in (Compile.reduce_overhead, Compile.max_autotune):
+            raise ConfigError(
+                f"model.graphs=true captures whole steps as CUDA graphs and model.compile={self.compile} graphs each "
+                "word inside them, which CUDA cannot nest: set model.graphs=false for per-word graphs"
+            )
 
     def net(self) -> NetConfig:
         """The network part (what a bundle stores)."""

@@ -33,6 +33,19 @@ def beam_search(
     (B, K, H) against them. <unk> is never generated when ``unk_id`` is given; ``static_shapes`` as
     ``ModelConfig.static_shapes`` says.
     """
+    return trimmed(untrimmed_beam_search(decoder, features, settings, unk_id, static_shapes))
+
+
+@torch.no_grad()
+def untrimmed_beam_search(
+    decoder: ShowAttendTellDecoder,
+    features: Tensor,
+    settings: DecodingConfig,
+    unk_id: int | None = None,
+    static_shapes: bool | None = ModelConfig.static_shapes,
+) -> Generation:
+    """``beam_search`` without its final trimming (one host read): T = the steps run, all ``max_len`` with
+    static shapes."""
     constraints, alpha_lp, max_len = Constraints.of(settings), settings.length_penalty, settings.max_len
     batch, beams, device = features.size(0), settings.beam_size, features.device
     keys = decoder.attention.keys(features)  # (B, L, A), once per image
@@ -79,7 +92,7 @@ def beam_search(
     use_live = (live > best) | best.isneginf()  # nothing finished, or a live beam is better
     end_step = torch.where(use_live, steps, best_step)  # (B,) the words before it are traced back
     row = torch.where(use_live, live_row, best_row)
-    return trimmed(_trace(words, parents, alphas, end_step, row, torch.where(use_live, live, best)))
+    return _trace(words, parents, alphas, end_step, row, torch.where(use_live, live, best))
 
 
 def _rows(values: Tensor, parent: Tensor) -> Tensor:

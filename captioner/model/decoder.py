@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from captioner.config import Attention, Compile, Gate, HardEstimator, HardInference, NetConfig
 from captioner.model.attention import build_attention
+from captioner.model.graphs import GraphCache
 
 State = tuple[Tensor, Tensor]
 # logits, the new state, alpha, the sampled location's log-probability and alpha's entropy (hard, training)
@@ -54,7 +55,7 @@ class ShowAttendTellDecoder(nn.Module):
         settings = config.decoder
         embed_dim, hidden_dim = settings.embed_dim, settings.hidden_dim
         self.mode = config.attention
-        self.hard_expectation_final = self.hard_expectation_prob = settings.hard_expectation_prob
+        self.hard_expectation_final = settings.hard_expectation_prob
         self.hard_expectation_warmup = settings.hard_expectation_warmup
         self.settings = settings  # read at inference for hard_inference (``hard_read``): one owner, the config
         self.hard_estimator = settings.hard_estimator
@@ -62,6 +63,8 @@ class ShowAttendTellDecoder(nn.Module):
         # annealed by ``anneal`` during training; a tensor, so that a compiled step reads it rather than
         # compiling again for each value
         self.register_buffer("gumbel_tau", torch.tensor(settings.gumbel_tau), persistent=False)
+        # the share of images reading the expected context (hard attention, training), annealed: a buffer as well
+        self.register_buffer("expectation_share", torch.tensor(settings.hard_expectation_prob), persistent=False)
         self.embedding = nn.Embedding(vocab_size, embed_dim)  # E
         self.attention = build_attention(
             config.scorer, feature_dim, hidden_dim, settings.attention_dim, settings.attention_heads
@@ -81,6 +84,8 @@ class ShowAttendTellDecoder(nn.Module):
             self.classifier = nn.Linear(hidden_dim, vocab_size)
         self.compiled_step: Callable[..., StepOutput] | None = None  # ``compile_step``'s; None: eager
         self.graphed = False  # whether the compiled step replays CUDA graphs (reduce-overhead, max-autotune)
+        # decoding calls captured as CUDA graphs (``decoding.decode``, on CUDA); None: every call eager
+        self.decoding_graphs: GraphCache | None = GraphCache()
 
     def compile_step(self, mode: Compile) -> None:
         """Run every step (teacher-forced or decoding, one word each) through ``torch.compile(mode=mode)``
@@ -95,6 +100,19 @@ class ShowAttendTellDecoder(nn.Module):
         if mode != Compile.off:
             step = torch.compile(ShowAttendTellDecoder._eager_step, mode=mode.value, fullgraph=True)
             self.compiled_step = functools.partial(step, self)
+
+    def use_decoding_graphs(self, on: bool) -> None:
+        """Replay each decoding call on CUDA as one CUDA graph (``on``, the default) or run it eagerly."""
+        self.decoding_graphs = GraphCache() if on else None
+
+    @property
+    def hard_expectation_prob(self) -> float:
+        """The share of images that read the expected context in hard attention's training now (``anneal``'s)."""
+        return float(self.expectation_share)
+
+    @hard_expectation_prob.setter
+    def hard_expectation_prob(self, share: float) -> None:
+        self.expectation_share.fill_(share)
 
     @property
     def hard_read(self) -> HardInference | None:
@@ -147,7 +165,7 @@ class ShowAttendTellDecoder(nn.Module):
         sampling = self.mode == Attention.hard and self.training
         expect = None
         if sampling:  # per image, as the paper says: the expected context instead of a sampled location
-            expect = torch.rand(images, device=features.device) < self.hard_expectation_prob  # (B,)
+            expect = torch.rand(images, device=features.device) < self.expectation_share  # (B,)
         if isinstance(image_index, Tensor):
             features, keys = features[image_index], keys[image_index]  # (N, L, D), (N, L, A)
             state = (state[0][image_index], state[1][image_index])  # (N, H) x 2

@@ -15,6 +15,8 @@ caption (0 turns either off). Where they leave a row no word at all, <end> is al
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,9 +25,12 @@ from torch import Tensor
 
 from captioner.config import DecodeMethod, DecodingConfig, ModelConfig
 from captioner.data.vocab import END_ID, PAD_ID, START_ID
-from captioner.model.beam import beam_search
+from captioner.model.beam import beam_search, untrimmed_beam_search
 from captioner.model.decoder import ShowAttendTellDecoder
+from captioner.model.graphs import CapturedCall, autocast_key
 from captioner.model.steps import Constraints, Generation, run_steps, static_steps, trimmed, word_log_probs
+
+__all__ = ["Generation", "Rollout", "beam_search", "decode", "greedy", "rollout", "sample", "seeded_generator"]
 
 
 @torch.no_grad()
@@ -37,9 +42,12 @@ def greedy(
     static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Emit the most likely allowed word at each step for the features (B, L, D)."""
-    return _one_caption_each(
-        decoder, features, settings, lambda log_probs: log_probs.argmax(dim=-1), unk_id, static_shapes
-    )
+    return trimmed(_one_caption_each(decoder, features, settings, _most_likely, unk_id, static_shapes))
+
+
+def _most_likely(log_probs: Tensor) -> Tensor:
+    """Greedy's choice: the most likely allowed word of each row (B,)."""
+    return log_probs.argmax(dim=-1)
 
 
 @torch.no_grad()
@@ -54,11 +62,17 @@ def sample(
     """Sample each word from softmax(logits / ``settings.temperature``) over the allowed words; scores use
     the untempered log-probs."""
 
+    return trimmed(_one_caption_each(decoder, features, settings, _sampler(settings, generator), unk_id, static_shapes))
+
+
+def _sampler(settings: DecodingConfig, generator: torch.Generator | None) -> Callable[[Tensor], Tensor]:
+    """Sampling's choice: a word (B,) drawn from softmax(log-probs / ``settings.temperature``) of each row."""
+
     def choose(log_probs: Tensor) -> Tensor:
         probs = (log_probs / settings.temperature).softmax(dim=-1)  # (B, V)
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
 
-    return _one_caption_each(decoder, features, settings, choose, unk_id, static_shapes)
+    return choose
 
 
 def _one_caption_each(
@@ -69,7 +83,8 @@ def _one_caption_each(
     unk_id: int | None,
     static_shapes: bool | None,
 ) -> Generation:
-    """One caption per image, ``choose`` picking each next token (B,) from the allowed log-probs (B, V)."""
+    """One caption per image, ``choose`` picking each next token (B,) from the allowed log-probs (B, V); not
+    trimmed (T = the steps run)."""
     constraints, batch = Constraints.of(settings), features.size(0)
     keys = decoder.attention.keys(features)  # (B, L, A), once per image
     state = decoder.init_state(features)
@@ -95,7 +110,7 @@ def _one_caption_each(
         return finished
 
     run_steps(settings.max_len, static_steps(static_shapes, features), advance)
-    return trimmed(Generation(torch.stack(words, 1), scores, torch.stack(alphas, 1), lengths))
+    return Generation(torch.stack(words, 1), scores, torch.stack(alphas, 1), lengths)
 
 
 @dataclass
@@ -174,10 +189,35 @@ def decode(
     static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Caption the features (B, L, D) as ``settings`` says (its method and that method's options);
-    ``generator`` serves sampling (None: one seeded with ``settings.seed`` when set, else torch's own)."""
-    if settings.method == DecodeMethod.greedy:
-        return greedy(decoder, features, settings, unk_id, static_shapes)
+    ``generator`` serves sampling (None: one seeded with ``settings.seed`` when set, else torch's own).
+
+    On CUDA with static shapes every word of the call is one CUDA graph replay (``decoder.decoding_graphs``: one
+    capture per batch shape and settings) and the host reads the result once, to trim it; a call with a generator
+    of its own, or whose decoder replays a graph per word (``compile_step``), runs eagerly. Same captions."""
     if settings.method == DecodeMethod.sample:
         generator = generator or seeded_generator(settings, features.device)
-        return sample(decoder, features, settings, generator, unk_id, static_shapes)
-    return beam_search(decoder, features, settings, unk_id, static_shapes)
+    static = static_steps(static_shapes, features)
+    graphs = decoder.decoding_graphs
+    if graphs is None or not (features.is_cuda and static) or generator is not None or decoder.graphed:
+        return trimmed(_untrimmed(decoder, settings, generator, unk_id, static, features))
+    key = (features.shape, features.dtype, settings, unk_id, decoder.training, autocast_key(features.device))
+    run = functools.partial(_untrimmed, decoder, settings, None, unk_id, True)
+    call = graphs.get(key, lambda: CapturedCall(torch.no_grad()(run), [features]))
+    replayed = call(features)
+    return trimmed(Generation(*(value.clone() for value in dataclasses.astuple(replayed))))
+
+
+def _untrimmed(
+    decoder: ShowAttendTellDecoder,
+    settings: DecodingConfig,
+    generator: torch.Generator | None,
+    unk_id: int | None,
+    static: bool,
+    features: Tensor,
+) -> Generation:
+    """``decode``'s Generation before trimming: T = the steps run (all ``max_len`` with ``static`` shapes)."""
+    if settings.method == DecodeMethod.greedy:
+        return _one_caption_each(decoder, features, settings, _most_likely, unk_id, static)
+    if settings.method == DecodeMethod.sample:
+        return _one_caption_each(decoder, features, settings, _sampler(settings, generator), unk_id, static)
+    return untrimmed_beam_search(decoder, features, settings, unk_id, static)

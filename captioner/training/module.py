@@ -10,12 +10,14 @@ Adam and gradient clipping under every precision ``training.optimization``'s, th
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
 
 import lightning as L
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
@@ -31,6 +33,7 @@ from captioner.model.losses import CaptionLoss, SelfCriticalLoss
 from captioner.training import objectives
 from captioner.training.callbacks import NonFiniteLossGuard
 from captioner.training.evaluation import EvaluationEpoch
+from captioner.training.graphed import GraphedSteps
 from captioner.training.metrics import LOSS, PROGRESS, TEST, TRAIN, VAL, metric
 from captioner.training.optimization import build_optimizer, clip_gradients
 from captioner.training.schedule import CrossEntropyPhase, build_scheduler, self_critical_epoch
@@ -61,46 +64,92 @@ class CaptionerModule(L.LightningModule):
         self.predictions: dict[str, dict[int, list[str]]] = {}  # split -> image id -> words, all ranks
         self._frozen_fingerprint: str | None = None  # of the encoder's frozen stages, which a run never changes
         self.phase: CrossEntropyPhase | None = None  # set when training starts, or by the resumed checkpoint
+        self.graphed_steps: GraphedSteps | None = None  # model.graphs' training steps (set up for a fit on CUDA)
+        self._replayed = False  # whether this batch's step was a replay, its backward done
 
     # ----------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
-        """Compile the decoder's step (``model.compile``; None: reduce-overhead on CUDA, off elsewhere); with it
-        on, training captions are padded to ``DataConfig.caption_tokens`` (``data.pad_to``) unless set. A fit
-        whose length the schedules cannot be laid out over is refused (``ModelConfig.unscheduled``)."""
+        """Turn on CUDA graphs (``model.graphs``; None: on CUDA) and compile the decoder's step (``model.compile``);
+        with either, training captions are padded to ``DataConfig.caption_tokens`` (``data.pad_to``) unless set. A
+        fit whose length the schedules cannot be laid out over is refused (``ModelConfig.unscheduled``)."""
         if stage == "fit" and (problem := self.settings.unscheduled(self.trainer.max_epochs, self.trainer.max_steps)):
             raise ConfigError(problem)
-        mode = self.settings.compile
-        if mode is None:  # the model is not on its device yet: ask the strategy where it goes
-            mode = Compile.reduce_overhead if self.trainer.strategy.root_device.type == "cuda" else Compile.off
-        if mode == Compile.off:
-            return
-        self.model.decoder.compile_step(mode)
-        log.info("model.compile=%s: the decoder's step is compiled", mode)
+        cuda = self.trainer.strategy.root_device.type == "cuda"  # the model is not on its device yet: ask the strategy
+        mode = self.settings.compile or Compile.off
+        graphs = self.settings.graphs
+        if graphs is None:
+            graphs = cuda and mode not in (Compile.reduce_overhead, Compile.max_autotune)
+        elif graphs and not cuda:
+            raise ConfigError(
+                "model.graphs=true: CUDA graphs need a CUDA device (trainer=gpu), or set model.graphs=null"
+            )
+        self.model.decoder.use_decoding_graphs(graphs)
+        if graphs and stage == "fit":
+            self.graphed_steps = self._graphed_steps()
+        if mode != Compile.off:
+            self.model.decoder.compile_step(mode)
+            log.info("model.compile=%s: the decoder's step is compiled", mode)
         datamodule = self.trainer.datamodule
-        if datamodule is not None and datamodule.settings.pad_to is None:
+        if (graphs or mode != Compile.off) and datamodule is not None and datamodule.settings.pad_to is None:
             # one caption width: CUDA graphs replay the steps of a training batch as they were recorded
             datamodule.settings.pad_to = datamodule.settings.caption_tokens
             log.info("captions padded to data.pad_to=%d tokens", datamodule.settings.pad_to)
+
+    def _graphed_steps(self, capture: bool = True) -> GraphedSteps | None:
+        """The cross-entropy steps as CUDA graphs, unless the precision or accumulation needs them eager (said);
+        ``capture``: ``GraphedSteps``'."""
+        trainer = self.trainer
+        why = None
+        if str(trainer.precision).startswith("16"):
+            why = f"precision={trainer.precision} scales each step's loss on the host (GradScaler)"
+        elif trainer.accumulate_grad_batches > 1:
+            why = f"accumulate_grad_batches={trainer.accumulate_grad_batches} adds gradients across steps"
+        if why is not None:
+            log.info("model.graphs: training steps run eagerly, %s; decoding is graphed", why)
+            return None
+        log.info("model.graphs: each cross-entropy training step replays one CUDA graph, and each decoding call")
+        terms = functools.partial(objectives.cross_entropy_terms, self.model, self.criterion, dtype=self.dtype)
+        return GraphedSteps(
+            torch.nn.ModuleList([self.model, self.criterion]), lambda batch: terms(batch=batch), capture
+        )
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The non-finite-loss guard, in every run, with this model's ``nonfinite`` settings."""
         return [NonFiniteLossGuard(self.settings.nonfinite, self.settings.nonfinite_check_interval)]
 
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        """Under DDP with graphed steps: a replayed step's gradients are all-reduced beside the graph
+        (``GraphedSteps.step``), so DDP's reducer synchronises only the backward of an eager step."""
+        model = self.trainer.strategy.model
+        if self.graphed_steps is not None and isinstance(model, DistributedDataParallel):
+            model.require_backward_grad_sync = self.scst_epoch or self.graphed_steps.synchronises(batch)
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         """One step over a batch of images with all their captions."""
         self.skips.add(batch["skipped"])
+        self._replayed = False
         if batch["captions"].numel() == 0:
             return None
         self.model.decoder.anneal(self.phase.progress(self.global_step))
         if self.scst_epoch:
             terms = self.self_critical_terms(batch)
         else:
-            terms = objectives.cross_entropy_terms(self.model, self.criterion, batch, self.dtype)
+            terms = None if self.graphed_steps is None else self.graphed_steps.step(batch)
+            self._replayed = terms is not None
+            if terms is None:
+                terms = objectives.cross_entropy_terms(self.model, self.criterion, batch, self.dtype)
         loss = terms["loss"]
         size = batch["captions"].shape[0]
         self.log_dict({metric(TRAIN, k): v.detach() for k, v in terms.items() if k != "loss"}, batch_size=size)
         self.log(metric(TRAIN, LOSS), loss.detach(), prog_bar=True, batch_size=size)
         return loss
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Back-propagate ``loss``, unless the step was a replay: its graph did, and its gradients are handed over."""
+        if self._replayed:
+            self.graphed_steps.attach_gradients()
+        else:
+            super().backward(loss, *args, **kwargs)
 
     @property
     def scst_epoch(self) -> bool:
@@ -151,8 +200,10 @@ class CaptionerModule(L.LightningModule):
         )
 
     def on_train_epoch_end(self) -> None:
-        """Report unreadable training images once, with the first few names."""
+        """Report unreadable training images once, with the first few names, and steps that ran outside the graph."""
         self._report_skips()
+        if self.graphed_steps is not None and (note := self.graphed_steps.report()) is not None:
+            log.info(note)
 
     def _report_skips(self) -> None:
         """Log one line for images that could not be read since the last report (count and first names)."""

@@ -1,0 +1,90 @@
+"""CUDA graphs of whole calls: every word of a decoding call, or a training step's forward and backward, captured
+once per input shape and replayed for each new input copied into the captured one.
+
+On a GPU the decoder is launch-bound: a word costs a few hundred small kernels, each launched from Python, so
+beam search at batch 1 takes as long as at batch 128 (docs/performance.md). A replay launches the whole call at
+once. What a capture needs, and what the model keeps true for it:
+
+- static shapes and no host read inside: every decoding method runs all ``max_len`` words with static shapes
+  (``steps.run_steps``), the host trims the result once after the replay; training pads its captions to one
+  width (``DataConfig.pad_to``);
+- tensors that keep their storage: the weights, which Adam updates in place, and what training changes as it
+  goes (the Gumbel temperature, the expected context's share) are buffers written in place;
+- random numbers from torch's default CUDA generator, which gives every replay fresh ones (dropout, sampled
+  words and locations). A call with a generator of its own runs eagerly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+WARMUP_CALLS = 2  # eager calls on a side stream before a capture (cuBLAS workspaces, lazy initialisation)
+DECODING_GRAPHS = 8  # decoding graphs kept per decoder (batch sizes, methods); the least recently used goes
+
+
+class CapturedCall:
+    """``function(*inputs)`` captured as one CUDA graph on static copies of ``inputs``.
+
+    ``function`` is first called ``WARMUP_CALLS`` times on a side stream (``before_capture`` runs after those, e.g.
+    to undo their side effects), then captured. Calling the object copies new inputs of the same shapes into the
+    static ones, replays the graph and returns the captured outputs: the same tensors every time, overwritten by
+    the next replay.
+    """
+
+    def __init__(
+        self, function: Callable[..., Any], inputs: Sequence[Tensor], before_capture: Callable[[], None] | None = None
+    ) -> None:
+        self.inputs = [tensor.clone() for tensor in inputs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_CALLS):
+                function(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        if before_capture is not None:
+            before_capture()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = function(*self.inputs)
+
+    def __call__(self, *inputs: Tensor) -> Any:
+        """Replay on ``inputs`` (the captured shapes and dtypes); the static outputs."""
+        for static, tensor in zip(self.inputs, inputs):
+            static.copy_(tensor)
+        self.graph.replay()
+        return self.outputs
+
+
+class GraphCache:
+    """Captured calls by key (the shapes, dtypes and settings a capture depends on), the ``size`` most recently
+    used kept. A ``deepcopy`` (``AveragedModel``'s copy of a decoder, say) gets an empty cache: graphs replay
+    the tensors they were captured on, never a copy's."""
+
+    def __init__(self, size: int = DECODING_GRAPHS) -> None:
+        self.size = size
+        self.calls: OrderedDict[Hashable, CapturedCall] = OrderedDict()
+        self.captures = 0  # graphs captured so far (a test reads it: one per shape, not one per call)
+
+    def get(self, key: Hashable, capture: Callable[[], CapturedCall]) -> CapturedCall:
+        """The call captured for ``key``, captured now by ``capture()`` the first time."""
+        if key in self.calls:
+            self.calls.move_to_end(key)
+            return self.calls[key]
+        while len(self.calls) >= self.size:
+            self.calls.popitem(last=False)
+        self.calls[key] = call = capture()
+        self.captures += 1
+        return call
+
+    def __deepcopy__(self, memo: dict) -> GraphCache:
+        return GraphCache(self.size)
+
+
+def autocast_key(device: torch.device) -> tuple[bool, torch.dtype]:
+    """The autocast state of ``device``'s type that a capture bakes in: whether on, and its dtype."""
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)

@@ -1,0 +1,125 @@
+"""The cross-entropy training step as one CUDA graph (``model.graphs``): the teacher-forced loop's forward, the
+loss and the backward of a batch, captured once and replayed for every batch of the same shapes.
+
+Lightning stays the trainer and keeps what follows the backward: the non-finite guard, gradient clipping and the
+optimiser's step (fused Adam: a few kernels for all the parameters), on the gradients the replay wrote. The module
+returns the replay's loss, and its ``backward`` hook, after Lightning's ``zero_grad``, hands the replay's gradients
+to the optimiser instead of back-propagating.
+
+A batch of other shapes (an epoch's last, smaller one) runs eagerly, counted and reported at the epoch's end;
+captions are padded to one width (``DataConfig.pad_to``) so that only the batch size varies. Under DDP a replayed
+step's gradients are all-reduced beside the graph, as one flat buffer the graph fills: the module asks DDP not
+to synchronise such a step (``synchronises``), and the reduction is never skipped. Captured too: hard
+attention's sampling (each replay draws fresh locations and a fresh expected-context share, whose schedule is a
+buffer), dropout, the REINFORCE baseline's update. SCST steps run eagerly: CIDEr-D counts n-grams of sampled
+captions, shapes a graph cannot hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from captioner.model.graphs import CapturedCall, autocast_key
+
+INPUTS = ("images", "features", "captions", "image_index")  # the batch's tensors a cross-entropy step reads
+Terms = dict[str, Tensor]
+
+
+class GraphedSteps:
+    """Cross-entropy steps of ``modules`` (the model and the loss) replayed as one CUDA graph for the batch shape
+    captured first; ``terms(batch)`` is the step's loss terms (forward and loss, no backward).
+
+    ``capture=False`` runs the same static-buffer path eagerly instead of capturing it (what a CPU can check of
+    the bookkeeping); on a GPU it is always True.
+    """
+
+    def __init__(self, modules: nn.Module, terms: Callable[[dict], Terms], capture: bool = True) -> None:
+        self.modules = modules
+        self.terms = terms
+        self.capture = capture
+        self.params = [p for p in modules.parameters() if p.requires_grad]
+        self.key: Hashable | None = None
+        self.call: CapturedCall | Callable[..., tuple[Terms, list, Tensor | None]] | None = None
+        self.gradients: list[Tensor | None] = []  # the last replay's, one per parameter (None: not used)
+        self.counts = {"replayed": 0, "eager": 0}  # steps since the last ``report``
+
+    def takes(self, batch: dict) -> bool:
+        """Whether ``step`` replays ``batch`` (the captured shapes, or the first batch: captured now)."""
+        return self.key is None or _key(batch) == self.key
+
+    def synchronises(self, batch: dict) -> bool:
+        """Whether DDP's reducer must all-reduce this batch's backward: only an eager one's."""
+        return not self.takes(batch)
+
+    def step(self, batch: dict) -> Terms | None:
+        """The loss terms of ``batch`` after a replay that also computed its gradients (all-reduced across ranks
+        when distributed: ``attach_gradients`` hands them over); None when the batch must run eagerly (its shapes
+        were not captured)."""
+        if not self.takes(batch):
+            self.counts["eager"] += 1
+            return None
+        inputs = [batch[name] for name in INPUTS if name in batch]
+        if self.call is None:
+            self.key = _key(batch)
+            self.call = self._capture(batch, inputs)
+        terms, grads, flat = self.call(*inputs)
+        if flat is not None:  # DDP: the mean over ranks, as its reducer gives, in one collective
+            dist.all_reduce(flat)
+            flat.div_(dist.get_world_size())
+            parts = iter(flat.split([g.numel() for g in grads if g is not None]))
+            grads = [None if g is None else next(parts).view_as(g) for g in grads]
+        self.gradients = grads
+        self.counts["replayed"] += 1
+        return terms
+
+    def attach_gradients(self) -> None:
+        """Hand the last replay's gradients to the optimiser (``.grad``): in the module's ``backward`` hook, after
+        Lightning's ``zero_grad``, which comes between the training step and the backward."""
+        for param, grad in zip(self.params, self.gradients):
+            param.grad = grad
+
+    def report(self) -> str | None:
+        """One line on the steps since the last report that ran eagerly, if any; the counts restart."""
+        counts, self.counts = self.counts, {"replayed": 0, "eager": 0}
+        if not counts["eager"]:
+            return None
+        return (
+            f"{counts['eager']} training step(s) ran eagerly, outside the CUDA graph: their batches have other shapes "
+            f"than the {counts['replayed']} replayed (the epoch's last batch, smaller: data.drop_last drops it)"
+        )
+
+    def _capture(self, batch: dict, inputs: list[Tensor]) -> CapturedCall | Callable:
+        names = [name for name in INPUTS if name in batch]
+        rest = {k: v for k, v in batch.items() if k == "captions_per_image"}
+        distributed = dist.is_available() and dist.is_initialized()
+
+        def step(*tensors: Tensor) -> tuple[Terms, list, Tensor | None]:
+            for param in self.params:
+                param.grad = None  # the backward writes fresh gradients, in the graph's memory
+            terms = self.terms({**dict(zip(names, tensors)), **rest})
+            with torch.autocast(terms["loss"].device.type, enabled=False):  # as Lightning's backward: no autocast
+                terms["loss"].backward()
+            grads = [param.grad for param in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads if g is not None]) if distributed else None
+            return {k: v.detach() for k, v in terms.items()}, grads, flat
+
+        if not self.capture:
+            return step
+        saved = [b.detach().clone() for b in self.modules.buffers()]  # the warm-up calls' effects, undone
+
+        def restore() -> None:
+            for buffer, value in zip(self.modules.buffers(), saved):
+                buffer.copy_(value)
+
+        return CapturedCall(step, inputs, restore)
+
+
+def _key(batch: dict) -> Hashable:
+    """What a captured step depends on in ``batch``: its tensors' shapes and dtypes, the captions' layout, the
+    autocast state."""
+    tensors = tuple((name, tuple(batch[name].shape), batch[name].dtype) for name in INPUTS if name in batch)
+    return tensors, batch.get("captions_per_image"), autocast_key(batch["captions"].device)
