@@ -63,7 +63,9 @@ def rows(size: composed.Setup, mode: Compile, args: argparse.Namespace) -> list[
     captions, index = composed.random_captions(size, IMAGES, args.device)
 
     def train(decoder: torch.nn.Module) -> Callable[[], None]:
-        return composed.make_train_step(module, decoder, lambda: decoder(features, captions, index), captions, args)
+        return composed.make_train_step(
+            module, decoder, *composed.decoder_training(decoder, features, captions, index), args
+        )
 
     head = [size.name, size.model.attention.value]
     graphs = counters["stats"]["unique_graphs"]

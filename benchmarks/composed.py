@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,6 +187,16 @@ def never_end(model: Captioner) -> Captioner:
     return model
 
 
+@contextlib.contextmanager
+def eager_decoding(model: Captioner) -> Iterator[None]:
+    """Decode eagerly inside (no CUDA graph of the call): what FLOP counting needs, which sees no replayed kernel."""
+    graphs, model.decoder.decoding_graphs = model.decoder.decoding_graphs, None
+    try:
+        yield
+    finally:
+        model.decoder.decoding_graphs = graphs
+
+
 def random_images(size: Setup, count: int, device: torch.device) -> Tensor:
     """(count, 3, S, S) normalised-looking images."""
     return torch.randn(count, 3, size.data.image_size, size.data.image_size, device=device)
@@ -225,48 +235,83 @@ def autocast(args: argparse.Namespace) -> contextlib.AbstractContextManager:
     return torch.autocast(args.device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
 
-def model_train_step(size: Setup, args: argparse.Namespace, source: str) -> tuple[Captioner, Callable[[], None], int]:
+def model_train_step(
+    size: Setup, args: argparse.Namespace, source: str, graphs: bool = False
+) -> tuple[Captioner, Callable[[], None], int]:
     """The whole captioner's training step on a random batch of ``size``: the model, the step, its caption count.
 
     ``source``: "images" (each image once, its captions gathered after the encoder), "per_caption" (one
     copy of the image per caption, as ``data.per_caption=true`` batches them) or "features" (the feature
-    cache's content).
+    cache's content). ``graphs``: the step as ``model.graphs`` trains it, forward, loss and backward one CUDA graph.
     """
+    from captioner.training.objectives import teacher_forced
+
     module = build_module(size, args)
     model = module.model
     captions, index = random_captions(size, size.batch, args.device)
-    forward: Callable[[], DecoderOutput]
+    batch: dict[str, Any] = {"captions": captions, "captions_per_image": index}
     if source == "features":
-        features = random_features(model, size, size.batch, args.device)
-        forward = lambda: model.forward_features(features, captions, index)  # noqa: E731
+        batch["features"] = random_features(model, size, size.batch, args.device)
     elif source == "images":
-        images = random_images(size, size.batch, args.device)
-        forward = lambda: model(images, captions, index)  # noqa: E731
+        batch["images"] = random_images(size, size.batch, args.device)
     elif source == "per_caption":
-        copies = random_images(size, size.batch, args.device).repeat_interleave(CAPTIONS_PER_IMAGE, 0)
-        forward = lambda: model(copies, captions)  # noqa: E731
+        batch["images"] = random_images(size, size.batch, args.device).repeat_interleave(CAPTIONS_PER_IMAGE, 0)
+        batch["captions_per_image"], batch["image_index"] = None, torch.arange(captions.size(0), device=args.device)
     else:
         raise ValueError(f"unknown source {source!r}")
-    return model, make_train_step(module, model, forward, captions, args), captions.size(0)
+    forward = functools.partial(teacher_forced, model, dtype=torch.float32)
+    return model, make_train_step(module, model, lambda b: forward(batch=b), batch, args, graphs), captions.size(0)
+
+
+def decoder_training(
+    decoder: nn.Module, features: Tensor, captions: Tensor, index: Tensor | int
+) -> tuple[Callable[[dict], DecoderOutput], dict[str, Any]]:
+    """The decoder alone's teacher forcing on grid ``features`` as ``make_train_step``'s forward, and its batch
+    (``index`` as ``random_captions`` gives it: K per image, or each caption's image)."""
+    key = "image_index" if isinstance(index, Tensor) else "captions_per_image"
+
+    def forward(batch: dict[str, Any]) -> DecoderOutput:
+        return decoder(batch["features"], batch["captions"], batch[key])
+
+    return forward, {"features": features, "captions": captions, key: index}
 
 
 def make_train_step(
     module: nn.Module,
     trained: nn.Module,
-    forward: Callable[[], DecoderOutput],
-    captions: Tensor,
+    forward: Callable[[dict], DecoderOutput],
+    batch: dict[str, Any],
     args: argparse.Namespace,
+    graphs: bool = False,
 ) -> Callable[[], None]:
-    """One optimisation step as training runs it: ``forward`` and the module's loss (its ``criterion``, under
-    autocast), backward, and Adam over the trainable parameters of ``trained`` (in train mode; frozen CNN
-    stages stay in eval)."""
+    """One optimisation step as training runs it: ``forward(batch)`` and the module's loss (its ``criterion``,
+    under autocast), backward, and Adam as training builds it (fused on a GPU) over the trainable parameters of
+    ``trained`` (in train mode; frozen CNN stages stay in eval). ``graphs``: forward, loss and backward replay one
+    CUDA graph (``training.graphed.GraphedSteps``, as ``model.graphs`` trains), the first call capturing it."""
+    from captioner.training.graphed import GraphedSteps
+    from captioner.training.optimization import build_optimizer
+
     module.train()
     trained.train()
-    optimizer = torch.optim.Adam([p for p in trained.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = build_optimizer([p for p in trained.parameters() if p.requires_grad], [], module.settings.optimizer)
+
+    def terms(given: dict[str, Any]) -> dict[str, Tensor]:
+        with autocast(args):
+            return module.criterion(forward(given), given["captions"])
+
+    if graphs:
+        graphed = GraphedSteps(nn.ModuleList([trained, module.criterion]), terms)
+
+        def replay() -> None:
+            graphed.step(batch)
+            optimizer.zero_grad(set_to_none=True)
+            graphed.attach_gradients()
+            optimizer.step()
+
+        return replay
 
     def step() -> None:
-        with autocast(args):
-            loss = module.criterion(forward(), captions)["loss"]
+        loss = terms(batch)["loss"]
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -3,16 +3,17 @@ tables of docs/performance.md.
 
     python benchmarks/gpu_check.py              # on a GPU machine prepared as ../shared/gpu/README.md says
 
-Runs, each in its own process, with its wall time: ``pytest tests/test_gpu.py`` (CUDA-graph training step and
-decoding against eager, 16-mixed and bf16-mixed steps with clipping and an empty batch); ``python train.py
-trainer=gpu`` (the demo: its wall time and BLEU-4); ``python train.py trainer=ddp trainer.devices=1`` for two epochs
-(cross-entropy, then SCST: DDP with the CUDA-graphed step); ``benchmarks/train_step.py`` in bf16 (the training step and
-the decoder-only step); ``benchmarks/compile_step.py`` (that step and decoding, eager against reduce-overhead);
-``benchmarks/captioning.py`` in bf16 (greedy, beam 3 and beam 5 against
-the encoder alone, beam 3 at batch 1 to 128); ``benchmarks/data_loading.py`` (the loader's images/s against what
-the step consumes). The tables carry peak memory and FLOP/s against the card's measured bf16 matmul rate. Its
-whole output is what docs/performance.md's GPU section takes, pasted. Without a CUDA device it prints one line
-on stderr and exits with status 2.
+Runs, each in its own process, with its wall time: ``pytest tests/test_gpu.py tests/test_gpu_graphs.py`` (CUDA
+graphs of whole decoding calls and training steps against eager, the per-word reduce-overhead step, 16-mixed and
+bf16-mixed steps with clipping and an empty batch); ``python train.py trainer=gpu`` (the demo, CUDA graphs on by
+default: its wall time and BLEU-4); ``python train.py trainer=ddp trainer.devices=1`` for two epochs
+(cross-entropy with graphed steps whose gradients are all-reduced beside the graph, then SCST);
+``benchmarks/train_step.py`` in bf16 (the training step and the decoder-only step, eager and graphed);
+``benchmarks/captioning.py`` in bf16 (greedy, beam 3 and beam 5 against the encoder alone, beam 3 at batch 1 to
+128, each call one replay); ``benchmarks/data_loading.py`` (the loader's images/s against what the step consumes);
+``benchmarks/profile_ops.py`` (the top kernels of the graphed steps and of beam search). The tables carry peak
+memory and FLOP/s against the card's measured bf16 matmul rate. Its whole output is what docs/gpu_report.md
+takes, pasted. Without a CUDA device it prints one line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -28,20 +29,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ["--device", "cuda", "--precision", "bf16"]
 NO_PLUGINS = ["-p", "no:cacheprovider", "-p", "no:logging"]  # no log capture: torch's debug lines hid the failures
-# one DDP process with the demo's CUDA-graphed step (model.compile unset: reduce-overhead): a cross-entropy epoch,
-# then an SCST one
+# one DDP process with graphed steps (model.graphs unset: on for CUDA): a cross-entropy epoch, then an SCST one
 DDP = ["trainer=ddp", "trainer.devices=1", "trainer.max_epochs=2", "model.scst.after_epochs=1", "test=false"]
-# (title, arguments of python, seconds at most): together nine minutes. Each limit is about 1.3x (and 20 s more
-# at least) what the part took on the H200 with cold compile caches (39, 110, 31, 52, 22, 34 s, docs/gpu_report.md);
-# the compiled step's, which timed out at 60 s on a fresh H100, twice that.
+TESTS = ["tests/test_gpu.py", "tests/test_gpu_graphs.py"]
+# (title, arguments of python, seconds at most): together nine minutes, each about 1.5x what the part is expected
+# to take with cold caches (the H200's report of the eager parts, docs/gpu_report.md, plus the captures)
 PARTS = [
-    ("GPU-only tests", ["-m", "pytest", "tests/test_gpu.py", "-q", "-rA", "--tb=short", *NO_PLUGINS], 70),
-    ("The demo: python train.py trainer=gpu", ["train.py", "trainer=gpu"], 150),
-    ("DDP, one process, compiled step: python train.py " + " ".join(DDP), ["train.py", *DDP], 60),
-    ("Training step", ["benchmarks/train_step.py", *BENCH, "--channels-last"], 60),
-    ("Compiled decoder step", ["benchmarks/compile_step.py", *BENCH], 110),
-    ("Captioning", ["benchmarks/captioning.py", *BENCH], 45),
+    ("GPU-only tests", ["-m", "pytest", *TESTS, "-q", "-rA", "--tb=short", *NO_PLUGINS], 100),
+    ("The demo: python train.py trainer=gpu", ["train.py", "trainer=gpu"], 120),
+    ("DDP, one process, graphed steps: python train.py " + " ".join(DDP), ["train.py", *DDP], 70),
+    ("Training step", ["benchmarks/train_step.py", *BENCH, "--channels-last"], 100),
+    ("Captioning", ["benchmarks/captioning.py", *BENCH], 60),
     ("Data loading", ["benchmarks/data_loading.py", *BENCH], 45),
+    ("Profile", ["benchmarks/profile_ops.py", *BENCH, "--channels-last", "--rows", "12"], 45),
 ]
 BLEU4 = re.compile(r"BLEU-4 ([0-9.]+)")  # the first is validation's, in train.py's summary
 SUMMARY = "validation BLEU"  # where train.py's summary starts: the demo's report prints it on

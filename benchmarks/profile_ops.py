@@ -1,5 +1,8 @@
-"""torch.profiler tables of one training step (soft attention, from images) and one beam-search call
-(beam 3, from features) of the ``coco_soft`` experiment: the operators that take the most time, by self time.
+"""torch.profiler tables of one training step (soft attention, from images), one decoder-only training step (64
+images x 320 captions from grid features) and one beam-search call (beam 3, from features) of the ``coco_soft``
+experiment: the operators (on a GPU, the kernels) that take the most time, by self time. On CUDA the steps and the
+search run as training and captioning run them there: replays of CUDA graphs (``model.graphs``); their FLOPs are
+counted on the same work run eagerly.
 
     python benchmarks/profile_ops.py                         # CPU: --quick by default (COCO training batch of 8)
     python benchmarks/profile_ops.py --device cuda --precision bf16 --channels-last --rows 25
@@ -11,6 +14,7 @@ import argparse
 import time
 from collections.abc import Callable
 
+import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import clock
@@ -19,13 +23,14 @@ import machine
 import options
 from captioner.config import DecodingConfig
 
+DECODER_BATCH = 64  # images of the decoder-only step on a GPU (x 5 captions): the size the GPU targets name
 
-def profile_table(label: str, fn: Callable[[], object], args: argparse.Namespace) -> None:
-    """Run ``fn`` ``args.warmup`` times, then once under the profiler, and print its top operators, its FLOPs
-    and their rate over the profiled run's wall time."""
-    for _ in range(args.warmup):
+
+def profile_table(label: str, fn: Callable[[], object], flops: int, args: argparse.Namespace) -> None:
+    """Run ``fn`` ``args.warmup`` times (and once more), then once under the profiler, and print its top operators,
+    its ``flops`` and their rate over the profiled run's wall time."""
+    for _ in range(args.warmup + 1):
         fn()
-    flops = clock.count_flops(fn)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
     clock.synchronize(args.device)
     start = time.perf_counter()
@@ -48,9 +53,21 @@ def main(argv: list[str] | None = None) -> None:
     args.repeats = 1  # one profiled run of each
     size = composed.setups(args)[0]
     machine.print_environment("Profile", args, [size.describe()])
+    graphs = args.device.type == "cuda"  # as training and captioning run there
     with machine.timed_section():
-        model, step, pairs = composed.model_train_step(size, args, "images")
-        profile_table(f"training step, soft, {size.batch} images x {pairs} captions", step, args)
+        model, step, pairs = composed.model_train_step(size, args, "images", graphs)
+        flops = clock.count_flops(composed.model_train_step(size, args, "images")[1])
+        profile_table(f"training step, soft, {size.batch} images x {pairs} captions", step, flops, args)
+        module = composed.build_module(size, args)
+        decoder = module.model.decoder
+        height, width, channels = composed.grid_shape(size)
+        images = size.batch if args.tiny or args.quick else DECODER_BATCH
+        grid = torch.randn(images, height * width, channels, device=args.device).relu()  # (B, L, C)
+        forward, batch = composed.decoder_training(decoder, grid, *composed.random_captions(size, images, args.device))
+        flops = clock.count_flops(composed.make_train_step(module, decoder, forward, batch, args))
+        decoder_step = composed.make_train_step(module, decoder, forward, batch, args, graphs)
+        label = f"decoder-only training step, soft, {images} images x {batch['captions'].size(0)} captions"
+        profile_table(label, decoder_step, flops, args)
         composed.never_end(model.eval())
         features = composed.random_features(model, size, size.caption_batch, args.device)
 
@@ -60,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
             with composed.autocast(args):
                 model.generate_from_features(features, decoding=settings)
 
-        profile_table(f"beam search, beam 3, {size.caption_batch} images from features", search, args)
+        with composed.eager_decoding(model):
+            flops = clock.count_flops(search)
+        profile_table(f"beam search, beam 3, {size.caption_batch} images from features", search, flops, args)
 
 
 if __name__ == "__main__":

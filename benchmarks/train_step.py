@@ -29,12 +29,14 @@ TRAIN_COLUMNS = [
     "size",
     "attention",
     "input",
+    "step",
     "images x captions",
     "steps",
     "ms/step",
     "max/min",
     "images/s",
     "pairs/s",
+    "Karpathy epoch s",
     "CNN images/step",
     *clock.FLOP_COLUMNS,
     "peak MiB",
@@ -45,6 +47,7 @@ DECODER_COLUMNS = [
     "size",
     "attention",
     "captions",
+    "step",
     "images x captions",
     "steps",
     "ms/step",
@@ -58,12 +61,15 @@ DECODER_COLUMNS = [
 ]
 DECODER_BATCH = 64
 SOURCES = {"images": "images", "per_caption": "images, per caption", "features": "cached features"}
+STEPS = {False: "eager", True: "CUDA graph"}  # how a row's step runs
+KARPATHY_TRAIN = 113_287  # images in the Karpathy training split (restval included): an epoch's estimate
 
 
-def step_row(size: composed.Setup, source: str, args: argparse.Namespace) -> list[object]:
-    """Time one configuration of the whole captioner's training step; ``source``: images, per_caption, features."""
-    model, step, pairs = composed.model_train_step(size, args, source)
-    flops = clock.count_flops(step)
+def step_row(size: composed.Setup, source: str, graphs: bool, args: argparse.Namespace) -> list[object]:
+    """Time one configuration of the whole captioner's training step; ``source``: images, per_caption, features;
+    ``graphs``: forward, loss and backward replayed as one CUDA graph (``model.graphs``)."""
+    model, step, pairs = composed.model_train_step(size, args, source, graphs)
+    flops = clock.count_flops(composed.model_train_step(size, args, source)[1])  # the eager step's: the same work
     with (
         peak.PeakMemory(args.device) as memory,
         counters.EncoderCounter(model) as counter,
@@ -75,12 +81,14 @@ def step_row(size: composed.Setup, source: str, args: argparse.Namespace) -> lis
         size.name,
         size.model.attention.value,
         SOURCES[source],
+        STEPS[graphs],
         f"{size.batch} x {pairs}",
         size.steps,
         seconds * 1e3,
         timing.spread,
         size.batch / seconds,
         pairs / seconds,
+        KARPATHY_TRAIN / (size.batch / seconds),
         counter.images / (args.warmup + args.repeats),
         *clock.flop_cells(flops, seconds, args),
         memory.peak_mib,
@@ -89,16 +97,18 @@ def step_row(size: composed.Setup, source: str, args: argparse.Namespace) -> lis
     ]
 
 
-def decoder_row(size: composed.Setup, images: int, gathered: bool, args: argparse.Namespace) -> list[object]:
+def decoder_row(size: composed.Setup, images: int, gathered: bool, graphs: bool, args: argparse.Namespace) -> list:
     """Time the decoder's training step alone on grid features already in memory, its captions in training's
-    layout (K per image, one copy of each image's features) or ``gathered`` (the features copied to each)."""
+    layout (K per image, one copy of each image's features) or ``gathered`` (the features copied to each);
+    ``graphs`` as ``step_row``'s."""
     module = composed.build_module(size, args)
     decoder = module.model.decoder
     height, width, channels = composed.grid_shape(size)
     features = torch.randn(images, height * width, channels, device=args.device).relu()  # (B, L, C)
     captions, index = composed.random_captions(size, images, args.device, gathered)
-    step = composed.make_train_step(module, decoder, lambda: decoder(features, captions, index), captions, args)
-    flops = clock.count_flops(step)
+    forward, batch = composed.decoder_training(decoder, features, captions, index)
+    flops = clock.count_flops(composed.make_train_step(module, decoder, forward, batch, args))
+    step = composed.make_train_step(module, decoder, forward, batch, args, graphs)
     with peak.PeakMemory(args.device) as memory, machine.OtherLoad() as others:
         timing = clock.measure(step, args)
     seconds, pairs = timing.median, captions.size(0)
@@ -106,6 +116,7 @@ def decoder_row(size: composed.Setup, images: int, gathered: bool, args: argpars
         size.name,
         size.model.attention.value,
         "gathered" if gathered else "K per image",
+        STEPS[graphs],
         f"{images} x {pairs}",
         size.steps,
         seconds * 1e3,
@@ -141,22 +152,29 @@ def main(argv: list[str] | None = None) -> None:
             "'CNN images/step' counts the images entering the encoder per step (a hook on its first stage)",
             "captions: 'K per image' is training's layout (each image's 5 captions read one copy of its features), "
             "'gathered' the features copied to each caption (batches whose images have unequal caption counts)",
+            "'step': eager, or 'CUDA graph' (model.graphs, on CUDA: forward, loss and backward one replay, then "
+            "fused Adam); 'Karpathy epoch s': 113,287 training images at the row's images/s",
             "'max/min': slowest / fastest timed run; 'others %': share of the cores other processes kept busy "
             "during the row (/proc/stat), above ~10 % the row is slowed by contention",
         ],
     )
+    graphs = [False, True] if args.device.type == "cuda" else [False]  # model.graphs: CUDA only
     with machine.timed_section():
         rows = []
         for pair in zip(soft, hard):
-            rows += [step_row(size, source, args) for size in pair for source in ("images", "features")]
+            for size in pair:
+                for source in ("images", "features"):
+                    rows += [step_row(size, source, graphed, args) for graphed in graphs]
             if not (args.quick and pair[0].name.startswith("coco")):  # 5x the CNN work: slow at 448 px on a CPU
-                rows.append(step_row(pair[0], "per_caption", args))
+                rows.append(step_row(pair[0], "per_caption", False, args))
         tables.print_table("Training step: encoder + decoder + loss + backward + Adam", TRAIN_COLUMNS, rows)
         rows = [
-            decoder_row(size, decoder_batch(size, args), gathered, args)
+            decoder_row(size, decoder_batch(size, args), gathered, graphed, args)
             for pair in zip(soft, hard)
             for size in pair
             for gathered in (False, True)
+            for graphed in graphs
+            if not (gathered and graphed)
         ]
         tables.print_table("Decoder-only training step given features", DECODER_COLUMNS, rows)
 

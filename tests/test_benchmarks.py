@@ -160,8 +160,9 @@ def test_benchmarked_sizes_are_the_experiments_as_train_py_composes_them(
 def test_profile_runs(run_tiny: Callable[..., str]) -> None:
     stdout = run_tiny("profile_ops")
     assert "### training step, soft, 2 images x 10 captions" in stdout
+    assert "### decoder-only training step, soft, 2 images x 10 captions" in stdout
     assert "### beam search, beam 3, 2 images from features" in stdout
-    assert stdout.count("Self CPU time total") == 2
+    assert stdout.count("Self CPU time total") == 3
 
 
 @pytest.mark.parametrize("script", ["train_step", "captioning"])

@@ -27,7 +27,7 @@ from captioner.config import DecodeMethod, DecodingConfig, ModelConfig
 from captioner.data.vocab import END_ID, PAD_ID, START_ID
 from captioner.model.beam import beam_search, untrimmed_beam_search
 from captioner.model.decoder import ShowAttendTellDecoder
-from captioner.model.graphs import CapturedCall, autocast_key
+from captioner.model.graphs import CapturedCall, capture_state
 from captioner.model.steps import Constraints, Generation, run_steps, static_steps, trimmed, word_log_probs
 
 __all__ = ["Generation", "Rollout", "beam_search", "decode", "greedy", "rollout", "sample", "seeded_generator"]
@@ -200,11 +200,12 @@ def decode(
     graphs = decoder.decoding_graphs
     if graphs is None or not (features.is_cuda and static) or generator is not None or decoder.graphed:
         return trimmed(_untrimmed(decoder, settings, generator, unk_id, static, features))
-    key = (features.shape, features.dtype, settings, unk_id, decoder.training, autocast_key(features.device))
+    key = (features.shape, features.dtype, dataclasses.astuple(settings), unk_id, decoder.training, decoder.hard_read)
+    key += capture_state(features.device)
     run = functools.partial(_untrimmed, decoder, settings, None, unk_id, True)
     call = graphs.get(key, lambda: CapturedCall(torch.no_grad()(run), [features]))
     replayed = call(features)
-    return trimmed(Generation(*(value.clone() for value in dataclasses.astuple(replayed))))
+    return trimmed(Generation(*(getattr(replayed, field.name).clone() for field in dataclasses.fields(Generation))))
 
 
 def _untrimmed(

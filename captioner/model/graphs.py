@@ -49,7 +49,8 @@ class CapturedCall:
         if before_capture is not None:
             before_capture()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: what other threads do meanwhile (a DataLoader's pin-memory thread) cannot break the capture
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = function(*self.inputs)
 
     def __call__(self, *inputs: Tensor) -> Any:
@@ -85,6 +86,8 @@ class GraphCache:
         return GraphCache(self.size)
 
 
-def autocast_key(device: torch.device) -> tuple[bool, torch.dtype]:
-    """The autocast state of ``device``'s type that a capture bakes in: whether on, and its dtype."""
-    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
+def capture_state(device: torch.device) -> tuple[bool, torch.dtype, bool]:
+    """The state a capture bakes in: whether autocast is on for ``device``'s type, its dtype, and whether inference
+    mode is (a graph's static inputs made in inference mode take no copy outside it)."""
+    kind = device.type
+    return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), torch.is_inference_mode_enabled()

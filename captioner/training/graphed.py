@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from captioner.model.graphs import CapturedCall, autocast_key
+from captioner.model.graphs import CapturedCall, capture_state
 
 INPUTS = ("images", "features", "captions", "image_index")  # the batch's tensors a cross-entropy step reads
 Terms = dict[str, Tensor]
@@ -89,7 +89,7 @@ class GraphedSteps:
             return None
         return (
             f"{counts['eager']} training step(s) ran eagerly, outside the CUDA graph: their batches have other shapes "
-            f"than the {counts['replayed']} replayed (the epoch's last batch, smaller: data.drop_last drops it)"
+            f"than the {counts['replayed']} replayed (an epoch's last, smaller batch)"
         )
 
     def _capture(self, batch: dict, inputs: list[Tensor]) -> CapturedCall | Callable:
@@ -122,4 +122,4 @@ def _key(batch: dict) -> Hashable:
     """What a captured step depends on in ``batch``: its tensors' shapes and dtypes, the captions' layout, the
     autocast state."""
     tensors = tuple((name, tuple(batch[name].shape), batch[name].dtype) for name in INPUTS if name in batch)
-    return tensors, batch.get("captions_per_image"), autocast_key(batch["captions"].device)
+    return tensors, batch.get("captions_per_image"), capture_state(batch["captions"].device)

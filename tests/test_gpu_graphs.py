@@ -1,0 +1,171 @@
+"""CUDA graphs of whole calls (``model.graphs``; skipped without a CUDA device, run on a lent GPU by
+``python benchmarks/gpu_check.py``): a replayed decoding call equals the eager one for every method, a replayed
+training step equals the eager step over 20 steps in bf16, hard attention's replays draw fresh locations with
+eager's statistics and follow the expected-context schedule, and Lightning trains with the graphs as without.
+tests/test_graphed.py checks on the CPU what runs there of the same path."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from captioner.config import DecodingConfig
+from captioner.model.decoding import decode
+from captioner.model.graphs import CapturedCall
+from captioner.training.graphed import GraphedSteps
+from captioner.training.objectives import cross_entropy_terms
+from captioner.training.optimization import build_optimizer
+from conftest import V, features_for, make_decoder
+from test_precision import one_batch, tiny_module
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
+METHODS = {
+    "greedy": DecodingConfig(method="greedy", max_len=8),
+    "greedy, constrained": DecodingConfig(method="greedy", max_len=8, min_len=3, no_repeat_ngram_size=2),
+    "beam 3": DecodingConfig(method="beam", beam_size=3, max_len=8),
+    "beam 3, constrained": DecodingConfig(
+        method="beam", beam_size=3, max_len=8, length_penalty=0.7, min_len=3, no_repeat_ngram_size=2
+    ),
+    "beam 5": DecodingConfig(method="beam", beam_size=5, max_len=8),
+}
+
+
+def generations_equal(mine, theirs) -> None:
+    assert torch.equal(mine.tokens, theirs.tokens) and torch.equal(mine.lengths, theirs.lengths)
+    torch.testing.assert_close(mine.scores, theirs.scores, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(mine.alphas, theirs.alphas, rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("attention", ["soft", "hard"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_replayed_decoding_call_equals_the_eager_one(name: str, attention: str) -> None:
+    decoder, settings = make_decoder(attention).to(CUDA), METHODS[name]
+    graphs = decoder.decoding_graphs
+    for batch in (4, 4, 3):  # a second call of one shape replays; another batch size captures again
+        features = features_for(batch, seed=batch).to(CUDA)
+        graphed = decode(decoder, features, settings)
+        decoder.decoding_graphs = None
+        eager = decode(decoder, features, settings)
+        decoder.decoding_graphs = graphs
+        generations_equal(graphed, eager)
+    assert graphs.captures == 2
+
+
+@needs_cuda
+def test_replayed_sampling_draws_fresh_words_as_eager_draws_them() -> None:
+    decoder, settings = make_decoder().to(CUDA), DecodingConfig(method="sample", max_len=8)
+    features = features_for(64).to(CUDA)
+    decode(decoder, features, settings)  # the capture (and its warm-up calls)
+    torch.manual_seed(5)
+    first, second = decode(decoder, features, settings), decode(decoder, features, settings)
+    assert not torch.equal(first.tokens, second.tokens)  # each replay draws its own words
+    graphs, decoder.decoding_graphs = decoder.decoding_graphs, None
+    torch.manual_seed(5)
+    eager = decode(decoder, features, settings)
+    decoder.decoding_graphs = graphs
+    generations_equal(first, eager)  # the same draws from the same generator state
+    assert graphs.captures == 1
+
+
+@needs_cuda
+def test_hard_attention_replays_sample_fresh_locations_on_the_schedule() -> None:
+    decoder = make_decoder("hard").to(CUDA).train()
+    features, tokens = features_for(2048).to(CUDA), torch.randint(4, V, (2048, 9), device=CUDA)
+
+    def sample(features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        output = decoder(features, tokens)
+        return output.location_log_probs, output.sampled
+
+    call = CapturedCall(torch.no_grad()(sample), [features, tokens])
+    decoder.hard_expectation_prob = 0.25  # the schedule's share now: a quarter read the expected context
+    first = [t.clone() for t in call(features, tokens)]
+    second = call(features, tokens)
+    assert not torch.equal(first[0], second[0])  # fresh locations each replay
+    share = 1 - first[1].float().mean().item()
+    assert abs(share - 0.25) < 4 * (0.25 * 0.75 / 2048) ** 0.5
+    with torch.no_grad():
+        eager = sample(features, tokens)
+    sampled = first[1] & eager[1]  # rows that sampled in both: the mean log-probability of the sampled locations
+    graphed_mean, eager_mean = first[0][first[1]].mean(), eager[0][eager[1]].mean()
+    spread = eager[0][sampled].std() / sampled.sum() ** 0.5
+    assert abs(graphed_mean - eager_mean) < 6 * spread
+    decoder.hard_expectation_prob = 1.0
+    assert not call(features, tokens)[1].any()  # the share is a buffer the replay reads, not a captured constant
+
+
+def cuda_batch(seed: int, channels: int) -> dict:
+    """``one_batch`` with features of ``seed``, on the GPU."""
+    torch.manual_seed(seed)
+    batch = one_batch(channels)
+    batch["features"] = torch.randn_like(batch["features"])
+    return {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@needs_cuda
+def test_twenty_replayed_training_steps_equal_eager_steps_in_bf16() -> None:
+    eager = tiny_module().to(CUDA).train()
+    graphed = copy.deepcopy(eager)
+    channels = eager.model.encoder.out_channels
+    batches = [cuda_batch(seed, channels) for seed in range(20)]
+    steps = GraphedSteps(
+        torch.nn.ModuleList([graphed.model, graphed.criterion]),
+        lambda batch: cross_entropy_terms(graphed.model, graphed.criterion, batch, torch.float32),
+    )
+    optimizers = [
+        build_optimizer([p for p in m.parameters() if p.requires_grad], [], m.settings.optimizer)
+        for m in (eager, graphed)
+    ]
+    losses = [[], []]
+    for batch in batches:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            terms = cross_entropy_terms(eager.model, eager.criterion, batch, torch.float32)
+            replayed = steps.step(batch)
+        optimizers[0].zero_grad()
+        terms["loss"].backward()
+        optimizers[1].zero_grad()
+        steps.attach_gradients()
+        for module, optimizer in zip((eager, graphed), optimizers):
+            torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], 1.0)
+            optimizer.step()
+        losses[0].append(terms["loss"].item())
+        losses[1].append(replayed["loss"].item())
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=2e-2, atol=2e-2)
+    assert losses[0][-1] < losses[0][0]  # it learns
+    for mine, theirs in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=2e-3)
+    assert steps.counts == {"replayed": 20, "eager": 0}
+
+
+@needs_cuda
+def test_lightning_trains_with_graphed_steps_as_without(caplog: pytest.LogCaptureFixture) -> None:
+    weights = []
+    for graphs in (False, True):
+        module = tiny_module(graphs=graphs)
+        channels = module.model.encoder.out_channels
+        batches = [one_batch(channels) for _ in range(6)]
+        batches[-1] = {k: v[:2] if k == "features" else v for k, v in batches[-1].items()}  # a smaller last batch
+        batches[-1] |= {"captions": batches[-1]["captions"][:4], "image_index": batches[-1]["image_index"][:4]}
+        trainer = L.Trainer(
+            accelerator="gpu",
+            devices=1,
+            precision="bf16-mixed",
+            max_steps=len(batches),
+            gradient_clip_val=1.0,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        with caplog.at_level(logging.INFO, logger="captioner.training.module"):
+            trainer.fit(module, DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch))
+        weights.append(torch.cat([p.detach().float().flatten() for p in module.parameters()]))
+    torch.testing.assert_close(weights[1], weights[0], rtol=2e-2, atol=2e-3)
+    assert "1 training step(s) ran eagerly, outside the CUDA graph" in caplog.text
