@@ -89,7 +89,7 @@ def step_row(size: composed.Setup, source: str, graphs: bool, args: argparse.Nam
         size.batch / seconds,
         pairs / seconds,
         KARPATHY_TRAIN / (size.batch / seconds),
-        counter.images / (args.warmup + args.repeats),
+        "-" if graphs else counter.images / (args.warmup + args.repeats),  # a replay runs no hook
         *clock.flop_cells(flops, seconds, args),
         memory.peak_mib,
         memory.added_mib,

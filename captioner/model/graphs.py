@@ -49,9 +49,14 @@ class CapturedCall:
         if before_capture is not None:
             before_capture()
         self.graph = torch.cuda.CUDAGraph()
+        # Autocast caches each weight's low-precision copy until its region ends: a copy cached before the capture
+        # would be read by every replay, stale once Adam moves the weight. Emptied, the copies are made inside the
+        # capture (one cast per weight per replay), and emptied after it, so that no eager code reads the graph's.
+        torch.clear_autocast_cache()
         # thread_local: what other threads do meanwhile (a DataLoader's pin-memory thread) cannot break the capture
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outputs = function(*self.inputs)
+        torch.clear_autocast_cache()
 
     def __call__(self, *inputs: Tensor) -> Any:
         """Replay on ``inputs`` (the captured shapes and dtypes); the static outputs."""
