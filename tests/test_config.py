@@ -13,7 +13,6 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
-from test_train import compose_cfg
 
 from captioner.config import (
     MAX_LEN,
@@ -30,7 +29,7 @@ from captioner.errors import ConfigError
 from captioner.training.command_line import error_line
 from captioner.training.schemas import register_schemas
 from captioner.training.validate import validate_config
-from conftest import ROOT, compose_plain
+from conftest import ROOT, compose_cfg, compose_plain
 
 CONF = ROOT / "conf"
 GROUP_SCHEMAS = {"model": ModelConfig, "data": DataConfig}

@@ -27,7 +27,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.training.module import CaptionerModule
 from conftest import ROOT, run_train, subprocess_env, tiny_overrides
 from test_graphed import EagerReplays
-from test_precision import WORDS
+from test_precision import WORDS, steps_trainer
 
 STEPS, BATCH, PER_IMAGE = 3, 8, 2  # the global batch: 8 images, 2 captions each
 
@@ -79,18 +79,7 @@ def train_steps(devices: int, strategy: str, replays: bool = False) -> dict:
     counters.clear()  # the graphs of this run alone, not of the tests before it in this process
     module = ddp_module(EagerReplays if replays else CaptionerModule)
     recorder = StepLosses()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=STEPS,
-        limit_val_batches=0,
-        callbacks=[recorder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = steps_trainer(STEPS, recorder, devices=devices, strategy=strategy)
     data = items(module.model.encoder.out_channels)
     # Lightning deals a shuffled permutation to the ranks (seeded: rank r takes its items r, r + devices, ...); one
     # process without DDP takes the same permutation whole, so that each step's global batch is the same images

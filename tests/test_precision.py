@@ -1,7 +1,8 @@
 """Real optimisation steps under every precision the CPU can run, with gradient clipping on: the loss stays
 finite and falls, the optimiser sees gradients clipped to the bound, and a non-finite loss still skips its step.
 The fault matrix of the same steps (empty batches, NaN loss, inf gradient, old-format resume) is
-test_precision_faults.py; its tiny captioner and batches are this file's ``tiny_module`` and ``one_batch``.
+test_precision_faults.py; its tiny captioner, batches and trainer are this file's ``tiny_module``, ``one_batch``
+and ``steps_trainer`` (test_ddp.py's trainer too).
 
 The optimiser is the fused Adam of every run; under mixed precision the module clips the unscaled gradients
 itself (``training.optimization.clip_gradients``), as Lightning's plugin refuses to for a fused optimiser.
@@ -93,25 +94,36 @@ def tiny_module(kind: type[CaptionerModule] = CaptionerModule, **settings) -> Ca
     )
 
 
+def steps_trainer(max_steps: int, recorder: L.Callback, **options) -> L.Trainer:
+    """A CPU trainer that only trains: ``max_steps`` steps watched by ``recorder``, without validation, logger,
+    checkpoints, progress bar or model summary (the trainer of these tests, test_precision_faults.py's and
+    test_ddp.py's); ``options``: its other arguments (devices, strategy, clipping, precision)."""
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
+
+
 def train_steps(devices: int = 1, **trainer_options) -> dict:
     """``STEPS`` optimiser steps of a tiny captioner on one batch (NaN at ``NAN_STEP``), clipping at ``CLIP``."""
     module = tiny_module()
     channels = module.model.encoder.out_channels
     batches = [one_batch(channels, nan=step == NAN_STEP) for step in range(STEPS)]
     recorder = GradientNorms()
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = steps_trainer(
+        STEPS,
+        recorder,
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
-        max_steps=STEPS,
         gradient_clip_val=CLIP,
-        limit_val_batches=0,
         use_distributed_sampler=False,
-        callbacks=[recorder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         **trainer_options,
     )
     trainer.fit(module, DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch))

@@ -21,7 +21,7 @@ from captioner.config import OptimizerConfig
 from captioner.training import optimization
 from captioner.training.callbacks import NonFiniteLossError
 from captioner.training.module import CaptionerModule
-from test_precision import CLIP, one_batch, tiny_module
+from test_precision import CLIP, one_batch, steps_trainer, tiny_module
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 FAULTS = ("empty batch at step 0", "empty batch at step 2", "nan loss", "inf gradient", "old-format resume")
@@ -96,18 +96,7 @@ def fit_faulty(
     empty = {"empty batch at step 0": 0, "empty batch at step 2": FAULT_STEP}.get(fault)
     batches = [one_batch(channels, empty=step == empty) for step in range(steps)]
     recorder = WeightChanges()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        gradient_clip_val=CLIP,
-        limit_val_batches=0,
-        callbacks=[recorder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **precision_options(precision),
-    )
+    trainer = steps_trainer(steps, recorder, gradient_clip_val=CLIP, **precision_options(precision))
     loader = DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)
     trainer.fit(module, loader, ckpt_path=ckpt_path, weights_only=True)
     return trainer, recorder

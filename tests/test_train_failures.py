@@ -1,0 +1,148 @@
+"""How train.py fails or stops: one ``error:`` line on stderr, before the run folder (and torch) where it can be,
+a FAILED mark in the folder after the run started, and after a signal an exit status and the command that resumes it."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from captioner.errors import stop_reason
+from captioner.training.logs import finish_wandb
+from conftest import CONF, TINY, error_line, net_v1, run_train, subprocess_env, tiny_overrides
+
+# ``python -c SCRIPT OUT ARGS...``: train.py with ARGS; at exit, whether torch was imported is written to OUT.
+TORCH_IMPORTED = f"""import atexit, runpy, sys
+out = sys.argv.pop(1)
+atexit.register(lambda: open(out, "w").write(str("torch" in sys.modules)))
+sys.argv[0] = {str(CONF.parent / "train.py")!r}
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+TINY_STEPS = TINY.n_train // 16  # training steps of one epoch with tiny_overrides (data.batch_size=16)
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_wrong_value_stops_before_the_run_folder_the_config_tree_and_torch(sweep: bool, tmp_path: Path) -> None:
+    flag = tmp_path / "torch_imported"
+    logs = tmp_path / "outputs"  # paths.log_dir by default, for a run started in tmp_path
+    for override, message in [
+        ("model.decoder.dropout=2", "model.decoder.dropout=2.0 must be in [0.0, 0.99]"),
+        ("data.batch_size=${missing}", "data.batch_size: Interpolation key 'missing' not found"),
+    ]:
+        command = [sys.executable, "-c", TORCH_IMPORTED, str(flag), *["-m"] * sweep, override]
+        proc = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert error_line(proc) == f"error: {message}"
+        assert flag.read_text() == "False"
+        assert "config (saved as" not in proc.stdout  # no config tree
+        assert sweep or not logs.exists()  # no run folder, no FAILED litter (a sweep's folder is made first)
+
+
+def test_a_missing_file_is_one_line_before_any_run_folder(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.ckpt"
+    proc = run_train([f"ckpt_path={missing}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
+    assert error_line(proc) == (
+        f"error: ckpt_path='{missing}' does not exist; give a run folder, a .ckpt or a bundle (docs/datasets.md#train)"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # preflight: no run folder, no FAILED litter
+
+
+def test_a_run_that_fails_after_it_started_marks_its_folder_failed(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"\x80\x04K\x01.")  # a pickle, not a checkpoint
+    proc = run_train([f"ckpt_path={junk}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
+    message = f"checkpoint {junk} is truncated or corrupt"
+    assert error_line(proc).startswith(f"error: {message}")
+    (run,) = (tmp_path / "train" / "runs").iterdir()  # the failed run's folder says why it failed
+    assert (run / "FAILED").read_text().startswith(message)
+    assert f"[ERROR] - run failed: {message}" in (run / "train.log").read_text()
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == str(junk)
+
+
+def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
+    from captioner.bundle import save_bundle
+    from captioner.data.vocab import Vocabulary
+    from captioner.model.captioner import build_captioner
+
+    vocab = Vocabulary(["a", "circle"])
+    config = {"encoder": {"name": "resnet18"}, "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8}}
+    net = net_v1(config)
+    model = build_captioner(net, len(vocab))
+    save_bundle(tmp_path / "bundle.pt", model, vocab, net, {"image_size": 64})
+    proc = run_train([f"ckpt_path={tmp_path / 'bundle.pt'}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
+    assert error_line(proc) == (
+        f"error: ckpt_path='{tmp_path / 'bundle.pt'}' is an inference bundle (weights for captioning, no "
+        "optimiser or training state); to resume a run give its folder or its checkpoints/last.ckpt, to start a "
+        "new run from its weights give init_from"
+    )
+
+
+def test_a_crash_or_interrupt_is_one_line_stop_reason() -> None:
+    assert (
+        stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore"))
+        == "RuntimeError: CUDA out of memory. Tried to allocate"
+    )
+    assert stop_reason(KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
+    assert stop_reason(SystemExit(1)) == "stopped with exit status 1"
+    assert stop_reason(SystemExit(0)) is None
+
+
+def test_finish_wandb_closes_an_open_run_only(monkeypatch) -> None:
+    finished = []
+    fake = types.SimpleNamespace(run=None, finish=lambda exit_code: finished.append(exit_code))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    finish_wandb(failed=False)
+    fake.run = object()
+    finish_wandb(failed=True)
+    assert finished == [1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_run_stopped_by_a_signal_exits_non_zero_and_says_how_to_resume(
+    signum: signal.Signals, tiny_shapes: Path, tmp_path: Path
+) -> None:
+    common = [
+        *tiny_overrides(tiny_shapes, tmp_path),
+        "trainer.max_epochs=1",
+        "test=false",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+    ]
+    first, second = tmp_path / "first", tmp_path / "second"
+    last = first / "checkpoints" / "last.ckpt"
+    command = [sys.executable, str(CONF.parent / "train.py"), *common, f"hydra.run.dir={first}"]
+    proc = subprocess.Popen(
+        command, cwd=CONF.parent, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 300
+    while not last.exists():  # decoding images (no feature cache) keeps each step well over 20 ms
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    proc.send_signal(signum)
+    stderr = proc.communicate(timeout=300)[1]
+    assert proc.returncode == 128 + signum  # a scheduler tells it from a finished run (0) and a user error (2)
+    (line,) = stderr.splitlines()
+    match = re.fullmatch(
+        rf"error: training stopped by {signum.name} at epoch 0, step (\d+); its last checkpoint is "
+        rf"{re.escape(str(first))}/checkpoints/last\.ckpt: resume it with (python train\.py .*)",
+        line,
+    )
+    assert match and 0 < int(match[1]) < TINY_STEPS, line
+    assert (first / "FAILED").read_text() == line.removeprefix("error: ") + "\n"
+    assert not (first / "bundle.pt").exists()
+    resume = shlex.split(match[2])[2:]  # the run's own overrides (Hydra's own left out) and ckpt_path=<its folder>
+    assert resume == [*(o for o in common if not o.startswith("hydra.")), f"ckpt_path={first}"]
+    if signum == signal.SIGINT:
+        return  # resuming is the same for both signals
+    resumed = run_train([*resume, f"hydra.run.dir={second}"])
+    assert f"Restored all states from the checkpoint at {last}" in resumed.stdout
+    assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == TINY_STEPS
