@@ -84,6 +84,20 @@ def test_upsampling_is_smooth_and_aligned_with_the_cell():
     np.testing.assert_allclose(upsample_attention(np.full(4, 0.25), (2, 2), (8, 8)), np.full((8, 8), 0.25))
 
 
+@pytest.mark.parametrize(
+    "grid, size", [((6, 6), (96, 96)), ((2, 7), (500, 120)), ((14, 14), (448, 300)), ((1, 3), (5, 2))]
+)
+def test_upsampling_is_torch_bicubic_for_every_map(grid, size):
+    alphas = torch.rand(4, grid[0] * grid[1], generator=torch.Generator().manual_seed(0))
+    expected = torch.nn.functional.interpolate(
+        alphas.reshape(-1, 1, *grid), size=size[::-1], mode="bicubic", align_corners=False
+    )[:, 0].clamp_min(0.0)
+    heat = upsample_attention(alphas, grid, size)
+    assert heat.shape == (4, size[1], size[0]) and heat.dtype == np.float32
+    np.testing.assert_allclose(heat, expected.numpy(), atol=1e-5)
+    np.testing.assert_allclose(upsample_attention(alphas[1].numpy(), grid, size), expected[1].numpy(), atol=1e-5)
+
+
 def test_panels_of_a_caption_share_one_scale_with_a_colour_bar_marking_uniform():
     sharp, flat = np.zeros(9), np.full(9, 1 / 9)
     sharp[4] = 1.0
