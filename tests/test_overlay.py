@@ -191,3 +191,24 @@ def test_a_very_wide_image_keeps_a_readable_panel_height():
     fig = overlay.overlay_figure(Image.new("RGB", (4000, 20)), ["a", "b"], torch.full((2, 4), 0.25), (2, 2))
     width, height = fig.get_size_inches()
     assert height >= 0.5 * overlay.PANEL_INCHES  # not 20/4000 of a panel's width
+
+
+def test_the_sheet_shows_a_small_image_at_a_whole_multiple_each_pixel_a_block_and_a_large_one_shrunk():
+    from captioner.viz.sheet import CELL, GAP, TEXT, sheet_picture
+
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8))
+    alphas = np.eye(2, 4)
+    shading = overlay.shade(noise, ["left", "right"], alphas, (2, 2))
+    sheet = np.asarray(sheet_picture(shading, ["left", "right"], None))
+    factor = CELL // 96  # 2: 192 pixels in a cell of 200
+    top = GAP + TEXT + 8 + (CELL - 96 * factor) // 2  # under the word, centred in the cell
+    for index, picture in enumerate([shading.picture, *shading.panels]):
+        left = GAP + index * (CELL + GAP) + (CELL - 96 * factor) // 2
+        shown = sheet[top : top + 96 * factor, left : left + 96 * factor]
+        np.testing.assert_array_equal(shown, np.asarray(picture).repeat(factor, 0).repeat(factor, 1))
+        assert (sheet[top - 1, left : left + 96 * factor] == 255).all()  # white just above: nothing cut off
+    words = sheet[GAP : GAP + TEXT + 8, GAP + CELL + GAP : GAP + 2 * CELL + GAP]
+    assert (words.min(axis=-1) < 100).sum() > 20  # the word over its panel is drawn
+    large = overlay.shade(noise.resize((400, 400)), ["left"], alphas[:1], (2, 2))
+    shrunk = np.asarray(sheet_picture(large, ["left"], None))[top - (CELL - 192) // 2 :][:CELL, GAP : GAP + CELL]
+    assert (shrunk != 255).all(axis=-1).sum() > 0.95 * CELL * CELL  # 400 pixels shown in the cell's 200
