@@ -93,11 +93,12 @@ def run(args: argparse.Namespace) -> int:
                 picture, result.words, result.alphas, result.grid, target, result.locations, title=result.caption
             )
             if not single:
-                panels = []
-                for step, (word, panel) in enumerate(zip(result.words, shading.panels)):
-                    panels.append((word, save_picture(panel, files.record(files.panel(number, result.path, step)))))
+                paths = files.record_all(files.panel(number, result.path, step) for step in range(len(result.words)))
+                panels = tuple(
+                    (word, save_picture(panel, path)) for word, panel, path in zip(result.words, shading.panels, paths)
+                )
                 entries[number] = GalleryEntry(
-                    result.path, result.caption, target, panels=tuple(panels), scale=(shading.uniform, shading.top)
+                    result.path, result.caption, target, panels=panels, scale=(shading.uniform, shading.top)
                 )
             output.caption(result, target)
             bar.update(output.captioned + output.failed - len(found.errors) - bar.n)
