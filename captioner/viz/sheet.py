@@ -48,13 +48,23 @@ def _fit(text: str, width: int, face: ImageFont.FreeTypeFont) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _label(text: str, width: int, height: int, size: int) -> Image.Image:
+def _label(text: str, width: int, height: int, size: int) -> tuple[Image.Image, tuple[int, int]]:
     """``text`` (cut to ``width`` pixels) centred in a ``width`` x ``height`` box, as a mask (mode L) to paste
-    ink through: a caption's words come back in every sheet, drawn once each."""
+    ink through, cropped to the text, and the crop's corner in the box: a caption's words come back in every
+    sheet, drawn once each."""
     mask = Image.new("L", (width, height), 0)
     face = font(size)
     ImageDraw.Draw(mask).text((width // 2, height // 2), _fit(text, width, face), fill=255, font=face, anchor="mm")
-    return mask
+    box = mask.getbbox() or (0, 0, 1, 1)
+    return mask.crop(box), box[:2]
+
+
+def _ink(canvas: Image.Image, colour: tuple[int, int, int], corner: tuple[int, int], label: tuple) -> None:
+    """Paste ``colour`` through the mask of ``label`` (:func:`_label`) into ``canvas``, its box at ``corner``."""
+    mask, (left, top) = label
+    canvas.paste(
+        colour, (corner[0] + left, corner[1] + top, corner[0] + left + mask.width, corner[1] + top + mask.height), mask
+    )
 
 
 def _lines(text: str, width: int, face: ImageFont.FreeTypeFont) -> list[str]:
@@ -88,8 +98,8 @@ def _colour_bar(canvas: Image.Image, left: int, top: int, height: int, shading: 
     shift = SMALL if mark - top < SMALL else -SMALL if top + height - mark < SMALL else 0  # clear of 0 and the top
     label = f"1/L = {shading.uniform:.3g}"
     draw.text((left + width + 6, mark + shift), label, fill=MARK, font=face, anchor="lm")
-    side = _label("attention weight per cell", height, SMALL + 4, SMALL).rotate(90, expand=True)
-    canvas.paste(INK, (left - SMALL - 12, top, left - 8, top + height), side)
+    mask, (along, across) = _label("attention weight per cell", height, SMALL + 4, SMALL)
+    _ink(canvas, INK, (left - SMALL - 12, top), (mask.rotate(90, expand=True), (across, height - along - mask.width)))
 
 
 def _enlarged(picture: Image.Image, box: tuple[int, int]) -> Image.Image:
@@ -133,8 +143,7 @@ def sheet_picture(shading: Shading, words: Sequence[str], title: str | None) -> 
         left = GAP + column * (CELL + GAP)
         top = head + GAP + row * (label + cell_height + GAP)
         name = "image" if index == 0 else words[index - 1]
-        canvas.paste((120, 120, 120) if index == 0 else INK, (left, top, left + CELL, top + label),
-                     _label(name, CELL, label, TEXT))  # fmt: skip
+        _ink(canvas, (120, 120, 120) if index == 0 else INK, (left, top), _label(name, CELL, label, TEXT))
         shown = _enlarged(picture, (CELL, cell_height))
         canvas.paste(shown, (left + (CELL - shown.width) // 2, top + label + (cell_height - shown.height) // 2))
     if words:
