@@ -6,17 +6,27 @@ weights, made never to emit <end>, so every caption is ``--max-len`` words (the 
 
     python benchmarks/gallery.py                 # 100 images, 20 words
     python benchmarks/gallery.py --images 400 --max-len 12
+
+A third table splits one image's drawing into its pieces, each timed alone (the median of ``--pieces``
+runs): shading, composing the sheet, encoding the sheet and the panels as JPEG in memory, and writing them as
+a gallery does (each file recorded, then written atomically; on ext4 creating a file costs ~0.5 ms of CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from io import StringIO
 from pathlib import Path
+
+import torch
+from PIL import Image
 
 import composed
 import machine
@@ -31,9 +41,10 @@ from captioner.inference import Captioned, caption_files, load_model
 from captioner.viz.gallery import GalleryEntry, write_gallery
 from captioner.viz.layout import GalleryFiles
 from captioner.viz.overlay import shade
-from captioner.viz.sheet import save_picture, write_sheet
+from captioner.viz.sheet import JPEG_QUALITY, save_picture, sheet_picture, write_sheet
 
 STAGES = ["images", "words", "stage", "ms/image", "share %"]
+PIECES = ["words", "piece", "ms/image"]
 COMMANDS = ["command", "images", "words", "seconds", "images/s", "vs caption"]
 
 
@@ -72,10 +83,8 @@ def stage_rows(folder: Path, bundle: Path, args: argparse.Namespace, out: Path) 
         sheet = write_sheet(shading, result.words, files.record(files.sheet(number, result.path)), result.caption)
         seconds["sheet"] += time.perf_counter() - clock
         clock = time.perf_counter()
-        panels = [
-            (word, save_picture(panel, files.record(files.panel(number, result.path, step))))
-            for step, (word, panel) in enumerate(zip(result.words, shading.panels))
-        ]
+        paths = files.record_all(files.panel(number, result.path, step) for step in range(len(result.words)))
+        panels = [(word, save_picture(panel, path)) for word, panel, path in zip(result.words, shading.panels, paths)]
         seconds["panels"] += time.perf_counter() - clock
         entries.append(GalleryEntry(result.path, result.caption, sheet, panels=tuple(panels)))
     clock = time.perf_counter()
@@ -87,6 +96,51 @@ def stage_rows(folder: Path, bundle: Path, args: argparse.Namespace, out: Path) 
         [len(results), words, name, 1e3 * value / len(results), 100 * value / total] for name, value in seconds.items()
     ]
     return [*rows, [len(results), words, "total", 1e3 * total / len(results), 100.0]]
+
+
+def median_ms(work: Callable[[int], object], repeats: int) -> float:
+    """The median time of ``work(run)`` over ``repeats`` runs (after one untimed run), in milliseconds."""
+    work(-1)
+    times = []
+    for run in range(repeats):
+        start = time.perf_counter()
+        work(run)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def encoded(picture: Image.Image) -> int:
+    """The bytes of ``picture`` (a PIL image) as the gallery's JPEG, encoded in memory."""
+    buffer = io.BytesIO()
+    picture.save(buffer, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+    return buffer.tell()
+
+
+def piece_rows(folder: Path, args: argparse.Namespace, out: Path) -> list[list[object]]:
+    """One image of ``folder`` drawn piece by piece with ``args.max_len`` random attention maps (one per word)."""
+    picture = load_rgb(sorted(folder.iterdir())[0])
+    alphas = torch.rand(args.max_len, 36, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    words = [f"word{step}" for step in range(args.max_len)]
+    title = " ".join(words)
+    shading = shade(picture, words, alphas, (6, 6))
+    sheet = sheet_picture(shading, words, title)
+    files = GalleryFiles(out)
+
+    def write(run: int) -> None:
+        number = run + 1  # a new entry each run, as a gallery writes them
+        save_picture(sheet, files.record(files.sheet(number, "scene.png")))
+        paths = files.record_all(files.panel(number, "scene.png", step) for step in range(len(words)))
+        for panel, path in zip(shading.panels, paths):
+            save_picture(panel, path)
+
+    pieces: dict[str, Callable[[int], object]] = {
+        "shade": lambda _: shade(picture, words, alphas, (6, 6)),
+        "sheet picture": lambda _: sheet_picture(shading, words, title),
+        "sheet JPEG (memory)": lambda _: encoded(sheet),
+        "panel JPEGs (memory)": lambda _: [encoded(panel) for panel in shading.panels],
+        "files: sheet + panels": write,
+    }
+    return [[args.max_len, name, median_ms(work, args.pieces)] for name, work in pieces.items()]
 
 
 def command_rows(folder: Path, bundle: Path, args: argparse.Namespace, out: Path) -> list[list[object]]:
@@ -108,9 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = options.make_parser(__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=100, help="images in the generated folder (default: 100)")
     parser.add_argument("--max-len", type=int, default=20, help="words per caption (default: 20)")
+    parser.add_argument("--pieces", type=int, default=30, help="timed runs of each piece, the median (default: 30)")
     args = options.parse(parser, argv)
     if args.tiny:
-        args.images, args.max_len = 4, 3
+        args.images, args.max_len, args.pieces = 4, 3, 1
     machine.print_environment(
         "Attention gallery against captioning",
         args,
@@ -121,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         folder, bundle = make_folder(root, args.images, args)
         with machine.timed_section():
             tables.print_table("Gallery stages, per image", STAGES, stage_rows(folder, bundle, args, root / "staged"))
+        with machine.timed_section():
+            tables.print_table("Drawing one image, per piece", PIECES, piece_rows(folder, args, root / "pieces"))
         with machine.timed_section():
             tables.print_table("Whole commands", COMMANDS, command_rows(folder, bundle, args, root / "gallery"))
 

@@ -244,3 +244,23 @@ def test_out_is_never_overwritten_without_force(bundles, inputs, tmp_path, capsy
     (tmp_path / "used" / "keep.txt").write_text("mine")
     assert cli.main([*args[:4], "--out", str(tmp_path / "used")]) == 2
     assert "pass --force" in capsys.readouterr().err
+
+
+def test_a_file_the_writing_thread_cannot_write_stops_the_gallery_and_its_image_is_not_printed(
+    bundles, inputs, tmp_path, capsys, monkeypatch
+):
+    folder, good, _ = inputs
+    save = sheet.save_picture
+
+    def full_disk(picture, path):
+        if Path(path).parent.name.startswith("0001_"):  # the second image's panels
+            raise OSError(28, "No space left on device")
+        return save(picture, path)
+
+    monkeypatch.setattr(sheet, "save_picture", full_disk)
+    out = tmp_path / "gallery"
+    args = ["attend", *good[:3], "--model", bundles["soft"], "--out", str(out), "--max-len", MAX_LEN]
+    assert cli.main([*args, "--workers", "0"]) == 2
+    stdout, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in stdout.splitlines()] == [good[0]]  # printed once its files are written
+    assert "No space left on device" in err and not (out / "index.html").exists()

@@ -129,6 +129,11 @@ def test_gallery_runs_every_stage_and_both_commands(run_tiny: Callable[..., str]
         "caption", "decode", "shade", "sheet", "panels", "pages and copies", "total"
     ]  # fmt: skip
     assert all(row["images"] == "4" and row["words"] == "3" for row in rows)  # never-ending captions: 3 words
+    rows = table(stdout, "Drawing one image, per piece", 5)
+    assert [row["piece"] for row in rows] == [
+        "shade", "sheet picture", "sheet JPEG (memory)", "panel JPEGs (memory)", "files: sheet + panels"
+    ]  # fmt: skip
+    assert all(row["words"] == "3" and float(row["ms/image"].replace(",", "")) > 0 for row in rows)
     rows = table(stdout, "Whole commands", 2)
     assert [row["command"] for row in rows] == ["captioner caption", "captioner attend"]
     assert rows[0]["vs caption"] == "1"

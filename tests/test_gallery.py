@@ -186,3 +186,33 @@ def test_a_moved_gallery_works_in_a_real_browser(tmp_path):
     assert all(ok for _, ok, *_ in steps)
     assert all(word == button for _, _, word, button in steps)  # the label and the highlighted word agree
     assert checks["failed"] == [f"{photos / 'broken.jpg'}: not an image file (Pillow cannot identify its format)"]
+
+
+def test_the_record_takes_an_images_panels_in_one_write_and_never_a_users_file(tmp_path):
+    from captioner.viz.layout import MANIFEST, GalleryFiles
+
+    files = GalleryFiles(tmp_path / "out")
+    panels = [files.panel(3, "cat.png", step) for step in range(3)]
+    assert files.record_all([*panels, panels[0]]) == [*panels, panels[0]]
+    assert (tmp_path / "out" / MANIFEST).read_text().splitlines() == [f'"0003_cat/0{k}.jpg"' for k in (1, 2, 3)]
+    assert files.record_all(panels) == panels and len((tmp_path / "out" / MANIFEST).read_text().splitlines()) == 3
+    mine = make_png(files.panel(4, "dog.png", 1))  # a user's file where entry 4's second panel goes
+    with pytest.raises(FileExistsError, match="no gallery wrote it"):
+        files.record_all([files.panel(4, "dog.png", 0), mine])
+    assert not files.ours(files.panel(4, "dog.png", 0))  # nothing of that call recorded
+    assert GalleryFiles(tmp_path / "out").earlier == {f"0003_cat/0{k}.jpg" for k in (1, 2, 3)}
+
+
+def test_a_recorded_name_resolves_links_below_the_folder(tmp_path):
+    from captioner.viz.layout import GalleryFiles
+
+    out = tmp_path / "out"
+    (out / "real").mkdir(parents=True)
+    (out / "link").symlink_to(out / "real")
+    files = GalleryFiles(out)
+    assert files.relative(out / "0001_a" / "01.jpg") == "0001_a/01.jpg"
+    assert files.relative(out / "link" / "01.jpg") == "real/01.jpg"  # one file, one name
+    assert files.relative(out / "x" / ".." / "real" / "01.jpg") == "real/01.jpg"
+    assert files.relative(tmp_path / "elsewhere.jpg") == "../elsewhere.jpg"
+    files.record(out / "link" / "01.jpg")
+    assert files.ours(out / "real" / "01.jpg")

@@ -84,6 +84,20 @@ def test_upsampling_is_smooth_and_aligned_with_the_cell():
     np.testing.assert_allclose(upsample_attention(np.full(4, 0.25), (2, 2), (8, 8)), np.full((8, 8), 0.25))
 
 
+@pytest.mark.parametrize(
+    "grid, size", [((6, 6), (96, 96)), ((2, 7), (500, 120)), ((14, 14), (448, 300)), ((1, 3), (5, 2))]
+)
+def test_upsampling_is_torch_bicubic_for_every_map(grid, size):
+    alphas = torch.rand(4, grid[0] * grid[1], generator=torch.Generator().manual_seed(0))
+    expected = torch.nn.functional.interpolate(
+        alphas.reshape(-1, 1, *grid), size=size[::-1], mode="bicubic", align_corners=False
+    )[:, 0].clamp_min(0.0)
+    heat = upsample_attention(alphas, grid, size)
+    assert heat.shape == (4, size[1], size[0]) and heat.dtype == np.float32
+    np.testing.assert_allclose(heat, expected.numpy(), atol=1e-5)
+    np.testing.assert_allclose(upsample_attention(alphas[1].numpy(), grid, size), expected[1].numpy(), atol=1e-5)
+
+
 def test_panels_of_a_caption_share_one_scale_with_a_colour_bar_marking_uniform():
     sharp, flat = np.zeros(9), np.full(9, 1 / 9)
     sharp[4] = 1.0
@@ -177,3 +191,24 @@ def test_a_very_wide_image_keeps_a_readable_panel_height():
     fig = overlay.overlay_figure(Image.new("RGB", (4000, 20)), ["a", "b"], torch.full((2, 4), 0.25), (2, 2))
     width, height = fig.get_size_inches()
     assert height >= 0.5 * overlay.PANEL_INCHES  # not 20/4000 of a panel's width
+
+
+def test_the_sheet_shows_a_small_image_at_a_whole_multiple_each_pixel_a_block_and_a_large_one_shrunk():
+    from captioner.viz.sheet import CELL, GAP, TEXT, sheet_picture
+
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 96, 3), dtype=np.uint8))
+    alphas = np.eye(2, 4)
+    shading = overlay.shade(noise, ["left", "right"], alphas, (2, 2))
+    sheet = np.asarray(sheet_picture(shading, ["left", "right"], None))
+    factor = CELL // 96  # 2: 192 pixels in a cell of 200
+    top = GAP + TEXT + 8 + (CELL - 96 * factor) // 2  # under the word, centred in the cell
+    for index, picture in enumerate([shading.picture, *shading.panels]):
+        left = GAP + index * (CELL + GAP) + (CELL - 96 * factor) // 2
+        shown = sheet[top : top + 96 * factor, left : left + 96 * factor]
+        np.testing.assert_array_equal(shown, np.asarray(picture).repeat(factor, 0).repeat(factor, 1))
+        assert (sheet[top - 1, left : left + 96 * factor] == 255).all()  # white just above: nothing cut off
+    words = sheet[GAP : GAP + TEXT + 8, GAP + CELL + GAP : GAP + 2 * CELL + GAP]
+    assert (words.min(axis=-1) < 100).sum() > 20  # the word over its panel is drawn
+    large = overlay.shade(noise.resize((400, 400)), ["left"], alphas[:1], (2, 2))
+    shrunk = np.asarray(sheet_picture(large, ["left"], None))[top - (CELL - 192) // 2 :][:CELL, GAP : GAP + CELL]
+    assert (shrunk != 255).all(axis=-1).sum() > 0.95 * CELL * CELL  # 400 pixels shown in the cell's 200

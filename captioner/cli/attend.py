@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -18,6 +21,12 @@ from captioner.cli.output import Output
 from captioner.data.images import load_rgb
 from captioner.errors import ConfigError
 from captioner.viz.layout import MANIFEST, GalleryFiles
+
+if TYPE_CHECKING:  # drawing's modules load with the command, not with the CLI
+    from captioner.inference import Captioned
+    from captioner.viz.overlay import Shading
+
+AHEAD = 4  # images whose sheet and panels the writing thread may still have to write while the next are shaded
 
 
 def _gallery_files(files: GalleryFiles) -> Callable[[Path], bool]:
@@ -48,6 +57,15 @@ def _check_gallery(files: GalleryFiles, found: Inputs, out: str) -> None:
         )
 
 
+def _write(shading: Shading, words: Sequence[str], target: Path, title: str, panels: list[Path]) -> list[Path]:
+    """Write one image's sheet at ``target`` and its panels at ``panels`` (none for a single ``.png``): Pillow
+    composes and encodes, and the files are made, outside Python's lock, beside the next image's captioning."""
+    from captioner.viz import sheet
+
+    sheet.write_sheet(shading, words, target, title)
+    return [sheet.save_picture(panel, path) for panel, path in zip(shading.panels, panels)]
+
+
 def run(args: argparse.Namespace) -> int:
     """Caption images and draw one attention panel per word; for a folder ``--out``, a gallery of pages that
     show each word's panel in turn and list the inputs that failed.
@@ -56,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
     replaces exactly the files an earlier gallery recorded in ``--out``, once the model has loaded.
     """
     from captioner.viz.gallery import GalleryEntry, write_gallery
-    from captioner.viz.overlay import draw_overlay
-    from captioner.viz.sheet import save_picture
+    from captioner.viz.overlay import shade
 
     decode = options.decode_options(args)
     device = options.device(args.device)
@@ -82,25 +99,35 @@ def run(args: argparse.Namespace) -> int:
     output = Output()
     cleared = single
     show = options.progress(args, len(found.paths))
+    pending: deque[tuple[Future, Captioned, Path, Shading, int]] = deque()  # written in the background, in order
+
+    def finish(bar: tqdm) -> None:
+        """Wait for the oldest image's files (an error in writing them raises here), then list and print it."""
+        future, result, target, shading, number = pending.popleft()
+        panels = tuple(zip(result.words, future.result()))
+        if not single:
+            scale = (shading.uniform, shading.top)
+            entries[number] = GalleryEntry(result.path, result.caption, target, panels=panels, scale=scale)
+        output.caption(result, target)
+        bar.update(output.captioned + output.failed - len(found.errors) - bar.n)
+
     with tqdm(total=len(found.paths), unit="img", file=sys.stderr, desc="drawing", disable=not show) as bar:
-        for result in captioned(args, found, output, decode, device, bar=False):
-            if not cleared:  # the model has loaded and the inputs are listed: the earlier gallery goes
-                files.clear()
-                cleared = True
-            number, picture = numbers[result.path], load_rgb(result.path, args.max_pixels)
-            target = out if single else files.record(files.sheet(number, result.path))
-            shading = draw_overlay(
-                picture, result.words, result.alphas, result.grid, target, result.locations, title=result.caption
-            )
-            if not single:
-                panels = []
-                for step, (word, panel) in enumerate(zip(result.words, shading.panels)):
-                    panels.append((word, save_picture(panel, files.record(files.panel(number, result.path, step)))))
-                entries[number] = GalleryEntry(
-                    result.path, result.caption, target, panels=tuple(panels), scale=(shading.uniform, shading.top)
-                )
-            output.caption(result, target)
-            bar.update(output.captioned + output.failed - len(found.errors) - bar.n)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="attend-writer") as writer:
+            for result in captioned(args, found, output, decode, device, bar=False):
+                if not cleared:  # the model has loaded and the inputs are listed: the earlier gallery goes
+                    files.clear()
+                    cleared = True
+                number, picture = numbers[result.path], load_rgb(result.path, args.max_pixels)
+                shading = shade(picture, result.words, result.alphas, result.grid, result.locations)
+                target = out if single else files.record(files.sheet(number, result.path))
+                steps = range(0 if single else len(result.words))
+                panels = files.record_all(files.panel(number, result.path, step) for step in steps)
+                job = writer.submit(_write, shading, result.words, target, result.caption, panels)
+                pending.append((job, result, target, shading, number))
+                while len(pending) > AHEAD:
+                    finish(bar)
+            while pending:
+                finish(bar)
         bar.update(len(found.paths) - bar.n)
     if not single and found.paths:
         if not cleared:

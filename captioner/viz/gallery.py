@@ -112,8 +112,9 @@ def _local(
     target = Path(target)
     if not target.is_file():
         raise FileNotFoundError(f"gallery file not found: {target}")
-    if target.resolve().is_relative_to(files.root.resolve()):
-        return _href(target, files.root)
+    inside = files.relative(target)  # links resolved, as _href resolves them
+    if Path(inside).parts[0] != "..":
+        return html.escape(quote(inside), quote=True)
     with Image.open(target) as header:
         still = not getattr(header, "is_animated", False) and header.mode != "CMYK"  # as captioned, as shown
         as_is = header.format in AS_IS and still and max(header.size) <= COPY_SIDE

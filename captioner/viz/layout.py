@@ -77,7 +77,14 @@ class GalleryFiles:
 
     # ------------------------------------------------------------------------------------- the record
     def relative(self, path: str | os.PathLike) -> str:
-        """``path`` (inside root) relative to root, as the record writes it."""
+        """``path`` (inside root) relative to root, as the record writes it: symbolic links resolved, so one
+        file has one name. A path spelled under root with no link below root costs a few ``lstat`` calls."""
+        path = Path(path)
+        if path.is_relative_to(self.root) and ".." not in path.parts:
+            inner = path.relative_to(self.root)
+            below = [self.root.joinpath(*inner.parts[: k + 1]) for k in range(len(inner.parts))]
+            if not any(step.is_symlink() for step in below):
+                return inner.as_posix()
         return Path(os.path.relpath(os.path.realpath(path), os.path.realpath(self.root))).as_posix()
 
     def ours(self, path: str | os.PathLike) -> bool:
@@ -100,16 +107,23 @@ class GalleryFiles:
     def record(self, path: str | os.PathLike) -> Path:
         """Add ``path`` to the record before it is written; return it. FileExistsError when it exists and no
         gallery wrote it: a user's file is never overwritten."""
-        path = Path(path)
-        if self.ours(path):
-            return path
-        if path.exists() or path.is_symlink():
-            raise FileExistsError(f"{path} exists and no gallery wrote it; it is left as it is")
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / MANIFEST, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(self.relative(path)) + "\n")
-        self.written.add(self.relative(path))
-        return path
+        return self.record_all([path])[0]
+
+    def record_all(self, paths: Iterable[str | os.PathLike]) -> list[Path]:
+        """:meth:`record` for each of ``paths``, with one write to the record for them all (an image's panels);
+        FileExistsError, with none of them recorded, when one exists and no gallery wrote it."""
+        paths = [Path(path) for path in paths]
+        names = [self.relative(path) for path in paths]
+        new = [name for name in dict.fromkeys(names) if name not in self.earlier and name not in self.written]
+        for path, name in zip(paths, names):
+            if name in new and (path.exists() or path.is_symlink()):
+                raise FileExistsError(f"{path} exists and no gallery wrote it; it is left as it is")
+        if new:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(self.root / MANIFEST, "a", encoding="utf-8") as handle:
+                handle.write("".join(json.dumps(name) + "\n" for name in new))
+            self.written.update(new)
+        return paths
 
     def clear(self) -> None:
         """Remove every file an earlier gallery recorded, then its folders left empty, and start a new record.

@@ -47,8 +47,31 @@ def _fit(text: str, width: int, face: ImageFont.FreeTypeFont) -> str:
     return text + "…"
 
 
+@functools.lru_cache(maxsize=4096)
+def _label(text: str, width: int, height: int, size: int) -> tuple[Image.Image, tuple[int, int]]:
+    """``text`` (cut to ``width`` pixels) centred in a ``width`` x ``height`` box, as a mask (mode L) to paste
+    ink through, cropped to the text, and the crop's corner in the box: a caption's words come back in every
+    sheet, drawn once each."""
+    mask = Image.new("L", (width, height), 0)
+    face = font(size)
+    ImageDraw.Draw(mask).text((width // 2, height // 2), _fit(text, width, face), fill=255, font=face, anchor="mm")
+    box = mask.getbbox() or (0, 0, 1, 1)
+    return mask.crop(box), box[:2]
+
+
+def _ink(canvas: Image.Image, colour: tuple[int, int, int], corner: tuple[int, int], label: tuple) -> None:
+    """Paste ``colour`` through the mask of ``label`` (:func:`_label`) into ``canvas``, its box at ``corner``."""
+    mask, (left, top) = label
+    canvas.paste(
+        colour, (corner[0] + left, corner[1] + top, corner[0] + left + mask.width, corner[1] + top + mask.height), mask
+    )
+
+
 def _lines(text: str, width: int, face: ImageFont.FreeTypeFont) -> list[str]:
     """``text`` wrapped at spaces into lines of at most ``width`` pixels (a longer word is cut)."""
+    joined = " ".join(text.split())
+    if face.getlength(joined) <= width:  # one line: measured once, not word by word
+        return [joined] if joined else []
     lines: list[str] = []
     for word in text.split():
         if lines and face.getlength(f"{lines[-1]} {word}") <= width:
@@ -75,11 +98,18 @@ def _colour_bar(canvas: Image.Image, left: int, top: int, height: int, shading: 
     shift = SMALL if mark - top < SMALL else -SMALL if top + height - mark < SMALL else 0  # clear of 0 and the top
     label = f"1/L = {shading.uniform:.3g}"
     draw.text((left + width + 6, mark + shift), label, fill=MARK, font=face, anchor="lm")
-    caption = Image.new("RGB", (height, SMALL + 4), "white")
-    ImageDraw.Draw(caption).text(
-        (height // 2, 0), _fit("attention weight per cell", height, face), fill=INK, font=face, anchor="mt"
-    )
-    canvas.paste(caption.rotate(90, expand=True), (left - SMALL - 12, top))
+    mask, (along, across) = _label("attention weight per cell", height, SMALL + 4, SMALL)
+    _ink(canvas, INK, (left - SMALL - 12, top), (mask.rotate(90, expand=True), (across, height - along - mask.width)))
+
+
+def _enlarged(picture: Image.Image, box: tuple[int, int]) -> Image.Image:
+    """``picture`` fitted in ``box``: a small one enlarged by the largest whole factor that fits, each pixel a
+    square block (sharp, as the gallery's pages show it, and a twelfth of a bilinear resize's time), any other
+    resized bilinearly (ImageOps.contain)."""
+    factor = min(box[0] // picture.width, box[1] // picture.height)
+    if factor >= 2:
+        return picture.resize((picture.width * factor, picture.height * factor), Image.Resampling.NEAREST)
+    return ImageOps.contain(picture, box, Image.Resampling.BILINEAR)
 
 
 def write_sheet(shading: Shading, words: Sequence[str], out_path: str | os.PathLike, title: str | None) -> Path:
@@ -112,10 +142,9 @@ def sheet_picture(shading: Shading, words: Sequence[str], title: str | None) -> 
         row, column = divmod(index, columns)
         left = GAP + column * (CELL + GAP)
         top = head + GAP + row * (label + cell_height + GAP)
-        name = "image" if index == 0 else _fit(words[index - 1], CELL, text)
-        draw.text((left + CELL // 2, top + label // 2), name, fill=(120, 120, 120) if index == 0 else INK, font=text,
-                  anchor="mm")  # fmt: skip
-        shown = ImageOps.contain(picture, (CELL, cell_height), Image.Resampling.BILINEAR)
+        name = "image" if index == 0 else words[index - 1]
+        _ink(canvas, (120, 120, 120) if index == 0 else INK, (left, top), _label(name, CELL, label, TEXT))
+        shown = _enlarged(picture, (CELL, cell_height))
         canvas.paste(shown, (left + (CELL - shown.width) // 2, top + label + (cell_height - shown.height) // 2))
     if words:
         bar_height = max(3 * SMALL, round(0.8 * (grid_height - GAP)))
