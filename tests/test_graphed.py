@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from captioner.config import ModelConfig, from_dict
 from captioner.errors import ConfigError
 from captioner.training.module import CaptionerModule
-from test_precision import one_batch, tiny_module
+from test_precision import one_batch, steps_trainer, tiny_module
 
 HARD = {"attention": "hard", "loss": {"entropy_weight": 0.01}}  # samples a location at every step
 
@@ -47,16 +47,7 @@ def fit(kind: type[CaptionerModule], **settings) -> CaptionerModule:
     """A tiny captioner of ``kind`` trained on ``batches``, clipping its gradients."""
     module = tiny_module(kind, **settings)
     data = batches(module.model.encoder.out_channels)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=len(data),
-        gradient_clip_val=0.5,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = steps_trainer(len(data), L.Callback(), gradient_clip_val=0.5)
     torch.manual_seed(1)  # dropout and hard attention's samples: the same draws in both runs
     trainer.fit(module, DataLoader(data, batch_size=None, collate_fn=lambda batch: batch))
     return module
