@@ -32,16 +32,17 @@ NO_PLUGINS = ["-p", "no:cacheprovider", "-p", "no:logging"]  # no log capture: t
 # one DDP process with graphed steps (model.graphs unset: on for CUDA): a cross-entropy epoch, then an SCST one
 DDP = ["trainer=ddp", "trainer.devices=1", "trainer.max_epochs=2", "model.scst.after_epochs=1", "test=false"]
 TESTS = ["tests/test_gpu.py", "tests/test_gpu_graphs.py"]
-# (title, arguments of python, seconds at most): together nine minutes, each about 1.5x what the part is expected
-# to take with cold caches (the H200's report of the eager parts, docs/gpu_report.md, plus the captures)
+# (title, arguments of python, seconds at most): each about 1.4x the part's wall time on the H100 with cold caches
+# (docs/gpu_report.md: 71, over 120, 45, 94, 32, 44, 34 s); together ten and a half minutes, the demo's the largest
+# (its SCST epochs run eagerly), for about eight minutes of running
 PARTS = [
     ("GPU-only tests", ["-m", "pytest", *TESTS, "-q", "-rA", "--tb=short", *NO_PLUGINS], 100),
-    ("The demo: python train.py trainer=gpu", ["train.py", "trainer=gpu"], 120),
-    ("DDP, one process, graphed steps: python train.py " + " ".join(DDP), ["train.py", *DDP], 70),
-    ("Training step", ["benchmarks/train_step.py", *BENCH, "--channels-last"], 100),
-    ("Captioning", ["benchmarks/captioning.py", *BENCH], 60),
-    ("Data loading", ["benchmarks/data_loading.py", *BENCH], 45),
-    ("Profile", ["benchmarks/profile_ops.py", *BENCH, "--channels-last", "--rows", "12"], 45),
+    ("The demo: python train.py trainer=gpu", ["train.py", "trainer=gpu"], 180),
+    ("DDP, one process, graphed steps: python train.py " + " ".join(DDP), ["train.py", *DDP], 65),
+    ("Training step", ["benchmarks/train_step.py", *BENCH, "--channels-last"], 130),
+    ("Captioning", ["benchmarks/captioning.py", *BENCH], 50),
+    ("Data loading", ["benchmarks/data_loading.py", *BENCH], 60),
+    ("Profile", ["benchmarks/profile_ops.py", *BENCH, "--channels-last", "--rows", "12"], 50),
 ]
 BLEU4 = re.compile(r"BLEU-4 ([0-9.]+)")  # the first is validation's, in train.py's summary
 SUMMARY = "validation BLEU"  # where train.py's summary starts: the demo's report prints it on

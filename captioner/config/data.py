@@ -47,7 +47,7 @@ class DataConfig(Settings):
     # Training captions padded to this many tokens (<start> and <end> included, so caption_tokens = max_len + 2
     # holds every caption) instead of the batch's longest: every step has the same shapes, what a captured CUDA
     # graph needs; the loss is unchanged (pad steps are masked). None: the batch's longest (fewer steps on a
-    # CPU), or caption_tokens when model.compile is on.
+    # CPU), or caption_tokens when model.graphs or model.compile is on.
     pad_to: int | None = None
     # Where the recipe that trains on this dataset is: the demo's recipe (``demo``) on any dataset but the
     # built-in shapes (``recipe: null``) stops at once, naming it.
