@@ -77,12 +77,21 @@ def test_mixed_precision_steps_clip_and_survive_an_empty_batch(precision):
     module = tiny_module(compile="off")  # the module tests/test_precision.py trains on the CPU, so it cannot go stale
     channels = module.model.encoder.out_channels
     batches = [one_batch(channels, empty=step in (0, 2)) for step in range(6)]
+    trainer = fit_on_gpu(module, batches, precision, clip=1e-3)
+    assert all(math.isfinite(float(p.detach().float().sum())) for p in module.parameters())
+    steps = {float(state["step"]) for state in trainer.optimizers[0].state.values()}
+    assert steps == {4.0}  # the two empty batches stepped nothing, the four others did
+
+
+def fit_on_gpu(module: L.LightningModule, batches: list[dict], precision: str, clip: float) -> L.Trainer:
+    """Train ``module`` on one GPU for one step per batch of ``batches`` (given as they are), clipping gradients at
+    ``clip``: no validation, logger, checkpoint, progress bar or summary (tests/test_gpu_graphs.py trains so too)."""
     trainer = L.Trainer(
         accelerator="gpu",
         devices=1,
         precision=precision,
         max_steps=len(batches),
-        gradient_clip_val=1e-3,
+        gradient_clip_val=clip,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
@@ -90,9 +99,7 @@ def test_mixed_precision_steps_clip_and_survive_an_empty_batch(precision):
         enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch))
-    assert all(math.isfinite(float(p.detach().float().sum())) for p in module.parameters())
-    steps = {float(state["step"]) for state in trainer.optimizers[0].state.values()}
-    assert steps == {4.0}  # the two empty batches stepped nothing, the four others did
+    return trainer
 
 
 def test_gpu_check_without_cuda_says_so_in_one_line():

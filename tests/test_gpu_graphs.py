@@ -9,10 +9,8 @@ from __future__ import annotations
 import copy
 import logging
 
-import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from captioner.config import DecodingConfig
 from captioner.model.decoding import decode
@@ -21,6 +19,7 @@ from captioner.training.graphed import GraphedSteps
 from captioner.training.objectives import cross_entropy_terms
 from captioner.training.optimization import build_optimizer
 from conftest import V, features_for, make_decoder
+from test_gpu import fit_on_gpu
 from test_precision import one_batch, tiny_module
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -165,19 +164,7 @@ def test_lightning_trains_with_graphed_steps_as_without() -> None:
         batches = [one_batch(channels) for _ in range(6)]
         batches[-1] = {k: v[:2] if k == "features" else v for k, v in batches[-1].items()}  # a smaller last batch
         batches[-1] |= {"captions": batches[-1]["captions"][:4], "image_index": batches[-1]["image_index"][:4]}
-        trainer = L.Trainer(
-            accelerator="gpu",
-            devices=1,
-            precision="bf16-mixed",
-            max_steps=len(batches),
-            gradient_clip_val=1.0,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(module, DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch))
+        fit_on_gpu(module, batches, "bf16-mixed", clip=1.0)
         weights.append(torch.cat([p.detach().float().flatten() for p in module.parameters()]))
     logger.removeHandler(lines)
     torch.testing.assert_close(weights[1], weights[0], rtol=1e-3, atol=1e-4)
