@@ -190,6 +190,17 @@ class ModelConfig(NetConfig):
                 "word inside them, which CUDA cannot nest: set model.graphs=false for per-word graphs"
             )
 
+    def uses_graphs(self, cuda: bool) -> bool:
+        """Whether ``graphs`` is on for a run on a CUDA device (``cuda``) or not: unset, on CUDA unless ``compile``
+        graphs each word itself; a ConfigError where it is asked for without CUDA."""
+        if self.graphs is None:
+            return cuda and self.compile not in (Compile.reduce_overhead, Compile.max_autotune)
+        if self.graphs and not cuda:
+            raise ConfigError(
+                "model.graphs=true: CUDA graphs need a CUDA device (trainer=gpu), or set model.graphs=null"
+            )
+        return self.graphs
+
     def net(self) -> NetConfig:
         """The network part (what a bundle stores)."""
         return NetConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(NetConfig)})

@@ -17,13 +17,21 @@ captions, shapes a graph cannot hold.
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Hashable
 
+import lightning as L
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from captioner.model.captioner import Captioner
 from captioner.model.graphs import CapturedCall, capture_state
+from captioner.model.losses import CaptionLoss
+from captioner.training.objectives import cross_entropy_terms
+
+log = logging.getLogger(__name__)
 
 INPUTS = ("images", "features", "captions", "image_index")  # the batch's tensors a cross-entropy step reads
 Terms = dict[str, Tensor]
@@ -116,6 +124,25 @@ class GraphedSteps:
                 buffer.copy_(value)
 
         return CapturedCall(step, inputs, restore)
+
+
+def training_graphs(
+    trainer: L.Trainer, model: Captioner, criterion: CaptionLoss, dtype: torch.dtype, capture: bool = True
+) -> GraphedSteps | None:
+    """``model``'s cross-entropy steps (loss ``criterion``, cached features cast to ``dtype``) as CUDA graphs for
+    ``trainer``'s run, or None where its precision or gradient accumulation needs them eager (logged either way);
+    ``capture``: ``GraphedSteps``'."""
+    why = None
+    if str(trainer.precision).startswith("16"):
+        why = f"precision={trainer.precision} scales each step's loss on the host (GradScaler)"
+    elif trainer.accumulate_grad_batches > 1:
+        why = f"accumulate_grad_batches={trainer.accumulate_grad_batches} adds gradients across steps"
+    if why is not None:
+        log.info("model.graphs: training steps run eagerly, %s; decoding is graphed", why)
+        return None
+    log.info("model.graphs: each cross-entropy training step replays one CUDA graph, and each decoding call")
+    terms = functools.partial(cross_entropy_terms, model, criterion, dtype=dtype)
+    return GraphedSteps(nn.ModuleList([model, criterion]), lambda batch: terms(batch=batch), capture)
 
 
 def _key(batch: dict) -> Hashable:

@@ -10,7 +10,6 @@ Adam and gradient clipping under every precision ``training.optimization``'s, th
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Any
@@ -33,7 +32,7 @@ from captioner.model.losses import CaptionLoss, SelfCriticalLoss
 from captioner.training import objectives
 from captioner.training.callbacks import NonFiniteLossGuard
 from captioner.training.evaluation import EvaluationEpoch
-from captioner.training.graphed import GraphedSteps
+from captioner.training.graphed import GraphedSteps, training_graphs
 from captioner.training.metrics import LOSS, PROGRESS, TEST, TRAIN, VAL, metric
 from captioner.training.optimization import build_optimizer, clip_gradients
 from captioner.training.schedule import CrossEntropyPhase, build_scheduler, self_critical_epoch
@@ -74,18 +73,12 @@ class CaptionerModule(L.LightningModule):
         fit whose length the schedules cannot be laid out over is refused (``ModelConfig.unscheduled``)."""
         if stage == "fit" and (problem := self.settings.unscheduled(self.trainer.max_epochs, self.trainer.max_steps)):
             raise ConfigError(problem)
-        cuda = self.trainer.strategy.root_device.type == "cuda"  # the model is not on its device yet: ask the strategy
         mode = self.settings.compile or Compile.off
-        graphs = self.settings.graphs
-        if graphs is None:
-            graphs = cuda and mode not in (Compile.reduce_overhead, Compile.max_autotune)
-        elif graphs and not cuda:
-            raise ConfigError(
-                "model.graphs=true: CUDA graphs need a CUDA device (trainer=gpu), or set model.graphs=null"
-            )
+        # the model is not on its device yet: ask the strategy
+        graphs = self.settings.uses_graphs(self.trainer.strategy.root_device.type == "cuda")
         self.model.decoder.use_decoding_graphs(graphs)
         if graphs and stage == "fit":
-            self.graphed_steps = self._graphed_steps()
+            self.graphed_steps = training_graphs(self.trainer, self.model, self.criterion, self.dtype)
         if mode != Compile.off:
             self.model.decoder.compile_step(mode)
             log.info("model.compile=%s: the decoder's step is compiled", mode)
@@ -94,24 +87,6 @@ class CaptionerModule(L.LightningModule):
             # one caption width: CUDA graphs replay the steps of a training batch as they were recorded
             datamodule.settings.pad_to = datamodule.settings.caption_tokens
             log.info("captions padded to data.pad_to=%d tokens", datamodule.settings.pad_to)
-
-    def _graphed_steps(self, capture: bool = True) -> GraphedSteps | None:
-        """The cross-entropy steps as CUDA graphs, unless the precision or accumulation needs them eager (said);
-        ``capture``: ``GraphedSteps``'."""
-        trainer = self.trainer
-        why = None
-        if str(trainer.precision).startswith("16"):
-            why = f"precision={trainer.precision} scales each step's loss on the host (GradScaler)"
-        elif trainer.accumulate_grad_batches > 1:
-            why = f"accumulate_grad_batches={trainer.accumulate_grad_batches} adds gradients across steps"
-        if why is not None:
-            log.info("model.graphs: training steps run eagerly, %s; decoding is graphed", why)
-            return None
-        log.info("model.graphs: each cross-entropy training step replays one CUDA graph, and each decoding call")
-        terms = functools.partial(objectives.cross_entropy_terms, self.model, self.criterion, dtype=self.dtype)
-        return GraphedSteps(
-            torch.nn.ModuleList([self.model, self.criterion]), lambda batch: terms(batch=batch), capture
-        )
 
     def configure_callbacks(self) -> list[L.Callback]:
         """The non-finite-loss guard, in every run, with this model's ``nonfinite`` settings."""
