@@ -32,6 +32,7 @@ from captioner.config.decoding import (
     captioning_settings,
 )
 from captioner.config.model import (
+    PER_WORD_GRAPHS,
     Compile,
     LossConfig,
     ModelConfig,
@@ -71,6 +72,7 @@ __all__ = [
     "MAX_LEN",
     "METHOD_SETTINGS",
     "MIN_IMAGE_SIZE",
+    "PER_WORD_GRAPHS",
     "SCHEMAS",
     "Attention",
     "Compile",

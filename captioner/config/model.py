@@ -27,6 +27,11 @@ class Compile(enum.StrEnum):
         return {True: cls.default, False: cls.off}.get(value) if isinstance(value, bool) else None
 
 
+# The Compile modes that replay the compiled step as CUDA graphs, one word at a time: they cannot run inside
+# model.graphs' capture of a whole call.
+PER_WORD_GRAPHS = frozenset({Compile.reduce_overhead, Compile.max_autotune})
+
+
 class ReinforceReward(enum.StrEnum):
     """The per-step reward of REINFORCE."""
 
@@ -184,7 +189,7 @@ class ModelConfig(NetConfig):
     def check(self) -> None:
         super().check()
         check_range("nonfinite_check_interval", self.nonfinite_check_interval, 1, kind=int)
-        if self.graphs and self.compile in (Compile.reduce_overhead, Compile.max_autotune):
+        if self.graphs and self.compile in PER_WORD_GRAPHS:
             raise ConfigError(
                 f"model.graphs=true captures whole steps as CUDA graphs and model.compile={self.compile} graphs each "
                 "word inside them, which CUDA cannot nest: set model.graphs=false for per-word graphs"
@@ -194,7 +199,7 @@ class ModelConfig(NetConfig):
         """Whether ``graphs`` is on for a run on a CUDA device (``cuda``) or not: unset, on CUDA unless ``compile``
         graphs each word itself; a ConfigError where it is asked for without CUDA."""
         if self.graphs is None:
-            return cuda and self.compile not in (Compile.reduce_overhead, Compile.max_autotune)
+            return cuda and self.compile not in PER_WORD_GRAPHS
         if self.graphs and not cuda:
             raise ConfigError(
                 "model.graphs=true: CUDA graphs need a CUDA device (trainer=gpu), or set model.graphs=null"

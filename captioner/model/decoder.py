@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.distributions import Categorical
 from torch.nn.parallel import DistributedDataParallel
 
-from captioner.config import Attention, Compile, Gate, HardEstimator, HardInference, NetConfig
+from captioner.config import PER_WORD_GRAPHS, Attention, Compile, Gate, HardEstimator, HardInference, NetConfig
 from captioner.model.attention import build_attention
 from captioner.model.graphs import GraphCache
 
@@ -96,7 +96,7 @@ class ShowAttendTellDecoder(nn.Module):
         The compiled function is the class's, given this decoder as a partial's argument rather than bound to
         it: a ``deepcopy`` of the decoder (``AveragedModel``'s, say) then steps with the copy's own weights."""
         self.compiled_step = None
-        self.graphed = mode in (Compile.reduce_overhead, Compile.max_autotune)
+        self.graphed = mode in PER_WORD_GRAPHS
         if mode != Compile.off:
             step = torch.compile(ShowAttendTellDecoder._eager_step, mode=mode.value, fullgraph=True)
             self.compiled_step = functools.partial(step, self)

@@ -61,7 +61,6 @@ def sample(
 ) -> Generation:
     """Sample each word from softmax(logits / ``settings.temperature``) over the allowed words; scores use
     the untempered log-probs."""
-
     return trimmed(_one_caption_each(decoder, features, settings, _sampler(settings, generator), unk_id, static_shapes))
 
 
