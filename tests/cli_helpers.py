@@ -23,6 +23,7 @@ from conftest import write_bundle
 WORDS = ["a", "red", "blue", "green", "circle", "square", "triangle", "left", "of", "above"]
 SHAPE_WORDS = ("circle", "square", "triangle")
 MAX_LEN = "3"
+QUICK = ["--max-len", MAX_LEN, "--workers", "0"]  # how the CLI tests decode: 3 words, in this process
 
 
 @pytest.fixture(scope="module")

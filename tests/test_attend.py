@@ -15,7 +15,7 @@ from PIL import Image
 from captioner import cli
 from captioner.cli import options
 from captioner.viz import sheet
-from cli_helpers import MAX_LEN
+from cli_helpers import MAX_LEN, QUICK
 from conftest import Links, snapshot, write_bundle
 
 WORDS = ["a", "red", "blue", "circle", "square"]
@@ -154,10 +154,7 @@ def sheets(monkeypatch) -> list:
 def test_attend_draws_one_panel_per_word(mode, bundles, inputs, sheets, tmp_path, capsys):
     image = str(inputs[0] / "24_wide.PNG")
     out = tmp_path / "overlay.png"
-    assert (
-        cli.main(["attend", image, "--model", bundles[mode], "--out", str(out), "--max-len", MAX_LEN, "--workers", "0"])
-        == 0
-    )
+    assert cli.main(["attend", image, "--model", bundles[mode], "--out", str(out), *QUICK]) == 0
     path, caption, target = capsys.readouterr().out.strip().split("\t")
     assert (path, target) == (image, str(out))
     with Image.open(out) as png:
@@ -259,8 +256,7 @@ def test_a_file_the_writing_thread_cannot_write_stops_the_gallery_and_its_image_
 
     monkeypatch.setattr(sheet, "save_picture", full_disk)
     out = tmp_path / "gallery"
-    args = ["attend", *good[:3], "--model", bundles["soft"], "--out", str(out), "--max-len", MAX_LEN]
-    assert cli.main([*args, "--workers", "0"]) == 2
+    assert cli.main(["attend", *good[:3], "--model", bundles["soft"], "--out", str(out), *QUICK]) == 2
     stdout, err = capsys.readouterr()
     assert [line.split("\t")[0] for line in stdout.splitlines()] == [good[0]]  # printed once its files are written
     assert "No space left on device" in err and not (out / "index.html").exists()

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from captioner import cli
-from cli_helpers import MAX_LEN, SHAPE_WORDS, before_summary, noise, one_error_line
+from cli_helpers import MAX_LEN, QUICK, SHAPE_WORDS, before_summary, noise, one_error_line
 
 
 def test_caption_a_folder_of_every_kind_of_file(bundles, inputs, tmp_path, capsys):
@@ -40,7 +40,7 @@ def test_caption_a_folder_of_every_kind_of_file(bundles, inputs, tmp_path, capsy
 
 def test_json_lines_and_decoding_options(bundles, inputs, capsys):
     good = inputs[1][:4]
-    common = ["caption", *good, "--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0", "--json"]
+    common = ["caption", *good, "--model", bundles["soft"], *QUICK, "--json"]
     assert cli.main([*common, "--method", "greedy"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [row["path"] for row in rows] == good
@@ -61,10 +61,7 @@ def test_no_repeat_ngram_size_stops_square_square_square(method, bundles, inputs
         *inputs[1][:4],
         "--model",
         bundles["soft"],
-        "--max-len",
-        MAX_LEN,
-        "--workers",
-        "0",
+        *QUICK,
         "--method",
         method,
     ]
@@ -81,7 +78,7 @@ def test_tsv_fields_are_escaped_and_json_has_a_record_for_every_input(bundles, t
     noise((20, 20)).save(odd)
     missing, empty = tmp_path / "missing.png", tmp_path / "empty"
     empty.mkdir()
-    common = ["--model", bundles["soft"], "--max-len", MAX_LEN, "--workers", "0"]
+    common = ["--model", bundles["soft"], *QUICK]
     assert cli.main(["caption", str(odd), *common]) == 0
     out, err = capsys.readouterr()
     (line,) = out.splitlines()  # one line for the image, two fields
@@ -117,7 +114,7 @@ def test_model_takes_a_run_folder(bundles, inputs, tmp_path, capsys):
     run.mkdir(parents=True)
     shutil.copy(bundles["soft"], run / "bundle.pt")
     image = inputs[1][0]
-    common = [image, "--max-len", MAX_LEN, "--workers", "0", "--method", "greedy"]
+    common = [image, *QUICK, "--method", "greedy"]
     assert cli.main(["caption", *common, "--model", str(run)]) == 0
     from_folder = capsys.readouterr().out
     assert cli.main(["caption", *common, "--model", str(run / "bundle.pt")]) == 0

@@ -19,7 +19,7 @@ from captioner import cli
 from captioner.data.vocab import tokenize
 from captioner.evaluation.cococaption import java_available
 from captioner.inference import load_model
-from cli_helpers import MAX_LEN, SHAPE_WORDS, WORDS, one_error_line
+from cli_helpers import QUICK, SHAPE_WORDS, WORDS, one_error_line
 from conftest import run_train, write_bundle
 
 
@@ -50,10 +50,7 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
         str(out),
         "--method",
         "greedy",
-        "--max-len",
-        MAX_LEN,
-        "--workers",
-        "0",
+        *QUICK,
     ]
     assert cli.main(args) == 1  # an unreadable test image: reported, the others evaluated
     stdout, err = capsys.readouterr()
@@ -87,8 +84,7 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
 
 def test_evaluate_says_what_hard_attention_read(bundles, shapes, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("captioner.evaluation.report.java_available", lambda: False)
-    common = ["evaluate", "--shapes", str(shapes), "--split", "val", "--method", "greedy", "--max-len", MAX_LEN]
-    common += ["--workers", "0"]
+    common = ["evaluate", "--shapes", str(shapes), "--split", "val", "--method", "greedy", *QUICK]
     metrics = {}
     for mode in ("argmax", "expectation", None):
         out = tmp_path / str(mode)
@@ -149,8 +145,7 @@ def test_instances_without_attention_correctness_say_why(bundles, shapes, tmp_pa
     annotations = shapes / "annotations"
     dataset = [
         *("--coco-captions", str(annotations / "captions_test.json"), "--images", str(shapes / "images" / "test")),
-        *("--instances", str(annotations / "instances_test.json"), "--no-coco", "--max-len", MAX_LEN),
-        *("--workers", "0", "--method", "greedy"),
+        *("--instances", str(annotations / "instances_test.json"), "--no-coco", *QUICK, "--method", "greedy"),
     ]
     assert cli.main(["evaluate", "--model", bundles["soft"], *dataset, "--out", str(tmp_path / "shapes")]) == 0
     out, err = capsys.readouterr()
@@ -180,10 +175,7 @@ def test_evaluate_runs_the_coco_caption_suite(bundles, shapes, tmp_path, capsys)
                 str(out),
                 "--method",
                 "greedy",
-                "--max-len",
-                MAX_LEN,
-                "--workers",
-                "0",
+                *QUICK,
             ]
         )
         == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from captioner import cli
-from cli_helpers import MAX_LEN, SHAPE_WORDS, before_summary, one_error_line
+from cli_helpers import QUICK, SHAPE_WORDS, before_summary, one_error_line
 
 
 def _image_info(shapes: Path, folder: Path, split: str = "test2014") -> Path:
@@ -59,10 +59,7 @@ def test_caption_an_image_info_file_for_the_evaluation_server(bundles, shapes, t
         str(out),
         "--model",
         bundles["soft"],
-        "--max-len",
-        MAX_LEN,
-        "--workers",
-        "0",
+        *QUICK,
         "--name",
         "sat-soft",
     ]
@@ -135,10 +132,7 @@ def test_evaluate_writes_the_server_file_for_an_image_info_file(bundles, shapes,
         str(tmp_path / "test2014"),
         "--model",
         bundles["soft"],
-        "--max-len",
-        MAX_LEN,
-        "--workers",
-        "0",
+        *QUICK,
         "--method",
         "greedy",
     ]
