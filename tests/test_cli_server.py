@@ -46,23 +46,16 @@ def _image_info(shapes: Path, folder: Path, split: str = "test2014") -> Path:
     return target
 
 
+def _server_request(info: Path, images: Path, out: Path, bundle: str) -> list[str]:
+    """``captioner caption`` of an image_info file's images into a results file for the evaluation server (items 1
+    and 2 are ``--image-info`` and its file, 5 and 6 ``--images`` and its folder)."""
+    return ["caption", "--image-info", str(info), "--images", str(images), "--out", str(out), "--model", bundle]
+
+
 def test_caption_an_image_info_file_for_the_evaluation_server(bundles, shapes, tmp_path, capsys):
     info = _image_info(shapes, tmp_path / "test2014")
     out = tmp_path / "server"
-    args = [
-        "caption",
-        "--image-info",
-        str(info),
-        "--images",
-        str(tmp_path / "test2014"),
-        "--out",
-        str(out),
-        "--model",
-        bundles["soft"],
-        *QUICK,
-        "--name",
-        "sat-soft",
-    ]
+    args = [*_server_request(info, tmp_path / "test2014", out, bundles["soft"]), *QUICK, "--name", "sat-soft"]
     assert cli.main(args) == 0
     stdout, err = capsys.readouterr()
     target = out / "captions_test2014_sat-soft_results.json"
@@ -160,17 +153,7 @@ def test_evaluate_writes_the_server_file_for_an_image_info_file(bundles, shapes,
 )
 def test_a_bad_image_info_request_is_one_line_and_exit_2(change, message, bundles, shapes, tmp_path, capsys):
     info = _image_info(shapes, tmp_path / "test2014")
-    args = [
-        "caption",
-        "--image-info",
-        str(info),
-        "--images",
-        str(tmp_path / "test2014"),
-        "--out",
-        str(tmp_path / "out"),
-        "--model",
-        bundles["soft"],
-    ]
+    args = _server_request(info, tmp_path / "test2014", tmp_path / "out", bundles["soft"])
     if change[0] == "--name":
         args += change
     elif change[0] == "--rename":
