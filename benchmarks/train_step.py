@@ -65,11 +65,15 @@ STEPS = {False: "eager", True: "CUDA graph"}  # how a row's step runs
 KARPATHY_TRAIN = 113_287  # images in the Karpathy training split (restval included): an epoch's estimate
 
 
-def step_row(size: composed.Setup, source: str, graphs: bool, args: argparse.Namespace) -> list[object]:
+def step_row(
+    size: composed.Setup, source: str, graphs: bool, args: argparse.Namespace, flops: int | None = None
+) -> tuple[list[object], int]:
     """Time one configuration of the whole captioner's training step; ``source``: images, per_caption, features;
-    ``graphs``: forward, loss and backward replayed as one CUDA graph (``model.graphs``)."""
+    ``graphs``: forward, loss and backward replayed as one CUDA graph (``model.graphs``). The row and its step's
+    FLOPs: counted on an eager step, or the eager row's ``flops`` for a graphed one (a replay dispatches nothing
+    to count, and the work is the same)."""
     model, step, pairs = composed.model_train_step(size, args, source, graphs)
-    flops = clock.count_flops(composed.model_train_step(size, args, source)[1])  # the eager step's: the same work
+    flops = clock.count_flops(step) if flops is None else flops
     with (
         peak.PeakMemory(args.device) as memory,
         counters.EncoderCounter(model) as counter,
@@ -94,21 +98,23 @@ def step_row(size: composed.Setup, source: str, graphs: bool, args: argparse.Nam
         memory.peak_mib,
         memory.added_mib,
         others.percent,
-    ]
+    ], flops
 
 
-def decoder_row(size: composed.Setup, images: int, gathered: bool, graphs: bool, args: argparse.Namespace) -> list:
+def decoder_row(
+    size: composed.Setup, images: int, gathered: bool, graphs: bool, args: argparse.Namespace, flops: int | None = None
+) -> tuple[list[object], int]:
     """Time the decoder's training step alone on grid features already in memory, its captions in training's
     layout (K per image, one copy of each image's features) or ``gathered`` (the features copied to each);
-    ``graphs`` as ``step_row``'s."""
+    ``graphs`` and ``flops`` as ``step_row``'s."""
     module = composed.build_module(size, args)
     decoder = module.model.decoder
     height, width, channels = composed.grid_shape(size)
     features = torch.randn(images, height * width, channels, device=args.device).relu()  # (B, L, C)
     captions, index = composed.random_captions(size, images, args.device, gathered)
     forward, batch = composed.decoder_training(decoder, features, captions, index)
-    flops = clock.count_flops(composed.make_train_step(module, decoder, forward, batch, args))
     step = composed.make_train_step(module, decoder, forward, batch, args, graphs)
+    flops = clock.count_flops(step) if flops is None else flops
     with peak.PeakMemory(args.device) as memory, machine.OtherLoad() as others:
         timing = clock.measure(step, args)
     seconds, pairs = timing.median, captions.size(0)
@@ -127,7 +133,7 @@ def decoder_row(size: composed.Setup, images: int, gathered: bool, graphs: bool,
         memory.peak_mib,
         memory.added_mib,
         others.percent,
-    ]
+    ], flops
 
 
 def decoder_batch(size: composed.Setup, args: argparse.Namespace) -> int:
@@ -158,24 +164,23 @@ def main(argv: list[str] | None = None) -> None:
             "during the row (/proc/stat), above ~10 % the row is slowed by contention",
         ],
     )
-    graphs = [False, True] if args.device.type == "cuda" else [False]  # model.graphs: CUDA only
+    cuda = args.device.type == "cuda"  # model.graphs: CUDA only, and a graphed row after its eager twin
     with machine.timed_section():
         rows = []
         for pair in zip(soft, hard):
             for size in pair:
                 for source in ("images", "features"):
-                    rows += [step_row(size, source, graphed, args) for graphed in graphs]
+                    row, flops = step_row(size, source, False, args)
+                    rows += [row, step_row(size, source, True, args, flops)[0]] if cuda else [row]
             if not (args.quick and pair[0].name.startswith("coco")):  # 5x the CNN work: slow at 448 px on a CPU
-                rows.append(step_row(pair[0], "per_caption", False, args))
+                rows.append(step_row(pair[0], "per_caption", False, args)[0])
         tables.print_table("Training step: encoder + decoder + loss + backward + Adam", TRAIN_COLUMNS, rows)
-        rows = [
-            decoder_row(size, decoder_batch(size, args), gathered, graphed, args)
-            for pair in zip(soft, hard)
-            for size in pair
-            for gathered in (False, True)
-            for graphed in graphs
-            if not (gathered and graphed)
-        ]
+        rows = []
+        for size in (size for pair in zip(soft, hard) for size in pair):
+            images = decoder_batch(size, args)
+            row, flops = decoder_row(size, images, False, False, args)
+            rows += [row, decoder_row(size, images, False, True, args, flops)[0]] if cuda else [row]
+            rows.append(decoder_row(size, images, True, False, args)[0])
         tables.print_table("Decoder-only training step given features", DECODER_COLUMNS, rows)
 
 
