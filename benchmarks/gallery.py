@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
-import statistics
+import itertools
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
+import clock
 import composed
 import machine
 import options
@@ -41,7 +42,7 @@ from captioner.inference import Captioned, caption_files, load_model
 from captioner.viz.gallery import GalleryEntry, write_gallery
 from captioner.viz.layout import GalleryFiles
 from captioner.viz.overlay import shade
-from captioner.viz.sheet import JPEG_QUALITY, save_picture, sheet_picture, write_sheet
+from captioner.viz.sheet import save_picture, sheet_picture, write_jpeg, write_sheet
 
 STAGES = ["images", "words", "stage", "ms/image", "share %"]
 PIECES = ["words", "piece", "ms/image"]
@@ -98,21 +99,10 @@ def stage_rows(folder: Path, bundle: Path, args: argparse.Namespace, out: Path) 
     return [*rows, [len(results), words, "total", 1e3 * total / len(results), 100.0]]
 
 
-def median_ms(work: Callable[[int], object], repeats: int) -> float:
-    """The median time of ``work(run)`` over ``repeats`` runs (after one untimed run), in milliseconds."""
-    work(-1)
-    times = []
-    for run in range(repeats):
-        start = time.perf_counter()
-        work(run)
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def encoded(picture: Image.Image) -> int:
     """The bytes of ``picture`` (a PIL image) as the gallery's JPEG, encoded in memory."""
     buffer = io.BytesIO()
-    picture.save(buffer, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+    write_jpeg(picture, buffer)
     return buffer.tell()
 
 
@@ -126,21 +116,26 @@ def piece_rows(folder: Path, args: argparse.Namespace, out: Path) -> list[list[o
     sheet = sheet_picture(shading, words, title)
     files = GalleryFiles(out)
 
-    def write(run: int) -> None:
-        number = run + 1  # a new entry each run, as a gallery writes them
+    numbers = itertools.count(1)
+
+    def write() -> None:
+        number = next(numbers)  # a new entry each run, as a gallery writes them
         save_picture(sheet, files.record(files.sheet(number, "scene.png")))
         paths = files.record_all(files.panel(number, "scene.png", step) for step in range(len(words)))
         for panel, path in zip(shading.panels, paths):
             save_picture(panel, path)
 
-    pieces: dict[str, Callable[[int], object]] = {
-        "shade": lambda _: shade(picture, words, alphas, (6, 6)),
-        "sheet picture": lambda _: sheet_picture(shading, words, title),
-        "sheet JPEG (memory)": lambda _: encoded(sheet),
-        "panel JPEGs (memory)": lambda _: [encoded(panel) for panel in shading.panels],
+    pieces: dict[str, Callable[[], object]] = {
+        "shade": lambda: shade(picture, words, alphas, (6, 6)),
+        "sheet picture": lambda: sheet_picture(shading, words, title),
+        "sheet JPEG (memory)": lambda: encoded(sheet),
+        "panel JPEGs (memory)": lambda: [encoded(panel) for panel in shading.panels],
         "files: sheet + panels": write,
     }
-    return [[args.max_len, name, median_ms(work, args.pieces)] for name, work in pieces.items()]
+    return [
+        [args.max_len, name, 1e3 * clock.measure(work, args, warmup=1, repeats=args.pieces).median]
+        for name, work in pieces.items()
+    ]
 
 
 def command_rows(folder: Path, bundle: Path, args: argparse.Namespace, out: Path) -> list[list[object]]:

@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from matplotlib import font_manager
@@ -161,5 +162,10 @@ def save_picture(picture: Image.Image, path: str | os.PathLike) -> Path:
         if path.suffix.lower() == ".png":
             picture.save(handle, format="PNG", compress_level=PNG_LEVEL)
         else:
-            picture.save(handle, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+            write_jpeg(picture, handle)
     return path
+
+
+def write_jpeg(picture: Image.Image, handle: BinaryIO) -> None:
+    """``picture`` into ``handle`` as a gallery's JPEG: JPEG_QUALITY, no chroma subsampling."""
+    picture.save(handle, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
