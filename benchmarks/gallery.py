@@ -39,10 +39,10 @@ from captioner.config import DecodingConfig, ShapesSpec
 from captioner.data.images import load_rgb
 from captioner.data.shapes import generate_shapes
 from captioner.inference import Captioned, caption_files, load_model
-from captioner.viz.gallery import GalleryEntry, write_gallery
+from captioner.viz.gallery import GalleryEntry, Panels, write_gallery
 from captioner.viz.layout import GalleryFiles
 from captioner.viz.overlay import shade
-from captioner.viz.sheet import save_picture, sheet_picture, write_jpeg, write_sheet
+from captioner.viz.sheet import save_picture, sheet_picture, strip_picture, write_jpeg, write_sheet
 
 STAGES = ["images", "words", "stage", "ms/image", "share %"]
 PIECES = ["words", "piece", "ms/image"]
@@ -62,11 +62,11 @@ def make_folder(root: Path, images: int, args: argparse.Namespace) -> tuple[Path
 
 def stage_rows(folder: Path, bundle: Path, args: argparse.Namespace, out: Path) -> list[list[object]]:
     """Each stage of a gallery timed on its own, over every image: captioning, decoding the image again,
-    shading the panels, writing the sheet, writing the panels, writing the pages (copies included)."""
+    shading the panels, writing the sheet, writing the strip of the panels, writing the pages (copies included)."""
     paths = sorted(str(path) for path in folder.iterdir())
     loaded = load_model(bundle)
     decoding = dataclasses.replace(DecodingConfig.captioning(), max_len=args.max_len)
-    seconds = dict.fromkeys(["caption", "decode", "shade", "sheet", "panels", "pages and copies"], 0.0)
+    seconds = dict.fromkeys(["caption", "decode", "shade", "sheet", "strip", "pages and copies"], 0.0)
     start = time.perf_counter()
     results = [
         item for item in caption_files(loaded, paths, workers=0, decoding=decoding) if isinstance(item, Captioned)
@@ -84,10 +84,10 @@ def stage_rows(folder: Path, bundle: Path, args: argparse.Namespace, out: Path) 
         sheet = write_sheet(shading, result.words, files.record(files.sheet(number, result.path)), result.caption)
         seconds["sheet"] += time.perf_counter() - clock
         clock = time.perf_counter()
-        paths = files.record_all(files.panel(number, result.path, step) for step in range(len(result.words)))
-        panels = [(word, save_picture(panel, path)) for word, panel, path in zip(result.words, shading.panels, paths)]
-        seconds["panels"] += time.perf_counter() - clock
-        entries.append(GalleryEntry(result.path, result.caption, sheet, panels=tuple(panels)))
+        strip = save_picture(strip_picture(shading), files.record(files.strip(number, result.path)))
+        seconds["strip"] += time.perf_counter() - clock
+        panels = Panels(strip, tuple(result.words), shading.picture.size)
+        entries.append(GalleryEntry(result.path, result.caption, sheet, panels=panels))
     clock = time.perf_counter()
     write_gallery(out, entries, files=files)
     seconds["pages and copies"] = time.perf_counter() - clock
@@ -120,17 +120,17 @@ def piece_rows(folder: Path, args: argparse.Namespace, out: Path) -> list[list[o
 
     def write() -> None:
         number = next(numbers)  # a new entry each run, as a gallery writes them
-        save_picture(sheet, files.record(files.sheet(number, "scene.png")))
-        paths = files.record_all(files.panel(number, "scene.png", step) for step in range(len(words)))
-        for panel, path in zip(shading.panels, paths):
-            save_picture(panel, path)
+        sheet_path, strip_path = files.record_all([files.sheet(number, "scene.png"), files.strip(number, "scene.png")])
+        save_picture(sheet, sheet_path)
+        save_picture(strip_picture(shading), strip_path)
 
     pieces: dict[str, Callable[[], object]] = {
         "shade": lambda: shade(picture, words, alphas, (6, 6)),
         "sheet picture": lambda: sheet_picture(shading, words, title),
         "sheet JPEG (memory)": lambda: encoded(sheet),
-        "panel JPEGs (memory)": lambda: [encoded(panel) for panel in shading.panels],
-        "files: sheet + panels": write,
+        "strip picture": lambda: strip_picture(shading),
+        "strip JPEG (memory)": lambda: encoded(strip_picture(shading)),
+        "files: sheet + strip": write,
     }
     return [
         [args.max_len, name, 1e3 * clock.measure(work, args, warmup=1, repeats=args.pieces).median]

@@ -58,14 +58,14 @@ def test_force_replaces_the_gallery_and_nothing_of_the_users(bundle, tmp_path, c
         assert {name: after.get(name) for name in users} == users  # every file of the user's, as it was
         gallery = sorted(set(after) - set(users))
         assert gallery == sorted(
-            [".captioner-gallery", "index.html", "0000_0001_cat.jpg", "0001_0002_dog.jpg"]
-            + [f"{n}/0{k}.jpg" for n in ("0000_0001_cat", "0001_0002_dog") for k in (1, 2)]
+            [".captioner-gallery", "index.html"]
+            + [f"{n}{kind}.jpg" for n in ("0000_0001_cat", "0001_0002_dog") for kind in ("", ".panels")]
         )  # the inputs lie inside the gallery: linked, not copied
         assert sorted(recorded(project)) == [name for name in gallery if name != ".captioner-gallery"]
     assert attend(bundle, str(project / "images" / "0002_dog.png"), "--out", str(project), "--force") == 0
     after = snapshot(project)
     assert {name: after.get(name) for name in users} == users
-    assert not (project / "0001_0002_dog.jpg").exists() and not (project / "0001_0002_dog").exists()  # the old
+    assert not (project / "0001_0002_dog.jpg").exists() and not (project / "0001_0002_dog.panels.jpg").exists()
     assert (project / "0000_0002_dog.jpg").is_file()
 
 
@@ -192,19 +192,23 @@ def test_attend_a_folder_writes_overlays_and_a_gallery(bundles, inputs, tmp_path
     stdout, err = capsys.readouterr()
     rows = [line.split("\t") for line in stdout.splitlines()]
     assert [row[0] for row in rows] == [good[0], good[-1], good[-2]]
-    assert sorted(out.glob("*.jpg")) == sorted(Path(row[2]) for row in rows)
+    sheets = [path for path in out.glob("*.jpg") if not path.name.endswith(".panels.jpg")]
+    assert sorted(sheets) == sorted(Path(row[2]) for row in rows)
     assert err.splitlines()[0].startswith(f"error: {folder / '03_text.jpg'}: not an image file")
     page = (out / "index.html").read_text()
     parser = Links()
     parser.feed(page)
     names = [Path(row[2]).stem for row in rows]  # entry n for the n-th input: 0000_01_grey, 0002_25_bitmap, ...
     assert names == [f"{n:04d}_{Path(image).stem}" for n, image in enumerate(images) if image != bad]
-    panels = [f"{name}/{step:02d}.jpg" for name in names for step in range(1, 4)]
-    assert sorted(str(p.relative_to(out)) for p in out.glob("0*/*.jpg")) == panels  # a panel per word
+    strips = [out / f"{name}.panels.jpg" for name in names]
+    assert sorted(out.glob("*.panels.jpg")) == strips
+    for strip, row in zip(strips, rows):  # a panel per word, each the image's size, in one row
+        with Image.open(row[0]) as image, Image.open(strip) as picture:
+            assert picture.size == sheet.Strip(image.size, 3).picture_size
     # the originals, copied so that the folder can be moved: a small PNG as it is, a BMP as JPEG
     copies = [f"images/{name}{'.jpg' if name.endswith('bitmap') else '.png'}" for name in names]
     assert parser.links == [
-        link for name, copy in zip(names, copies) for link in (copy, f"{name}/01.jpg", f"{name}.jpg")
+        link for name, copy in zip(names, copies) for link in (copy, f"{name}.panels.jpg", f"{name}.jpg")
     ]
     assert all(row[1] in page for row in rows)
     assert f"<li><code>{folder / '03_text.jpg'}</code>: not an image file" in page  # the failed input is listed
@@ -220,7 +224,7 @@ def test_force_replaces_an_earlier_gallery(bundles, inputs, tmp_path, capsys):
     assert cli.main([*args, good[2], "--force"]) == 0
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     name = f"0000_{Path(good[2]).stem}"
-    gallery = ["index.html", f"{name}.jpg", f"{name}/01.jpg", f"images/{name}.png"]
+    gallery = ["index.html", f"{name}.jpg", f"{name}.panels.jpg", f"images/{name}.png"]
     assert written == sorted([*gallery, "notes.txt", ".captioner-gallery"])
     assert sorted(json.loads(line) for line in (out / ".captioner-gallery").read_text().splitlines()) == sorted(gallery)
 
@@ -250,7 +254,7 @@ def test_a_file_the_writing_thread_cannot_write_stops_the_gallery_and_its_image_
     save = sheet.save_picture
 
     def full_disk(picture, path):
-        if Path(path).parent.name.startswith("0001_"):  # the second image's panels
+        if Path(path).name.startswith("0001_") and Path(path).name.endswith(".panels.jpg"):  # the 2nd image's strip
             raise OSError(28, "No space left on device")
         return save(picture, path)
 

@@ -126,12 +126,12 @@ def test_gallery_runs_every_stage_and_both_commands(run_tiny: Callable[..., str]
     stdout = run_tiny("gallery")
     rows = table(stdout, "Gallery stages, per image", 7)
     assert [row["stage"] for row in rows] == [
-        "caption", "decode", "shade", "sheet", "panels", "pages and copies", "total"
+        "caption", "decode", "shade", "sheet", "strip", "pages and copies", "total"
     ]  # fmt: skip
     assert all(row["images"] == "4" and row["words"] == "3" for row in rows)  # never-ending captions: 3 words
-    rows = table(stdout, "Drawing one image, per piece", 5)
+    rows = table(stdout, "Drawing one image, per piece", 6)
     assert [row["piece"] for row in rows] == [
-        "shade", "sheet picture", "sheet JPEG (memory)", "panel JPEGs (memory)", "files: sheet + panels"
+        "shade", "sheet picture", "sheet JPEG (memory)", "strip picture", "strip JPEG (memory)", "files: sheet + strip"
     ]  # fmt: skip
     assert all(row["words"] == "3" and float(row["ms/image"].replace(",", "")) > 0 for row in rows)
     rows = table(stdout, "Whole commands", 2)

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from captioner.viz import gallery
-from captioner.viz.gallery import GalleryEntry, write_gallery
+from captioner.viz.gallery import GalleryEntry, Panels, write_gallery
 from conftest import Links
 
 
@@ -31,7 +31,7 @@ def test_links_are_relative_and_every_file_lies_inside_the_gallery(tmp_path):
             overlay=str(make_png(out / "overlays" / "2.png")),
             references=("a square", "red"),
             image_id=2,
-            panels=(("a", make_png(out / "p" / "1.png")), ("red", make_png(out / "p" / "2.png"))),
+            panels=Panels(make_png(out / "p" / "strip.png"), ("a", "red"), (4, 8)),
         ),
         GalleryEntry(image=str(make_png(tmp_path / "images" / "1.png")), caption="a circle"),
         GalleryEntry(image=str(tmp_path / "gone.jpg"), caption="", error="file not found"),
@@ -40,7 +40,7 @@ def test_links_are_relative_and_every_file_lies_inside_the_gallery(tmp_path):
     assert index == out / "index.html"
     parser = Links()
     parser.feed(index.read_text(encoding="utf-8"))
-    assert parser.links == ["images/0000_my%20image%20%232.png", "p/1.png", "overlays/2.png", "images/0001_1.png"]
+    assert parser.links == ["images/0000_my%20image%20%232.png", "p/strip.png", "overlays/2.png", "images/0001_1.png"]
     for link in parser.links:
         assert (out / unquote(link)).resolve().is_relative_to(out.resolve()) and (out / unquote(link)).is_file()
     with Image.open(out / "images" / "0001_1.png") as copy:  # a small PNG is copied as it is
@@ -57,29 +57,29 @@ def test_every_copy_gets_its_own_name(tmp_path):
     overlay = tmp_path / "overlays" / "cat.png"
     overlay.parent.mkdir()
     Image.new("RGB", (8, 8), "blue").save(overlay)
-    panel = tmp_path / "panels" / "cat.tif"
-    panel.parent.mkdir()
-    Image.new("RGB", (8, 8), "green").save(panel)  # a TIFF: re-encoded as JPEG
+    strip = tmp_path / "panels" / "cat.tif"
+    strip.parent.mkdir()
+    Image.new("RGB", (8, 8), "green").save(strip)  # a TIFF: re-encoded as JPEG
     out = tmp_path / "gallery"
-    write_gallery(out, [GalleryEntry(image, "a cat", overlay=overlay, panels=(("cat", panel),))])
+    write_gallery(out, [GalleryEntry(image, "a cat", overlay=overlay, panels=Panels(strip, ("cat",), (8, 8)))])
     parser = Links()
     parser.feed((out / "index.html").read_text())
-    image_link, panel_link, overlay_link = (unquote(link) for link in parser.links)
-    assert len({image_link, panel_link, overlay_link}) == 3
+    image_link, strip_link, overlay_link = (unquote(link) for link in parser.links)
+    assert len({image_link, strip_link, overlay_link}) == 3
     colours = [
-        Image.open(out / link).convert("RGB").getpixel((4, 4)) for link in (image_link, panel_link, overlay_link)
+        Image.open(out / link).convert("RGB").getpixel((4, 4)) for link in (image_link, strip_link, overlay_link)
     ]
     assert colours[0] == (255, 0, 0) and colours[2] == (0, 0, 255)  # the image shows the image, not the overlay
     assert colours[1][1] > 100 > colours[1][0]  # green (0, 128, 0), through JPEG
     recorded = [json.loads(line) for line in (out / ".captioner-gallery").read_text().splitlines()]
-    assert sorted(recorded) == sorted([image_link, panel_link, overlay_link, "index.html"])
+    assert sorted(recorded) == sorted([image_link, strip_link, overlay_link, "index.html"])
 
 
 def test_a_large_gallery_pages_with_failures_first(tmp_path, monkeypatch):
     monkeypatch.setattr(gallery, "PAGE_SIZE", 2)
     images = [make_png(tmp_path / f"{k}.png") for k in range(5)]
     entries = [
-        GalleryEntry(image, f"caption {k}", panels=(("red", image),), scale=(0.25, 0.8))
+        GalleryEntry(image, f"caption {k}", panels=Panels(image, ("red",), (8, 8)), scale=(0.25, 0.8))
         for k, image in enumerate(images)
     ]
     entries.insert(2, GalleryEntry(tmp_path / "broken.jpg", "", error="not an image file"))
@@ -100,6 +100,20 @@ def test_a_large_gallery_pages_with_failures_first(tmp_path, monkeypatch):
     assert "5 captioned, 1 not captioned" in first
     assert first.index("not an image file") < first.index("caption 0")  # the failures come first
     assert 'class="mark" style="left: 31.2%' in first and "orange mark: 1/L = 0.25" in first  # 0.25 / 0.8 of the scale
+
+
+def test_a_panel_is_cropped_from_its_strip_and_the_words_step_the_crop(tmp_path):
+    strip = make_png(tmp_path / "strip.png")
+    entry = GalleryEntry(make_png(tmp_path / "1.png"), "a b c d e f g", panels=Panels(strip, tuple("abcdefg"), (10, 6)))
+    page = write_gallery(tmp_path / "out", [entry]).read_text()
+    crop = re.search(r'<div class="crop" style="([^"]*)"><img class="panel" src="([^"]*)" [^>]*style="([^"]*)"', page)
+    assert crop.group(1) == "width: 533px; height: 320px"  # 10 x 6 fitted to SHOWN (640 x 320)
+    assert unquote(crop.group(2)) == "images/0000_1.panels.png"  # copied in, as the strip it is
+    # five panels a row of 16 x 8 (each 10 x 6 and white to the next JPEG block), two rows: as % of one panel
+    assert crop.group(3) == "width: 800.0000%; height: 266.6667%; left: 0%; top: 0%"
+    data = html.unescape(re.search(r'data-strip="([^"]*)"', page).group(1))
+    assert json.loads(data) == [5, 160.0, 133.3333]  # columns, one stride across and down, as % of one panel
+    assert json.loads(html.unescape(re.search(r'data-words="([^"]*)"', page).group(1))) == list("abcdefg")
 
 
 def test_text_is_escaped(tmp_path):
@@ -125,14 +139,22 @@ BROWSER = next(
     (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
 )
 # Appended to a copy of the page: checks every image, then steps through the words of the first image with the
-# keyboard and a click, recording the panel shown after each step (once it has loaded).
+# keyboard and a click, recording after each step which pixels of the strip the crop shows (once it has loaded):
+# the corner and the size, in the strip's own pixels.
 CHECKS = """<script>
 window.addEventListener("load", async () => {
   const loaded = img => new Promise(done => img.complete ? done() : img.addEventListener("load", done));
   const entry = document.querySelector(".entry[data-words]");
   const panel = entry.querySelector("img.panel");
-  const state = async () => { await loaded(panel); return [panel.getAttribute("src"), panel.naturalWidth > 0,
-    entry.querySelector("figcaption.word").textContent, entry.querySelector(".words .current").textContent]; };
+  const state = async () => {
+    await loaded(panel);
+    const crop = panel.parentElement.getBoundingClientRect(), whole = panel.getBoundingClientRect();
+    const across = panel.naturalWidth / whole.width, down = panel.naturalHeight / whole.height;
+    const shown = [crop.left - whole.left, crop.top - whole.top, crop.width, crop.height];
+    return [shown.map((value, k) => Math.round(value * (k % 2 ? down : across))),
+      getComputedStyle(panel.parentElement).overflow, panel.alt,
+      entry.querySelector("figcaption.word").textContent, entry.querySelector(".words .current").textContent];
+  };
   const key = name => entry.dispatchEvent(new KeyboardEvent("keydown", {key: name, bubbles: true}));
   const states = [await state()];
   entry.focus(); key("ArrowRight"); states.push(await state());
@@ -159,10 +181,11 @@ def test_a_moved_gallery_works_in_a_real_browser(tmp_path):
     words = ["a", "red", "blue", "circle", "square"]
     bundle = write_bundle(tmp_path / "model.pt", words)
     photos = tmp_path / "photos"
-    make_png(photos / "square.png")
+    photos.mkdir()
+    Image.new("RGB", (10, 6), "red").save(photos / "square.png")  # panels of 10 x 6: 16 x 8 in the strip
     Image.new("RGB", (4000, 20), "blue").save(photos / "wide.tif")  # a TIFF: browsers show only its copy
     (photos / "broken.jpg").write_text("not an image")
-    args = ["attend", str(photos), "--model", str(bundle), "--out", str(tmp_path / "made"), "--max-len", "3"]
+    args = ["attend", str(photos), "--model", str(bundle), "--out", str(tmp_path / "made"), "--max-len", "7"]
     assert cli.main([*args, "--workers", "0"]) == 1  # the broken file
     moved = tmp_path / "elsewhere" / "gallery"
     moved.parent.mkdir()
@@ -179,28 +202,32 @@ def test_a_moved_gallery_works_in_a_real_browser(tmp_path):
     assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
     checks = json.loads(html.unescape(found.group(1)))
     images = checks["images"]
-    assert len(images) == 2 * 2 and all(ok for _, ok in images), images  # two images and their first panels
-    assert {src for src, _ in images} >= {"images/0001_square.png", "images/0002_wide.jpg"}  # 0000: broken.jpg
-    steps = [(src, ok, word, button) for src, ok, word, button in checks["states"]]
-    assert [src for src, *_ in steps] == [f"0001_square/0{k}.jpg" for k in (1, 2, 3, 2, 3)]  # wraps round
-    assert all(ok for _, ok, *_ in steps)
-    assert all(word == button for _, _, word, button in steps)  # the label and the highlighted word agree
+    assert len(images) == 2 * 2 and all(ok for _, ok in images), images  # two images and their strips
+    assert {src for src, _ in images} == {  # 0000: broken.jpg
+        "images/0001_square.png", "0001_square.panels.jpg", "images/0002_wide.jpg", "0002_wide.panels.jpg"
+    }  # fmt: skip
+    corners = [[0, 0], [16, 0], [32, 0], [16, 0], [16, 8]]  # steps 0, 1, 2, 1, then back round to 6: 2nd row
+    assert [shown for shown, *_ in checks["states"]] == [[*corner, 10, 6] for corner in corners]
+    assert all(overflow == "hidden" for _, overflow, *_ in checks["states"])
+    for _, _, alt, word, button in checks["states"]:
+        assert alt == f"attention for: {word}" and word == button  # the label and the highlighted word agree
     assert checks["failed"] == [f"{photos / 'broken.jpg'}: not an image file (Pillow cannot identify its format)"]
 
 
-def test_the_record_takes_an_images_panels_in_one_write_and_never_a_users_file(tmp_path):
+def test_the_record_takes_an_images_files_in_one_write_and_never_a_users_file(tmp_path):
     from captioner.viz.layout import MANIFEST, GalleryFiles
 
     files = GalleryFiles(tmp_path / "out")
-    panels = [files.panel(3, "cat.png", step) for step in range(3)]
-    assert files.record_all([*panels, panels[0]]) == [*panels, panels[0]]
-    assert (tmp_path / "out" / MANIFEST).read_text().splitlines() == [f'"0003_cat/0{k}.jpg"' for k in (1, 2, 3)]
-    assert files.record_all(panels) == panels and len((tmp_path / "out" / MANIFEST).read_text().splitlines()) == 3
-    mine = make_png(files.panel(4, "dog.png", 1))  # a user's file where entry 4's second panel goes
+    written = [files.sheet(3, "cat.png"), files.strip(3, "cat.png"), files.page(0)]
+    assert files.record_all([*written, written[0]]) == [*written, written[0]]
+    names = ["0003_cat.jpg", "0003_cat.panels.jpg", "index.html"]
+    assert (tmp_path / "out" / MANIFEST).read_text().splitlines() == [f'"{name}"' for name in names]
+    assert files.record_all(written) == written and len((tmp_path / "out" / MANIFEST).read_text().splitlines()) == 3
+    mine = make_png(files.strip(4, "dog.png"))  # a user's file where entry 4's strip goes
     with pytest.raises(FileExistsError, match="no gallery wrote it"):
-        files.record_all([files.panel(4, "dog.png", 0), mine])
-    assert not files.ours(files.panel(4, "dog.png", 0))  # nothing of that call recorded
-    assert GalleryFiles(tmp_path / "out").earlier == {f"0003_cat/0{k}.jpg" for k in (1, 2, 3)}
+        files.record_all([files.sheet(4, "dog.png"), mine])
+    assert not files.ours(files.sheet(4, "dog.png"))  # nothing of that call recorded
+    assert GalleryFiles(tmp_path / "out").earlier == set(names)
 
 
 def test_a_recorded_name_resolves_links_below_the_folder(tmp_path):

@@ -212,3 +212,24 @@ def test_the_sheet_shows_a_small_image_at_a_whole_multiple_each_pixel_a_block_an
     large = overlay.shade(noise.resize((400, 400)), ["left"], alphas[:1], (2, 2))
     shrunk = np.asarray(sheet_picture(large, ["left"], None))[top - (CELL - 192) // 2 :][:CELL, GAP : GAP + CELL]
     assert (shrunk != 255).all(axis=-1).sum() > 0.95 * CELL * CELL  # 400 pixels shown in the cell's 200
+
+
+def test_the_strip_holds_every_panel_as_is_on_jpeg_blocks_in_rows_a_jpeg_can_hold():
+    from captioner.viz.sheet import BLOCK, JPEG_SIDE, Strip, strip_picture
+
+    noise = Image.fromarray(np.random.default_rng(1).integers(0, 256, (6, 10, 3), dtype=np.uint8))  # 10 x 6
+    words = [f"w{k}" for k in range(7)]
+    shading = overlay.shade(noise, words, torch.rand(7, 4).softmax(-1), (2, 2))
+    strip = Strip((10, 6), 7)
+    assert (strip.stride, strip.columns, strip.picture_size) == ((16, 8), 5, (80, 16))
+    assert [strip.corner(k) for k in (0, 4, 5, 6)] == [(0, 0), (64, 0), (0, 8), (16, 8)]
+    pixels = np.asarray(strip_picture(shading))
+    assert pixels.shape == (16, 80, 3)
+    for step, panel in enumerate(shading.panels):
+        x, y = strip.corner(step)
+        np.testing.assert_array_equal(pixels[y : y + 6, x : x + 10], np.asarray(panel))  # each panel as it is
+        assert (pixels[y : y + 8, x + 10 : x + 16] == 255).all() and (pixels[y + 6 : y + 8, x : x + 16] == 255).all()
+    assert (pixels[8:, 32:] == 255).all()  # no panel after the last
+    tall = Strip((448, 20_000), 20)  # five to a row would make a JPEG taller than it can be
+    assert tall.columns == 7 and tall.picture_size[1] <= JPEG_SIDE and tall.stride == (448, 20_000)
+    assert Strip((3, 3), 2).stride == (BLOCK, BLOCK) and Strip((3, 3), 2).columns == 2

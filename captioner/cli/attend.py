@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # drawing's modules load with the command, not with the CLI
     from captioner.inference import Captioned
     from captioner.viz.overlay import Shading
 
-AHEAD = 4  # images whose sheet and panels the writing thread may still have to write while the next are shaded
+AHEAD = 4  # images whose sheet and strip the writing thread may still have to write while the next are shaded
 
 
 def _gallery_files(files: GalleryFiles) -> Callable[[Path], bool]:
@@ -57,13 +57,15 @@ def _check_gallery(files: GalleryFiles, found: Inputs, out: str) -> None:
         )
 
 
-def _write(shading: Shading, words: Sequence[str], target: Path, title: str, panels: list[Path]) -> list[Path]:
-    """Write one image's sheet at ``target`` and its panels at ``panels`` (none for a single ``.png``): Pillow
-    composes and encodes, and the files are made, outside Python's lock, beside the next image's captioning."""
+def _write(shading: Shading, words: Sequence[str], target: Path, title: str, strip: Path | None) -> None:
+    """Write one image's sheet at ``target`` and the strip of its panels at ``strip`` (none for a single
+    ``.png``): Pillow composes and encodes, and the files are made, outside Python's lock, beside the next
+    image's captioning."""
     from captioner.viz import sheet
 
     sheet.write_sheet(shading, words, target, title)
-    return [sheet.save_picture(panel, path) for panel, path in zip(shading.panels, panels)]
+    if strip is not None:
+        sheet.save_picture(sheet.strip_picture(shading), strip)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     Prints ``path<TAB>caption<TAB>overlay`` per image and a summary line on stderr. With ``--force`` a gallery
     replaces exactly the files an earlier gallery recorded in ``--out``, once the model has loaded.
     """
-    from captioner.viz.gallery import GalleryEntry, write_gallery
+    from captioner.viz.gallery import GalleryEntry, Panels, write_gallery
     from captioner.viz.overlay import shade
 
     decode = options.decode_options(args)
@@ -99,13 +101,15 @@ def run(args: argparse.Namespace) -> int:
     output = Output()
     cleared = single
     show = options.progress(args, len(found.paths))
-    pending: deque[tuple[Future, Captioned, Path, Shading, int]] = deque()  # written in the background, in order
+    # (its files' writing in the background, the result, its sheet, its strip, its shading, its entry), in order
+    pending: deque[tuple[Future, Captioned, Path, Path | None, Shading, int]] = deque()
 
     def finish(bar: tqdm) -> None:
         """Wait for the oldest image's files (an error in writing them raises here), then list and print it."""
-        future, result, target, shading, number = pending.popleft()
-        panels = tuple(zip(result.words, future.result()))
+        future, result, target, strip, shading, number = pending.popleft()
+        future.result()
         if not single:
+            panels = Panels(strip, tuple(result.words), shading.picture.size) if strip else None
             scale = (shading.uniform, shading.top)
             entries[number] = GalleryEntry(result.path, result.caption, target, panels=panels, scale=scale)
         output.caption(result, target)
@@ -119,11 +123,13 @@ def run(args: argparse.Namespace) -> int:
                     cleared = True
                 number, picture = numbers[result.path], load_rgb(result.path, args.max_pixels)
                 shading = shade(picture, result.words, result.alphas, result.grid, result.locations)
-                target = out if single else files.record(files.sheet(number, result.path))
-                steps = range(0 if single else len(result.words))
-                panels = files.record_all(files.panel(number, result.path, step) for step in steps)
-                job = writer.submit(_write, shading, result.words, target, result.caption, panels)
-                pending.append((job, result, target, shading, number))
+                target, strip = out, None
+                if not single:
+                    target = files.sheet(number, result.path)
+                    strip = files.strip(number, result.path) if result.words else None  # no panel, no strip
+                    files.record_all([target, strip] if strip else [target])
+                job = writer.submit(_write, shading, result.words, target, result.caption, strip)
+                pending.append((job, result, target, strip, shading, number))
                 while len(pending) > AHEAD:
                     finish(bar)
             while pending:

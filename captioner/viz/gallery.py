@@ -3,8 +3,9 @@
 The pages and everything they show live in one folder, linked relatively: the folder can be moved or copied
 and still works. Files from elsewhere are copied in (a PNG, JPEG, GIF or WebP of at most COPY_SIDE pixels as
 it is; others re-encoded as JPEG, so that a TIFF or PPM shows in any browser). Each image shows its caption,
-the image and one attention panel at a readable size with its word under it; the words are stepped through
-with the arrow keys (once the image is clicked or tabbed to) or by clicking them. PAGE_SIZE images make a
+the image and one attention panel at a readable size with its word under it, cropped from the strip of all its
+panels (captioner.viz.sheet.Strip: one file an image); the words are stepped through with the arrow keys (once
+the image is clicked or tabbed to) or by clicking them. PAGE_SIZE images make a
 page, each page links every other; the inputs that could not be captioned are listed first, on the first
 page (index.html). Every file is named by captioner.viz.layout and recorded there before it is written.
 """
@@ -26,6 +27,7 @@ from PIL import ExifTags, Image
 from captioner.data.images import load_rgb
 from captioner.fileio import atomic_write
 from captioner.viz.layout import GalleryFiles
+from captioner.viz.sheet import Strip
 
 PAGE_SIZE = 50  # captioned images per page
 AS_IS = ("PNG", "JPEG", "GIF", "WEBP")  # formats every browser shows: a still RGB or grey one small enough is copied
@@ -39,6 +41,16 @@ MARK = "rgb(230, 120, 0)"  # the 1/L mark's colour, as on the sheets (captioner.
 
 
 @dataclass(frozen=True)
+class Panels:
+    """A caption's attention panels, one per word, in one strip file laid out as ``Strip(size, len(words))``
+    says (captioner.viz.sheet.strip_picture)."""
+
+    strip: str | Path  # the strip file
+    words: tuple[str, ...]  # the caption's words, in order: panel k is word k's
+    size: tuple[int, int]  # one panel's (width, height) in the strip, pixels
+
+
+@dataclass(frozen=True)
 class GalleryEntry:
     """One input of the gallery: its caption and attention, or the error that kept it from being captioned."""
 
@@ -47,7 +59,7 @@ class GalleryEntry:
     overlay: str | Path | None = None  # all panels in one image (captioner.viz.overlay.draw_overlay)
     references: tuple[str, ...] = ()  # reference captions, shown under the generated one
     image_id: int | None = None  # the heading; the image's file name when None
-    panels: tuple[tuple[str, str | Path], ...] = ()  # (word, its attention panel), in caption order
+    panels: Panels | None = None  # the words and their attention panels
     scale: tuple[float, float] | None = None  # the panels' scale: (1/L, the top weight per cell; Shading's)
     error: str | None = None  # why the input was not captioned (the entry is listed, not shown)
 
@@ -60,6 +72,9 @@ body { font-family: sans-serif; margin: 1.5em; background: #fafafa; color: #222;
 .stage { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
 .stage figure { margin: 0; display: flex; flex-direction: column; align-items: center; max-width: 100%; }
 .stage img { max-width: 100%; object-fit: contain; background: #eee; image-rendering: pixelated; display: block; }
+.stage .frame { display: flex; align-items: center; justify-content: center; background: #eee; }
+.stage .crop { position: relative; overflow: hidden; }
+.stage .crop img { position: absolute; max-width: none; background: none; }
 .stage figcaption { font-size: 1.6em; text-align: center; margin-top: 0.3em; }
 .words { margin: 0.8em 0 0.3em; }
 .words button { font-size: 1.1em; margin: 0 0.2em 0.3em 0; padding: 0.2em 0.6em; border: 1px solid #aaa;
@@ -78,11 +93,13 @@ nav.pages { margin: 0.5em 0 1em; } nav.pages a, nav.pages b { margin-right: 0.4e
 
 _SCRIPT = """
 function show(entry, step) {
-  const words = JSON.parse(entry.dataset.words), panels = JSON.parse(entry.dataset.panels);
+  const words = JSON.parse(entry.dataset.words), [columns, across, down] = JSON.parse(entry.dataset.strip);
   step = (step + words.length) % words.length;
   entry.dataset.step = step;
-  entry.querySelector("img.panel").src = panels[step];
-  entry.querySelector("img.panel").alt = "attention for: " + words[step];
+  const panel = entry.querySelector("img.panel");
+  panel.style.left = -(step % columns) * across + "%";
+  panel.style.top = -Math.floor(step / columns) * down + "%";
+  panel.alt = "attention for: " + words[step];
   entry.querySelector("figcaption.word").textContent = words[step];
   entry.querySelectorAll(".words button").forEach((b, i) => b.classList.toggle("current", i === step));
 }
@@ -131,15 +148,44 @@ def _local(
     return _href(copy, files.root)
 
 
+def _fitted(size: tuple[int, int]) -> tuple[int, int]:
+    """A picture of ``size`` (width, height) scaled to fit SHOWN, its aspect ratio kept (at least a pixel)."""
+    scale = min(SHOWN[0] / size[0], SHOWN[1] / size[1])
+    return (max(1, round(size[0] * scale)), max(1, round(size[1] * scale)))
+
+
+def _box(size: tuple[int, int]) -> str:
+    """The ``style`` of the box that shows a picture of ``size`` fitted (:func:`_fitted`) and centred: at least
+    SHOWN_MIN pixels each way."""
+    width, height = _fitted(size)
+    return f"width: {max(SHOWN_MIN, width)}px; height: {max(SHOWN_MIN, height)}px"
+
+
 def _shown(link: str, out_dir: Path) -> str:
-    """The ``style`` that shows the image of ``link`` (in ``out_dir``) scaled to fit SHOWN, in a box of at least
-    SHOWN_MIN pixels each way (the image centred in it, its aspect ratio kept)."""
+    """The ``style`` that shows the image of ``link`` (in ``out_dir``) in its :func:`_box`, as a browser turns
+    it (EXIF orientation)."""
     with Image.open(out_dir / unquote(html.unescape(link))) as image:
         width, height = image.size
         if image.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):  # a browser turns it on its side
             width, height = height, width
-    scale = min(SHOWN[0] / width, SHOWN[1] / height)
-    return f"width: {max(SHOWN_MIN, round(width * scale))}px; height: {max(SHOWN_MIN, round(height * scale))}px"
+    return _box((width, height))
+
+
+def _panel(panels: Panels, link: str) -> tuple[str, str]:
+    """The first word's panel, cropped from the strip at ``link``: its HTML, and the ``data-strip`` that steps
+    the crop to another word's (columns, and one panel's stride across and down as % of a panel)."""
+    strip = Strip(panels.size, len(panels.words))
+    (width, height), (across, down) = panels.size, strip.stride
+    columns, rows = strip.columns, -(-strip.count // strip.columns)
+    fitted = _fitted(panels.size)
+    first = html.escape(panels.words[0])
+    whole = f"width: {100 * columns * across / width:.4f}%; height: {100 * rows * down / height:.4f}%"
+    figure = (
+        f'<figure><div class="frame" style="{_box(panels.size)}"><div class="crop" style="width: {fitted[0]}px; '
+        f'height: {fitted[1]}px"><img class="panel" src="{link}" alt="attention for: {first}" style="{whole}; '
+        f'left: 0%; top: 0%"></div></div><figcaption class="word">{first}</figcaption></figure>'
+    )
+    return figure, json.dumps([columns, round(100 * across / width, 4), round(100 * down / height, 4)])
 
 
 def _legend(scale: tuple[float, float] | None) -> str:
@@ -165,14 +211,13 @@ def _entry(number: int, entry: GalleryEntry, files: GalleryFiles, max_pixels: in
     caption = html.escape(entry.caption)
     name = html.escape(f"image {entry.image_id}" if entry.image_id is not None else Path(entry.image).name)
     image = _local(entry.image, files, number, entry.image, "", max_pixels)
-    words = [word for word, _ in entry.panels]
-    panels = [_local(panel, files, number, entry.image, f"{k + 1:02d}") for k, (_, panel) in enumerate(entry.panels)]
-    data = ""
-    if panels:
-        unquoted = [html.unescape(link) for link in panels]
+    words = list(entry.panels.words) if entry.panels is not None else []
+    data, panel = "", ""
+    if words:
+        panel, strip = _panel(entry.panels, _local(entry.panels.strip, files, number, entry.image, "panels"))
         data = (
             f' tabindex="0" data-step="0" data-words="{html.escape(json.dumps(words), quote=True)}"'
-            f' data-panels="{html.escape(json.dumps(unquoted), quote=True)}"'
+            f' data-strip="{html.escape(strip, quote=True)}"'
         )
     parts = [f'<section class="entry" id="entry-{number}"{data}>', f"<h2>{name}</h2>"]
     parts.append(f'<p class="caption">{caption}</p>')
@@ -181,14 +226,9 @@ def _entry(number: int, entry: GalleryEntry, files: GalleryFiles, max_pixels: in
         f'<figure><img src="{image}" alt="{name}" style="{_shown(image, out_dir)}"><figcaption>image</figcaption>'
         "</figure>"
     )
-    if panels:
-        first = html.escape(words[0])
-        parts.append(
-            f'<figure><img class="panel" src="{panels[0]}" alt="attention for: {first}" '
-            f'style="{_shown(panels[0], out_dir)}"><figcaption class="word">{first}</figcaption></figure>'
-        )
+    parts.append(panel)
     parts.append("</div>")
-    if panels:
+    if words:
         current = ' class="current"'
         buttons = "".join(
             f'<button type="button"{current if k == 0 else ""}>{html.escape(word)}</button>'

@@ -1,9 +1,10 @@
 """The files of a gallery folder: every name a gallery gives (one numbering for all of them), and the record of
 what it wrote there, so that a later ``--force`` removes exactly those files and nothing of the user's.
 
-Entry ``n`` of image ``photos/cat.png`` is ``0007_cat``: its sheet ``0007_cat.jpg``, its panels
-``0007_cat/01.jpg``, ..., and copies of files from elsewhere under ``images/``: ``0007_cat.jpg`` for the image,
-``0007_cat.sheet.jpg`` and ``0007_cat.01.jpg`` for a sheet or panel (each copy its own name). The pages are
+Entry ``n`` of image ``photos/cat.png`` is ``0007_cat``: its sheet ``0007_cat.jpg``, the strip of its panels
+``0007_cat.panels.jpg`` (captioner.viz.sheet), and copies of files from elsewhere under ``images/``:
+``0007_cat.jpg`` for the image, ``0007_cat.sheet.jpg`` and ``0007_cat.panels.jpg`` for a sheet or a strip (each
+copy its own name). The pages are
 ``index.html``, ``page002.html``, .... The record, ``.captioner-gallery``, lists one written file per line (a
 JSON string, relative to the folder), each added before the file is written: a run that stops halfway still
 leaves a record of all it wrote. Hidden, it is never listed as an input either.
@@ -53,17 +54,13 @@ class GalleryFiles:
         """The sheet of every word (captioner.viz.sheet) of entry ``number``."""
         return self.root / f"{self.entry(number, image)}.jpg"
 
-    def panel(self, number: int, image: str | os.PathLike, step: int) -> Path:
-        """The panel of word ``step`` (from 0) of entry ``number``."""
-        return self.root / self.entry(number, image) / f"{step + 1:02d}.jpg"
-
-    def panels(self, number: int, image: str | os.PathLike) -> Path:
-        """The folder of entry ``number``'s panels."""
-        return self.root / self.entry(number, image)
+    def strip(self, number: int, image: str | os.PathLike) -> Path:
+        """The strip of entry ``number``'s panels, one per word (captioner.viz.sheet.Strip)."""
+        return self.root / f"{self.entry(number, image)}.panels.jpg"
 
     def copy(self, number: int, image: str | os.PathLike, role: str, suffix: str) -> Path:
         """The copy of a file from elsewhere shown by entry ``number``: ``role`` is "" for the image itself,
-        ``sheet`` or a panel's ``01``, ``02``, ...; ``suffix`` the copy's format (``.jpg``, ``.png``)."""
+        ``sheet`` or ``panels`` (a strip); ``suffix`` the copy's format (``.jpg``, ``.png``)."""
         return self.root / COPIES / f"{self.entry(number, image)}{'.' + role if role else ''}{suffix}"
 
     def page(self, index: int) -> Path:
@@ -71,9 +68,9 @@ class GalleryFiles:
         return self.root / ("index.html" if index == 0 else f"page{index + 1:03d}.html")
 
     def planned(self, number: int, image: str | os.PathLike) -> list[Path]:
-        """What entry ``number`` of ``image`` may write: its sheet, its panels' folder and its copies."""
+        """What entry ``number`` of ``image`` may write: its sheet, its strip and its copies."""
         copies = (self.root / COPIES).glob(f"{glob.escape(self.entry(number, image))}.*")
-        return [self.sheet(number, image), self.panels(number, image), *copies]
+        return [self.sheet(number, image), self.strip(number, image), *copies]
 
     # ------------------------------------------------------------------------------------- the record
     def relative(self, path: str | os.PathLike) -> str:
@@ -110,7 +107,8 @@ class GalleryFiles:
         return self.record_all([path])[0]
 
     def record_all(self, paths: Iterable[str | os.PathLike]) -> list[Path]:
-        """:meth:`record` for each of ``paths``, with one write to the record for them all (an image's panels);
+        """:meth:`record` for each of ``paths``, with one write to the record for them all (an image's sheet and
+        strip);
         FileExistsError, with none of them recorded, when one exists and no gallery wrote it."""
         paths = [Path(path) for path in paths]
         names = [self.relative(path) for path in paths]

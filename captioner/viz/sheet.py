@@ -1,6 +1,8 @@
-"""One PNG of a caption's attention (``captioner attend``'s overlay): the caption, the image, then each word's
-panel under its word, and the colour bar of the caption's brightness scale with uniform attention (1/L)
-marked, the same scale the gallery's legend gives.
+"""The pictures of a caption's attention that ``captioner attend`` writes. The sheet (its overlay): the caption,
+the image, then each word's panel under its word, and the colour bar of the caption's brightness scale with
+uniform attention (1/L) marked, the same scale the gallery's legend gives. The strip (a gallery's): every
+panel at its own size in one picture, which the gallery's pages crop to one word at a time: one file an image
+instead of one a word (creating a file costs about as much as encoding a panel).
 
 Drawn with Pillow on a white canvas in a few milliseconds (a matplotlib figure of 20 panels took seconds);
 the text is matplotlib's DejaVu Sans, so that no font has to be installed.
@@ -12,6 +14,7 @@ import functools
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -31,6 +34,37 @@ PNG_LEVEL = 1  # zlib level: 1 writes several times faster than Pillow's default
 JPEG_QUALITY = 90  # a gallery's sheets and panels are JPEG (4:4:4, so that thin red outlines stay red): ~10x
 # faster to write than PNG, and a tenth of the size for photos
 INK, MARK = (34, 34, 34), (230, 120, 0)  # the text's colour; the 1/L mark's (orange)
+BLOCK = 8  # a strip's panels start on JPEG's 8 x 8 blocks (4:4:4), so that no block mixes two panels
+JPEG_SIDE = 65_535  # JPEG's longest side (pixels)
+
+
+@dataclass(frozen=True)
+class Strip:
+    """Where the panels of a strip lie: ``count`` panels of ``size``, in rows of ``columns``, panel k at column
+    k % columns and row k // columns, each ``stride`` from the last (its size rounded up to whole blocks)."""
+
+    size: tuple[int, int]  # one panel's (width, height), pixels
+    count: int  # panels, one per word
+
+    @property
+    def stride(self) -> tuple[int, int]:
+        """The distance from one panel's corner to the next one's, across and down (pixels)."""
+        return (-(-self.size[0] // BLOCK) * BLOCK, -(-self.size[1] // BLOCK) * BLOCK)
+
+    @property
+    def columns(self) -> int:
+        """Panels per row: MAX_COLUMNS, or more where that many rows would pass JPEG's limit."""
+        return max(1, min(self.count, max(MAX_COLUMNS, math.ceil(self.count / (JPEG_SIDE // self.stride[1])))))
+
+    @property
+    def picture_size(self) -> tuple[int, int]:
+        """The strip's (width, height) in pixels."""
+        return (self.columns * self.stride[0], math.ceil(self.count / self.columns) * self.stride[1])
+
+    def corner(self, step: int) -> tuple[int, int]:
+        """The top-left pixel of panel ``step`` (from 0)."""
+        row, column = divmod(step, self.columns)
+        return (column * self.stride[0], row * self.stride[1])
 
 
 @functools.lru_cache(maxsize=4)
@@ -151,6 +185,15 @@ def sheet_picture(shading: Shading, words: Sequence[str], title: str | None) -> 
         bar_height = max(3 * SMALL, round(0.8 * (grid_height - GAP)))
         bar_top = head + GAP + (grid_height - GAP - bar_height) // 2
         _colour_bar(canvas, panels_width + SMALL + 12, bar_top, bar_height, shading)
+    return canvas
+
+
+def strip_picture(shading: Shading) -> Image.Image:
+    """The panels of ``shading`` in one picture, where :class:`Strip` says (white between them)."""
+    strip = Strip(shading.picture.size, len(shading.panels))
+    canvas = Image.new("RGB", strip.picture_size, "white")
+    for step, panel in enumerate(shading.panels):
+        canvas.paste(panel, strip.corner(step))
     return canvas
 
 
