@@ -14,6 +14,7 @@ the machine's load alike.
 
 At the COCO size (``experiment=coco_soft``: ResNet-101's 14x14x2048 grid, the 512-wide decoder) it times
 one block's forward and backward against the decoder's training step on cached features, random weights.
+``--tiny --parts coco`` times that on the tiny demo instead: a smoke test of the timing code.
 """
 
 from __future__ import annotations
@@ -27,20 +28,17 @@ import time
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import clock
 import composed
 import machine
+import options
 import tables
-from captioner.config import ModelConfig, NetConfig, SelfAttentionConfig, from_dict
+from captioner.config import SelfAttentionConfig
 from captioner.data.shapes import shapes_records
 from captioner.evaluation.report import evaluate_split
 from captioner.inference import load_model
-from captioner.model.captioner import build_captioner
 from captioner.model.self_attention import GridSelfAttention
-from captioner.training.schemas import register_schemas
 
 ROOT = Path(__file__).resolve().parents[1]
 # name -> model.self_attention overrides
@@ -57,9 +55,14 @@ def folder_name(variant: str) -> str:
     return variant.replace(" ", "_")
 
 
+def variant_overrides(variant: str) -> list[str]:
+    """``variant``'s ``model.self_attention`` settings as overrides."""
+    return [f"model.self_attention.{key}={value}" for key, value in VARIANTS[variant].items()]
+
+
 def train_command(variant: str, args: argparse.Namespace) -> list[str]:
     """The ``python train.py`` command that trains ``variant`` into its folder."""
-    overrides = [f"model.self_attention.{key}={value}" for key, value in VARIANTS[variant].items()]
+    overrides = variant_overrides(variant)
     if args.scst_after is None:
         overrides.append("model.objective=cross_entropy")
     else:
@@ -108,21 +111,12 @@ def evaluate(variant: str, image_size: int, args: argparse.Namespace) -> tuple[f
 
 
 def demo_steps(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
-    """Per variant: the median training step seconds on one demo batch, the trainable and the blocks' parameters."""
-    torch.manual_seed(args.seed)
-    images = torch.randn(composed.DEMO.batch, 3, TRAINED_SIZE, TRAINED_SIZE)
-    captions, index = composed.random_captions(composed.DEMO, composed.DEMO.batch, args.device)
+    """Per variant: the median training step seconds on one random demo batch from the feature cache (the trained
+    CNN stage, feature norm, blocks, decoder, loss, backward, Adam), the trainable and the blocks' parameters."""
     steps, counts = {}, {}
     for variant in VARIANTS:
-        loaded = load_model(args.out / folder_name(variant) / "bundle.pt")
-        model = build_captioner(loaded.config, len(loaded.vocab))
-        model.encoder.eval()
-        with torch.no_grad():
-            features, grid = model.encode(images)  # what the feature cache holds
-        step = composed.make_train_step(
-            model, lambda m=model, f=features, g=grid: m.forward_features(f, captions, index, g), captions, args
-        )
-        steps[variant] = step
+        size = composed.setup("demo", args, overrides=variant_overrides(variant))
+        model, steps[variant], _ = composed.model_train_step(size, args, "features")
         blocks = model.self_attention.parameters() if model.self_attention is not None else []
         counts[variant] = (
             sum(p.numel() for p in model.parameters() if p.requires_grad),
@@ -135,40 +129,25 @@ def demo_steps(args: argparse.Namespace) -> dict[str, tuple[float, int, int]]:
     return {v: (sorted(times[v])[len(times[v]) // 2], *counts[v]) for v in VARIANTS}
 
 
-def coco_net(self_attention: dict) -> NetConfig:
-    """The network of ``experiment=coco_soft`` (random weights) with these self-attention settings."""
-    register_schemas()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["experiment=coco_soft", "model.encoder.weights=null"])
-    model = OmegaConf.to_container(cfg.model, resolve=False)
-    model["self_attention"] = self_attention
-    return from_dict(ModelConfig, model, "model").net()
-
-
 def coco_costs(args: argparse.Namespace) -> list[list[object]]:
     """One block's forward+backward vs the decoder's training step at the COCO size, on cached features."""
-    batch = args.coco_batch
-    size = dataclasses.replace(composed.COCO, batch=batch)
-    features = composed.random_features(size, batch, args.device)  # (B, 196, 2048)
-    captions, index = composed.random_captions(size, batch, args.device)
-    net = coco_net({"blocks": 0})
-    model = build_captioner(net, size.vocab_size)
-    decoder_step = composed.make_train_step(
-        model, lambda: model.forward_features(features, captions, index), captions, args
-    )
+    overrides = [f"data.batch_size={args.coco_batch}", *variant_overrides("0 blocks")]
+    size = composed.setup("demo" if args.tiny else "coco_soft", args, overrides=overrides)
+    _, decoder_step, _ = composed.model_train_step(size, args, "features")
+    height, width, channels = composed.grid_shape(size)
+    features = torch.randn(size.batch, height * width, channels, device=args.device).relu()  # (B, L, C): the grid
     rows = []
     decoder = clock.measure(decoder_step, args, warmup=1, repeats=args.repeats).median
     rows.append(["decoder step (0 blocks)", features.shape[1], 1000 * decoder, 1.0, 0])
     for positional in ("absolute", "relative"):
         config = SelfAttentionConfig(blocks=1, positional=positional)
-        block = GridSelfAttention(features.size(-1), config).train()
+        block = GridSelfAttention(features.size(-1), config).to(args.device).train()
         with torch.no_grad():
             block.gamma.fill_(0.5)  # an open gate: the gradient reaches every projection
-        grid = (composed.COCO.grid, composed.COCO.grid)
 
         def block_pass(block: GridSelfAttention = block) -> None:
             block.zero_grad(set_to_none=True)
-            block(features, grid).square().mean().backward()
+            block(features, (height, width)).square().mean().backward()
 
         seconds = clock.measure(block_pass, args, warmup=1, repeats=args.repeats).median
         params = sum(p.numel() for p in block.parameters())
@@ -179,7 +158,7 @@ def coco_costs(args: argparse.Namespace) -> list[list[object]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = options.make_parser(__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5, help="trainer.max_epochs of each run (default: 5)")
     parser.add_argument(
         "--scst-after",
@@ -191,21 +170,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="trainings at once (default: 1)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "self_attention_ablation")
     parser.add_argument("--sizes", type=int, nargs="+", default=[80, 112], help="other image sizes to evaluate at")
-    parser.add_argument("--repeats", type=int, default=5, help="timed training steps per variant (median)")
     parser.add_argument("--coco-batch", type=int, default=8, help="images per COCO-size step (the recipe: 32)")
     parser.add_argument(
         "--parts", nargs="+", choices=("demo", "coco"), default=["demo", "coco"], help="what to run (default: both)"
     )
     parser.add_argument("override", nargs="*", help="more train.py overrides for every variant")
-    args = parser.parse_args(argv)
-    args.device, args.precision, args.warmup = torch.device("cpu"), "fp32", 1
+    args = options.parse(parser, argv)
     args.out = args.out.resolve()
     recipe = "cross-entropy only" if args.scst_after is None else f"{args.scst_after} cross-entropy epochs, then SCST"
     machine.print_environment(
         "Self-attention over the grid: the demo",
-        argparse.Namespace(
-            device=args.device, precision="fp32", channels_last=False, quick=False, warmup=1, repeats=args.repeats
-        ),
+        args,
         [
             f"python train.py experiment=demo seed={args.seed} trainer.max_epochs={args.epochs} ({recipe})",
             f"runs in {args.out}",
@@ -216,8 +191,9 @@ def main(argv: list[str] | None = None) -> None:
             demo_table(args)
         if "coco" in args.parts:
             costs = coco_costs(args)
+            name = "the tiny demo" if args.tiny else "COCO size (experiment=coco_soft, 14x14x2048 grid)"
             tables.print_table(
-                f"COCO size (experiment=coco_soft, 14x14x2048 grid), {args.coco_batch} images x 5 captions, CPU",
+                f"{name}, {args.coco_batch} images x 5 captions, {args.device.type}",
                 ["what", "L", "ms", "vs decoder step", "params"],
                 costs,
             )

@@ -36,6 +36,7 @@ SCRIPTS = (
     "scst_step",
     "scst_demo",
     "gallery",
+    "self_attention_ablation",
 )
 
 
@@ -168,6 +169,22 @@ def test_profile_runs(run_tiny: Callable[..., str]) -> None:
     assert "### decoder-only training step, soft, 2 images x 10 captions" in stdout
     assert "### beam search, beam 3, 2 images from features" in stdout
     assert stdout.count("Self CPU time total") == 3
+
+
+def test_self_attention_ablation_times_the_blocks_against_the_decoder_step(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("self_attention_ablation", "--parts", "coco", "--coco-batch", "2")
+    rows = table(stdout, "the tiny demo, 2 images x 5 captions, cpu", 3)
+    assert [row["what"] for row in rows] == [
+        "decoder step (0 blocks)", "1 absolute block, forward+backward", "1 relative block, forward+backward"
+    ]  # fmt: skip
+    assert all(row["L"] == "64" for row in rows) and rows[0]["params"] == "0"  # the tiny demo's 8x8 grid
+    assert int(rows[2]["params"].replace(",", "")) > int(rows[1]["params"].replace(",", "")) > 0  # + relative bias
+    ablation, options = (importlib.import_module(name) for name in ("self_attention_ablation", "options"))
+    args = options.parse(options.make_parser(""), ["--tiny", "--threads", "1"])
+    steps = ablation.demo_steps(args)  # the demo part's timing, without its four training runs
+    assert list(steps) == list(ablation.VARIANTS)
+    assert steps["0 blocks"][2] == 0 < steps["1 absolute"][2] < steps["1 relative"][2] < steps["2 relative"][2]
+    assert all(seconds > 0 and trainable > blocks for seconds, trainable, blocks in steps.values())
 
 
 @pytest.mark.parametrize("script", ["train_step", "captioning"])
