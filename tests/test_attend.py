@@ -89,6 +89,21 @@ def test_a_bad_model_or_a_users_file_leaves_everything_as_it_was(bundle, tmp_pat
     assert snapshot(pictures) == before
 
 
+def test_force_replaces_a_gallery_of_one_panel_file_per_word_with_strips(bundle, tmp_path, capsys):
+    out = tmp_path / "gallery"
+    (image,) = photos(tmp_path / "in", "cat.png")
+    old = ["index.html", "0000_cat.jpg", "0000_cat/01.jpg", "0000_cat/02.jpg"]  # as galleries wrote them before
+    for name in old:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_bytes(b"old")
+    (out / ".captioner-gallery").write_text("".join(json.dumps(name) + "\n" for name in old))
+    assert attend(bundle, str(image), "--out", str(out), "--force") == 0
+    capsys.readouterr()
+    new = [".captioner-gallery", "0000_cat.jpg", "0000_cat.panels.jpg", "images/0000_cat.png", "index.html"]
+    assert sorted(snapshot(out)) == new
+    assert not (out / "0000_cat").exists()  # the old panels' folder, emptied, goes too
+
+
 @pytest.mark.parametrize("inside", ["overlays", "."])
 def test_a_gallery_inside_its_input_folder_is_never_read_as_input(bundle, tmp_path, capsys, inside):
     folder = tmp_path / "f3"
