@@ -195,6 +195,12 @@ def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups
         "\n".join(lines)
     )
     assert "  data.pad_to=null  (>= caption_tokens; Training captions padded" in proc.stdout
+    # the limits as numbers, not the constants' names (MAX_CELLS), and sentences joined as sentences
+    from captioner.config.network import MAX_CELLS
+
+    assert f"  model.encoder.grid=null  (in [1, {MAX_CELLS}]; pool the feature map down" in proc.stdout
+    assert "; captioning: beam)" in proc.stdout and not re.search(r"\b(MAX|MIN)_[A-Z_]+\b", proc.stdout)
+    assert ".;" not in proc.stdout and "apart poorly. The trunk stage read as the grid" in proc.stdout
 
 
 def _leaf_keys(node: dict, prefix: str) -> list[str]:

@@ -11,6 +11,7 @@ import difflib
 import enum
 import inspect
 import re
+import sys
 import textwrap
 import typing
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,7 @@ from captioner.errors import CaptionerError, ConfigError, first_line
 
 # The start of a message about a key: ``encoder.weights='x' ...`` or ``decoder.foo is not a known key``.
 _KEY = re.compile(r"[A-Za-z_][\w.]*(=| is )")
+_CONSTANT = re.compile(r"\b[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+\b")  # MAX_CELLS, CAPTIONING_METHOD: named in comments
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # Settings typed Any for Hydra whose values are an enum's (model.compile: Hydra reads `off` as false).
 ANY_CHOICES: dict[str, type[enum.Enum]] = {"compile": Compile}
@@ -156,10 +158,26 @@ def _comments(cls: type) -> dict[str, str]:
             continue
         name, colon, rest = text.partition(":")
         if colon and name.isidentifier() and not text.startswith(("def ", "class ")):
-            after = rest.partition("  # ")[2]
-            comments[name] = "; ".join(part for part in (" ".join(above), after) if part)
+            before, after = " ".join(above), rest.partition("  # ")[2]
+            if before.endswith(".") and after:  # a sentence above, then the line's own comment: two sentences
+                after = after[0].upper() + after[1:]
+            comments[name] = (" " if before.endswith(".") else "; ").join(part for part in (before, after) if part)
         above = []
     return comments
+
+
+def _constants(text: str, cls: type) -> str:
+    """``text`` with each constant it names (``MAX_CELLS``) of the module of ``cls`` replaced by its value: a user
+    reading ``--help`` sees the number, and the number stays written in one place."""
+    names = vars(sys.modules[cls.__module__])
+
+    def value(match: re.Match) -> str:
+        found = names.get(match.group())
+        if isinstance(found, enum.Enum):
+            return str(found.value)
+        return str(found) if isinstance(found, (int, float, str)) and not isinstance(found, bool) else match.group()
+
+    return _CONSTANT.sub(value, text)
 
 
 def _ranges(cls: type) -> dict[str, str]:
@@ -230,9 +248,9 @@ def _settings(cls: type, prefix: str) -> list[str]:
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
             notes.append("one of: " + ", ".join(member.value for member in kind))  # as an override writes it
         if item.name in ranges:
-            notes.append(ranges[item.name])
+            notes.append(_constants(ranges[item.name], cls))
         if comments.get(item.name):
-            notes.append(comments[item.name])
+            notes.append(_constants(comments[item.name], cls))
         lines.append(f"  {key}={_value(default)}" + (f"  ({'; '.join(notes)})" if notes else ""))
     return lines
 
