@@ -62,7 +62,7 @@ def test_each_image_is_scored_against_its_references_and_written(
     assert (per_image[0]["bleu1"], per_image[1]["bleu1"], per_image[1]["bleu3"]) == (0.0, 1.0, pytest.approx(1.0))
     assert json.loads((out / "metrics.json").read_text())["bleu"] == metrics["bleu"]
     table = metrics["table"].splitlines()
-    assert table[0].startswith("2 images (1 unreadable, skipped); scores on the 0-1 scale")
+    assert table[0].startswith("2 images scored (1 skipped: missing or unreadable); scores on the 0-1 scale")
     assert "  nltk BLEU1      0.5000" in table and table[-1] == f"per image: {out / 'per_image.json'}"
 
 

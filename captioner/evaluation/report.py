@@ -107,8 +107,9 @@ def evaluate_split(
 
 def format_table(metrics: dict, out_dir: Path) -> str:
     """The metrics as aligned lines, scale stated."""
+    scored = f"{metrics['images']} image{'' if metrics['images'] == 1 else 's'} scored"
     lines = [
-        f"{metrics['images']} images ({metrics['skipped_images']} unreadable, skipped); "
+        f"{scored} ({metrics['skipped_images']} skipped: missing or unreadable); "
         f"scores on the 0-1 scale (x100 for the paper's tables; CIDEr may exceed 1)"
     ]
     if "hard_inference" in metrics:
