@@ -65,3 +65,15 @@ def test_help_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.stderr == "[0, 0, 0] False\n"
     assert "a backslash, tab, newline or carriage return" in proc.stdout  # the TSV escapes, documented
+
+
+def test_a_misspelt_option_gets_its_nearest_match_and_an_unknown_one_is_named(capsys):
+    assert cli.main(["caption", "a.jpg", "--model", "m.pt", "--beamsize", "5"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("usage: captioner caption")  # the command's usage, not the top level's
+    assert err[-1] == "captioner caption: error: unrecognized argument --beamsize; did you mean --beam-size?"
+    assert cli.main(["attend", "a.jpg", "--model", "m.pt", "--out", "g", "--max_len=3"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == "captioner attend: error: unrecognized argument --max_len=3; did you mean --max-len?"
+    assert cli.main(["caption", "a.jpg", "--model", "m.pt", "--zzz"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "captioner caption: error: unrecognized argument --zzz"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from collections.abc import Sequence
 
@@ -99,7 +100,22 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         for option in action.option_strings
     }
     args = ["--null" if a == "-0" and (i == 0 or args[i - 1] not in takes_value) else a for i, a in enumerate(args)]
-    return parser.parse_args(args)
+    parsed, unknown = parser.parse_known_args(args)
+    if unknown:
+        _unknown(parser._subparsers._group_actions[0].choices[parsed.command], unknown)
+    return parsed
+
+
+def _unknown(command: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """Exit as argparse does (usage and one error line, status 2) for arguments ``command`` does not take, the
+    first misspelt option with its nearest match: ``--beamsize``, did you mean ``--beam-size``?"""
+    options = [option for action in command._actions for option in action.option_strings]
+    for item in unknown:
+        name = item.partition("=")[0]
+        if name.startswith("--"):
+            near = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+            command.error(f"unrecognized argument {item}" + (f"; did you mean {near[0]}?" if near else ""))
+    command.error(f"unrecognized arguments: {' '.join(unknown)}")
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
