@@ -8,6 +8,7 @@ do not depend on the machine (how many images the encoder sees, FLOPs) and the c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import re
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, compose_cfg, net_v1, tiny_overrides, write_run
+from conftest import ROOT, TINY, compose_cfg, net_v1, tiny_overrides, write_run
 
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = (
@@ -39,6 +40,7 @@ SCRIPTS = (
     "gallery",
     "self_attention_ablation",
     "validation_agreement",
+    "hard_attention_gradient",
 )
 
 
@@ -286,6 +288,21 @@ def test_validation_agreement_scores_a_run_every_way(
     ]
     assert rows[1][1] == "0.2500" and rows[5][1].endswith(" of 24") and rows[9][1].endswith(" of 24")
     assert all(0.0 <= float(row[1]) <= 1.0 for row in rows[1:] if "differ" not in row[0])
+
+
+def test_hard_attention_gradient_resamples_each_estimator(
+    tiny_shapes: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    data = [f"data.source.root={tiny_shapes}", *(f"data.source.{k}={v}" for k, v in dataclasses.asdict(TINY).items())]
+    tiny = ["data.batch_size=2", "data.num_workers=0", *(f"model.decoder.{k}_dim=16" for k in ("embed", "hidden"))]
+    importlib.import_module("hard_attention_gradient").main(["--resamples", "2", *data, *tiny])
+    sys.modules.pop("hard_attention_gradient")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("one demo batch: 2 images, 10 captions; 2 resamples per estimator;")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    assert [row[0] for row in rows] == ["estimator", "sequence", "word", "suffix", "gumbel"]
+    assert all(-1.0 <= float(row[1]) <= 1.0 and float(row[2]) > 0 for row in rows[1:])
 
 
 def test_scst_step_times_the_reward_inside_the_step(run_tiny: Callable[..., str]) -> None:
