@@ -72,12 +72,12 @@ def bleu4(records: list, captions: dict[int, list[str]]) -> float:
     return corpus_bleu_scores(references, captions)["bleu4"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Print one Markdown table: each way of scoring, its BLEU-4, and its difference to the images' greedy."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", type=Path, help="a training run's folder (bundle.pt, config.yaml, metrics.json)")
     parser.add_argument("--split", default="val")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     loaded = load_model(args.run / BUNDLE_NAME)
     model = loaded.model.eval()
@@ -107,7 +107,8 @@ def main() -> None:
         )
         rows.append((f"{decoding}: captions that differ between the fp16 and the fp32 cache", differ))
     with tempfile.TemporaryDirectory() as out:
-        greedy, _ = evaluate_split(loaded, records, Path(out), BATCH, coco=False, method="greedy")
+        greedy_only = DecodingConfig.captioning(method="greedy")  # as `captioner evaluate --method greedy`
+        greedy, _ = evaluate_split(loaded, records, Path(out), BATCH, coco=False, decoding=greedy_only)
         default, _ = evaluate_split(loaded, records, Path(out), BATCH, coco=False)
     rows.append(("captioner evaluate --method greedy", greedy["bleu"]["bleu4"]))
     rows.append((f"captioner evaluate (its default: {method})", default["bleu"]["bleu4"]))

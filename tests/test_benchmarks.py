@@ -8,15 +8,17 @@ do not depend on the machine (how many images the encoder sees, FLOPs) and the c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, net_v1, write_run
+from conftest import ROOT, TINY, compose_cfg, net_v1, tiny_overrides, write_run
 
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = (
@@ -37,6 +39,8 @@ SCRIPTS = (
     "scst_demo",
     "gallery",
     "self_attention_ablation",
+    "validation_agreement",
+    "hard_attention_gradient",
 )
 
 
@@ -249,6 +253,56 @@ def test_attention_by_word_measures_each_named_objects_words_in_its_own_box(
     assert sum(int(row[1]) for row in rows[1:]) == 24  # every test image, by scene size
     for row in rows[1:]:
         assert 0.0 <= float(row[4]) <= 1.0 and 0.0 <= float(row[5]) <= 1.0
+
+
+def test_validation_agreement_scores_a_run_every_way(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from omegaconf import OmegaConf
+
+    from captioner.fileio import write_json
+    from captioner.run_files import CONFIG_FILE, METRICS_FILE
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    run = write_run(tmp_path / "run", None)  # an untrained model's bundle
+    OmegaConf.save(compose_cfg(tiny_overrides(tiny_shapes, tmp_path), tmp_path), run / CONFIG_FILE, resolve=True)
+    write_json(run / METRICS_FILE, {"val/bleu4": 0.25})
+    importlib.import_module("validation_agreement").main([str(run)])
+    sys.modules.pop("validation_agreement")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{run} (val: 24 images)"
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    assert [re.sub(r" \(\d+ s\)$", "", row[0]) for row in rows[1:]] == [  # without the decodings' seconds
+        "the run's metrics.json (its final validation of the exported checkpoint)",
+        "fp16 cache, greedy",
+        "fp32 cache, greedy",
+        "images (no cache), greedy",
+        "greedy: captions that differ between the fp16 and the fp32 cache",
+        "fp16 cache, beam",
+        "fp32 cache, beam",
+        "images (no cache), beam",
+        "beam: captions that differ between the fp16 and the fp32 cache",
+        "captioner evaluate --method greedy",
+        "captioner evaluate (its default: beam)",
+        "images, greedy, trained stages' BatchNorm in train mode",
+    ]
+    assert rows[1][1] == "0.2500" and rows[5][1].endswith(" of 24") and rows[9][1].endswith(" of 24")
+    assert all(0.0 <= float(row[1]) <= 1.0 for row in rows[1:] if "differ" not in row[0])
+
+
+def test_hard_attention_gradient_resamples_each_estimator(
+    tiny_shapes: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    data = [f"data.source.root={tiny_shapes}", *(f"data.source.{k}={v}" for k, v in dataclasses.asdict(TINY).items())]
+    tiny = ["data.batch_size=2", "data.num_workers=0", *(f"model.decoder.{k}_dim=16" for k in ("embed", "hidden"))]
+    importlib.import_module("hard_attention_gradient").main(["--resamples", "2", *data, *tiny])
+    sys.modules.pop("hard_attention_gradient")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("one demo batch: 2 images, 10 captions; 2 resamples per estimator;")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    assert [row[0] for row in rows] == ["estimator", "sequence", "word", "suffix", "gumbel"]
+    assert all(-1.0 <= float(row[1]) <= 1.0 and float(row[2]) > 0 for row in rows[1:])
 
 
 def test_scst_step_times_the_reward_inside_the_step(run_tiny: Callable[..., str]) -> None:
