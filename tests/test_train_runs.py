@@ -13,7 +13,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from captioner.training.logs import finish_wandb
-from conftest import compose_cfg, run_train, tiny_overrides
+from conftest import compose_cfg, run_train, snapshot, tiny_overrides
 
 
 def _short_run(tiny_shapes: Path, tmp_path: Path, logger: list[str]) -> list[str]:
@@ -134,6 +134,12 @@ def test_resume_continues_epoch_step_optimiser_and_schedule(tiny_shapes: Path, t
         ]
     )
     first = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=True)
+    # the first run's best scored higher than any later epoch can (BLEU-4 2.0): the resumed run must keep it
+    (key,) = [key for key in first["callbacks"] if key.startswith("BestCheckpoint")]
+    (best,) = first["callbacks"][key]["best_k_models"]
+    first["callbacks"][key].update(best_model_score=torch.tensor(2.0), best_k_models={best: torch.tensor(2.0)})
+    torch.save(first, tmp_path / "first" / "checkpoints" / "last.ckpt")
+    before = snapshot(tmp_path / "first")
     run_train(
         [
             *base,
@@ -154,7 +160,12 @@ def test_resume_continues_epoch_step_optimiser_and_schedule(tiny_shapes: Path, t
     first_adam = first["optimizer_states"][0]["state"][0]["step"]
     second_adam = second["optimizer_states"][0]["state"][0]["step"]
     assert float(second_adam) == float(first_adam) + steps_per_epoch
-    assert (tmp_path / "first" / "checkpoints" / "last.ckpt").is_file()  # the earlier run is untouched
+    assert snapshot(tmp_path / "first") == before  # the earlier run is untouched
+    kept = tmp_path / "second" / "checkpoints" / Path(best).name  # its best, linked into the new folder
+    assert sorted(path.name for path in kept.parent.iterdir()) == sorted([kept.name, "last.ckpt"])
+    assert kept.read_bytes() == Path(best).read_bytes()
+    state = second["callbacks"][key]
+    assert state["best_model_path"] == str(kept) and float(state["best_model_score"]) == 2.0
 
 
 @pytest.mark.slow

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -171,7 +174,68 @@ class BestCheckpoint(ModelCheckpoint):
     candidate for the best checkpoint, with a warning, where Lightning raises once a validation has run; nor
     does a validation inside hard attention's warm-up (unless ``model.select_in_warmup``).
     ``last.ckpt`` is written after every save all the same (``save_last``), where Lightning writes it only
-    after a save that made a new best checkpoint."""
+    after a save that made a new best checkpoint.
+
+    A run resumed into a new folder (``ckpt_path=`` an earlier run: every run has its own folder) keeps the
+    earlier run's best checkpoints as candidates, where Lightning forgets their scores once the folder changes
+    and makes the first epoch after the resume the best, however it scores: they are linked (else copied) into
+    this run's folder, under their names, when training starts, and an epoch must beat them. The earlier
+    folder is left as it is."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._earlier: dict[str, Any] | None = None  # the state of a run resumed from another folder
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's; the state of a checkpoint written in another folder is kept for :meth:`on_train_start`
+        (Lightning's warning that it forgets the scores is left out: they are carried over there)."""
+        moved = state_dict.get("dirpath", self.dirpath) != self.dirpath
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The dirpath has changed")
+            super().load_state_dict(state_dict)
+        self._earlier = dict(state_dict) if moved and state_dict.get("best_k_models") else None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Lightning's; then the best checkpoints of the run this one resumed from another folder, carried over."""
+        super().on_train_start(trainer, pl_module)
+        if self._earlier is not None:
+            self._carry_over(trainer, self._earlier)
+            self._earlier = None
+
+    def _carry_over(self, trainer: L.Trainer, earlier: dict[str, Any]) -> None:
+        """Make the earlier run's best checkpoints that still exist this run's candidates: each linked (a copy
+        where the file system has no links) into ``dirpath`` by rank 0, under its name, with its score."""
+        kept: dict[str, torch.Tensor] = {}
+        for path, score in earlier["best_k_models"].items():
+            source, target = Path(path), Path(self.dirpath) / Path(path).name
+            if not source.is_file() or (target.exists() and not os.path.samefile(source, target)):
+                continue  # gone, or a file of that name is here already: never replaced
+            if trainer.is_global_zero and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(source, target)
+                except OSError:  # another file system, or one without links
+                    shutil.copy2(source, target)
+            kept[str(target)] = score
+        if not kept:
+            log.warning(
+                "the best checkpoints of the resumed run (%s) are gone: the best is chosen among this run's epochs",
+                earlier.get("dirpath"),
+            )
+            return
+        best, worst = (max, min) if self.mode == "max" else (min, max)
+        self.best_k_models = kept
+        self.best_model_path = best(kept, key=lambda path: float(kept[path]))
+        self.best_model_score = kept[self.best_model_path]
+        self.kth_best_model_path = worst(kept, key=lambda path: float(kept[path]))
+        self.kth_value = kept[self.kth_best_model_path]
+        log.info(
+            "resumed from %s: its best checkpoint (%s %.4f) is in %s too, the best until an epoch beats it",
+            earlier.get("dirpath"),
+            self.monitor,
+            float(self.best_model_score),
+            self.best_model_path,
+        )
 
     def _save_topk_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
         """Lightning's top-k save, skipped when ``monitor`` is not among this save's metrics or inside the
