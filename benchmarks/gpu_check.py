@@ -18,6 +18,7 @@ takes, pasted. Without a CUDA device it prints one line on stderr and exits with
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -71,8 +72,13 @@ def run_part(title: str, args: list[str], limit: int) -> bool:
     return proc.returncode == 0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run every part and print the report; 0 when all passed, 1 when one failed, 2 without CUDA."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.epilog = "parts, each with its time limit:\n" + "\n".join(
+        f"  {title} ({limit} s)" for title, _, limit in PARTS
+    )
+    parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: gpu_check needs a CUDA device and torch sees none on this machine", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ SCRIPTS = (
     "scst_demo",
     "gallery",
     "self_attention_ablation",
+    "gpu_check",
     "validation_agreement",
     "hard_attention_gradient",
 )
@@ -348,3 +349,21 @@ def test_scst_demo_compares_models_on_bleu_cider_and_repeated_bigrams(
         ["random.pt", "beam 3"],
     ]
     assert all(float(row[2]) >= 0 and float(row[3]) >= 0 for row in rows[2:])
+
+
+def test_gpu_check_lists_its_parts_and_refuses_a_machine_without_cuda(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_check = importlib.import_module("gpu_check")
+    sys.modules.pop("gpu_check")  # not the test suite's module
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main(["--help"])
+    assert done.value.code == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {title} ({limit} s)" in listed for title, _, limit in gpu_check.PARTS) and len(gpu_check.PARTS) == 7
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main([]) == 2
+    assert capsys.readouterr().err == "error: gpu_check needs a CUDA device and torch sees none on this machine\n"
