@@ -1,8 +1,9 @@
 """The inference bundle's file format, and the reading of the training checkpoints that carry the same metadata.
 
 A bundle is one torch file holding plain data and tensors only: the model config (``NetConfig``'s own
-serialisation), the vocabulary, the preprocessing settings (the image size the model was trained with) and
-the state dict. Its versions, and the reading of the model config of every earlier one, are
+serialisation), the vocabulary, the preprocessing settings (the image size the model was trained with), how
+its run decoded its final scores (captioning starts from those: ``decoding``, left out by earlier versions)
+and the state dict. Its versions, and the reading of the model config of every earlier one, are
 ``captioner.bundle_versions``'s. It needs neither the training code nor the encoder's pretrained weight file to
 load, and it is read with ``weights_only=True``, so it never runs pickled code. Training checkpoints carry the
 same metadata under ``checkpoint["captioner"]``, so ``load_trained`` reads either kind of file. Plain torch: neither
@@ -15,13 +16,13 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 
 from captioner.bundle_versions import BUNDLE_VERSION, read_net
-from captioner.config import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, NetConfig, to_dict
+from captioner.config import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, DecodingConfig, NetConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
@@ -58,12 +59,16 @@ def _check_preprocess(preprocess: object) -> dict:
     return {"image_size": preprocess["image_size"]}
 
 
-def bundle_metadata(net: NetConfig, vocab: Vocabulary, preprocess: Mapping | None = None) -> dict:
-    """The plain-data part of a bundle: format version, model config, vocabulary, its fingerprint and
-    ``preprocess``.
+def bundle_metadata(
+    net: NetConfig, vocab: Vocabulary, preprocess: Mapping | None = None, decoding: DecodingConfig | None = None
+) -> dict:
+    """The plain-data part of a bundle: format version, model config, vocabulary, its fingerprint,
+    ``preprocess`` and ``decoding``.
 
     ``preprocess`` is ``{"image_size": N}``, the square input size the model was trained with (left
-    out when None). Training checkpoints store this dict under ``checkpoint["captioner"]``.
+    out when None). ``decoding``: how the run decoded its final scores (``DecodingConfig.for_captioning`` of
+    its ``model.decoding``), where captioning with the model starts (left out when None: captioning's
+    defaults). Training checkpoints store this dict under ``checkpoint["captioner"]``.
     Raises ConfigError for an invalid preprocess.
     """
     metadata = {
@@ -74,6 +79,8 @@ def bundle_metadata(net: NetConfig, vocab: Vocabulary, preprocess: Mapping | Non
     }
     if preprocess is not None:
         metadata["preprocess"] = _check_preprocess(preprocess)
+    if decoding is not None:
+        metadata["decoding"] = to_dict(decoding)
     return metadata
 
 
@@ -92,15 +99,20 @@ def _embedding_mismatch(model: nn.Module, state_dict: Mapping, vocab_size: int) 
 
 
 def save_bundle(
-    path: str | os.PathLike, model: Captioner, vocab: Vocabulary, net: NetConfig, preprocess: Mapping | None = None
+    path: str | os.PathLike,
+    model: Captioner,
+    vocab: Vocabulary,
+    net: NetConfig,
+    preprocess: Mapping | None = None,
+    decoding: DecodingConfig | None = None,
 ) -> None:
-    """Write an inference bundle (the network's settings ``net``, vocabulary, preprocessing, weights) atomically;
-    plain data only.
+    """Write an inference bundle (the network's settings ``net``, vocabulary, preprocessing, decoding, weights)
+    atomically; plain data only.
 
     ``preprocess`` is ``{"image_size": N}``; ``load_trained`` (the ``captioner`` command) needs it,
-    ``load_bundle`` does not.
+    ``load_bundle`` does not. ``decoding``: where captioning starts (``bundle_metadata``).
     """
-    metadata = bundle_metadata(net, vocab, preprocess)
+    metadata = bundle_metadata(net, vocab, preprocess, decoding)
     for name, module in model.named_modules():
         if isinstance(module, nn.Embedding) and module.num_embeddings != len(vocab):
             raise BundleError(
@@ -230,6 +242,9 @@ class TrainedModel:
     vocab: Vocabulary
     config: NetConfig  # the network's settings
     image_size: int  # images are resized to image_size x image_size, as in training
+    # how captioning decodes unless told otherwise: as the run decoded its final scores (a file written before
+    # bundles kept it: captioning's defaults)
+    decoding: DecodingConfig = field(default_factory=DecodingConfig.captioning)
 
 
 def _no_bundle(folder: str | os.PathLike) -> str:
@@ -283,5 +298,11 @@ def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cp
         image_size = _check_preprocess(metadata["preprocess"])["image_size"]
     except ConfigError as exc:
         raise BundleError(f"{where}: malformed preprocessing settings ({exc})") from None
+    decoding = DecodingConfig.captioning()  # a file of a version that did not keep how its run decoded
+    if "decoding" in metadata:
+        try:
+            decoding = from_dict(DecodingConfig, metadata["decoding"], "decoding")
+        except ConfigError as exc:
+            raise BundleError(f"{where}: malformed decoding settings ({exc})") from None
     model, vocab, config = _assemble(metadata, state_dict, where, map_location)
-    return TrainedModel(model, vocab, config, image_size)
+    return TrainedModel(model, vocab, config, image_size, decoding)

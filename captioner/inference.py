@@ -4,6 +4,7 @@ encoder and the decoder run once per batch. The files are read by ``captioner.bu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -119,13 +120,14 @@ class LoadedModel(TrainedModel):
         a list or a batch a list of them, one per input. A single image that cannot be captioned raises
         (ImageError for a file, TypeError or ValueError for another object); an input of a list gets a result
         with ``.error`` (the reason) instead, unless ``raise_errors``. ``settings`` are the command line's
-        decoding options as ``DecodingConfig`` fields over captioning's defaults (method, beam_size, max_len,
-        seed, ...), checked as the command line checks its flags (``captioning_settings``): TypeError for an
-        unknown name (naming the nearest), ConfigError for one the method does not read or a bad value.
+        decoding options as ``DecodingConfig`` fields over the model's ``decoding`` (how its run decoded its
+        final scores: method, beam_size, max_len, seed, ...), checked as the command line checks its flags
+        (``captioning_settings``): TypeError for an unknown name (naming the nearest), ConfigError for one the
+        method does not read or a bad value.
         ``max_pixels``: the most pixels a file may decode to (None: Pillow's limit), a guard against
         decompression bombs; raise it for a very large photo you trust (``data.images.load_rgb``).
         """
-        decoding = captioning_settings(settings)
+        decoding = captioning_settings(settings, base=self.decoding)
         return caption_images(self, images, batch_size, raise_errors, decoding, max_pixels)
 
     @cached_property
@@ -156,17 +158,18 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     """Load a model to caption with: an inference bundle, a Lightning checkpoint written by training, or a
     training run's folder (its bundle); ``captioner.bundle.load_trained`` says what is read and refused."""
     trained = load_trained(path, map_location)
-    return LoadedModel(trained.model, trained.vocab, trained.config, trained.image_size, os.fspath(path))
+    fields = {field.name: getattr(trained, field.name) for field in dataclasses.fields(trained)}
+    return LoadedModel(**fields, source=os.fspath(path))
 
 
-def _generator(loaded: LoadedModel, decoding: DecodingConfig | None) -> torch.Generator | None:
+def _generator(loaded: LoadedModel, decoding: DecodingConfig) -> torch.Generator | None:
     """Sampling's generator for all the batches of one call, seeded with ``decoding.seed`` (torch's state left
     alone); None without a seed."""
-    return seeded_generator(decoding, next(loaded.model.parameters()).device) if decoding else None
+    return seeded_generator(decoding, next(loaded.model.parameters()).device)
 
 
 def _caption_batch(
-    loaded: LoadedModel, pixels: torch.Tensor, decoding: DecodingConfig | None, generator: torch.Generator | None
+    loaded: LoadedModel, pixels: torch.Tensor, decoding: DecodingConfig, generator: torch.Generator | None
 ) -> list[Captioned]:
     """Caption preprocessed images (B, 3, S, S) in one encoder and decoder call; ``path`` left None."""
     model, vocab = loaded.model, loaded.vocab
@@ -201,7 +204,7 @@ def caption_files(
 
     Images are decoded in ``workers`` processes and resized to the model's ``image_size``; each batch
     runs the encoder and the decoder once on the model's device. An unreadable file yields
-    ``Skipped(path, reason)``. ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``).
+    ``Skipped(path, reason)``. ``decoding``: how (None: the model's, ``loaded.decoding``).
     ``progress`` shows a bar on stderr. ``max_pixels``: the pixel limit of ``load_rgb`` (None: Pillow's).
     """
     batches = math.ceil(len(paths) / batch_size)
@@ -211,6 +214,7 @@ def caption_files(
         num_workers=min(workers, batches),
         collate_fn=_keep_list,
     )
+    decoding = loaded.decoding if decoding is None else decoding
     generator = _generator(loaded, decoding)
     with tqdm(total=len(paths), unit="img", file=sys.stderr, desc="captioning", disable=not progress) as bar:
         for number, items in enumerate(loader):
@@ -272,7 +276,7 @@ def caption_images(
     is brought to RGB (``data.images``) and preprocessed as in training (``data.dataset.build_transform``).
     Returns one Captioned per image (a single one for a single image): the caption, its score, the attention
     maps ``alphas`` (T, H*W) on ``grid``; an image given in memory is kept in ``image`` for ``show_attention``.
-    ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``). A single image that
+    ``decoding``: how (None: the model's, ``loaded.decoding``). A single image that
     cannot be captioned raises ImageError (a file), TypeError or ValueError (another kind of object); in a list
     it gets a result with ``error`` set, or raises those with ``raise_errors``. ``max_pixels``: the pixel limit
     of a file (``load_rgb``; None: Pillow's).
@@ -281,6 +285,7 @@ def caption_images(
     single = _one_image(images)
     items = [images] if single else list(images)
     transform = build_transform(loaded.image_size, train=False)
+    decoding = loaded.decoding if decoding is None else decoding
     generator = _generator(loaded, decoding)
     results: list[Captioned] = []
     for start in range(0, len(items), batch_size):

@@ -187,6 +187,20 @@ def test_load_model_reads_a_training_checkpoint_like_its_bundle(tmp_path: Path) 
     assert torch.equal(greedy[0].tokens, greedy[1].tokens) and torch.equal(greedy[0].alphas, greedy[1].alphas)
 
 
+def test_a_bundle_keeps_how_its_run_decoded_and_an_older_one_decodes_with_captioning_s_defaults(
+    small_model, small_vocab, tmp_path: Path
+) -> None:
+    own = DecodingConfig(method="beam", beam_size=5, max_len=7, length_penalty=0.5, no_repeat_ngram_size=2)
+    net, preprocess = net_v1(CAPTIONER_NET), {"image_size": 64}
+    save_bundle(tmp_path / "new.pt", small_model, small_vocab, net, preprocess, own)
+    assert load_trained(tmp_path / "new.pt").decoding == own
+    save_bundle(tmp_path / "old.pt", small_model, small_vocab, net, preprocess)  # as bundles were written before
+    assert load_trained(tmp_path / "old.pt").decoding == DecodingConfig.captioning()
+    bad = tampered(tmp_path / "new.pt", tmp_path / "bad.pt", lambda raw: raw["decoding"].update(max_len=0))
+    with pytest.raises(BundleError, match=r"malformed decoding settings \(decoding.max_len=0 must be >= 1\)"):
+        load_trained(bad)
+
+
 def _checkpoint_without(key: str | None) -> Callable[[dict], None]:
     """A change to a checkpoint: its bundle metadata loses ``key`` (None: the whole entry)."""
 

@@ -146,3 +146,28 @@ def test_max_pixels_lets_a_large_image_through(bundles, tmp_path, monkeypatch, c
     assert capsys.readouterr().out.startswith(f"{image}\t")
     assert cli.main([*args, "--max-pixels", "0"]) == 2
     assert capsys.readouterr().err == "error: --max-pixels=0 must be >= 1\n"
+
+
+def test_a_model_decodes_as_its_run_did_unless_an_option_or_keyword_says_otherwise(tmp_path, capsys):
+    from captioner import load_model
+    from captioner.bundle import save_bundle
+    from captioner.config import DecodingConfig
+    from conftest import SMALL_IMAGE_SIZE, net_v1, never_ending_captioner
+
+    model, vocab, config = never_ending_captioner(SHAPE_WORDS)  # every caption max_len words long
+    image = tmp_path / "photo.png"
+    noise((40, 30)).save(image)
+    own = DecodingConfig(method="beam", beam_size=2, max_len=4)  # how its run decoded its final scores
+    bundle = tmp_path / "model.pt"
+    save_bundle(bundle, model, vocab, net_v1(config), {"image_size": SMALL_IMAGE_SIZE}, own)
+
+    def words(*options: str) -> int:
+        assert cli.main(["caption", str(image), "--model", str(bundle), "--workers", "0", *options]) == 0
+        return len(capsys.readouterr().out.split("\t")[1].split())
+
+    assert words() == 4 and words("--max-len", "2") == 2 and words("--method", "greedy") == 4
+    loaded = load_model(bundle)
+    assert loaded.decoding == own
+    assert len(loaded.caption(image).words) == 4 and len(loaded.caption(image, max_len=3).words) == 3
+    assert cli.main(["caption", str(image), "--model", str(bundle), "--min-len", "5"]) == 2  # over its own max_len
+    assert capsys.readouterr().err.splitlines() == ["error: --min-len=5 must be < --max-len=4"]

@@ -52,7 +52,10 @@ def test_version_and_help_show_every_default_in_plain_text(capsys):
             if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
                 shown = f"(default: {action.default})"
                 assert shown in flat, (name, action.option_strings, shown)
-    assert "(default: 0.0)" in " ".join(commands["caption"].format_help().split())  # a zero default too
+    caption = " ".join(commands["caption"].format_help().split())
+    # a decoding option's default is the model's own, and a zero is shown as one
+    assert "--length-penalty LENGTH_PENALTY GNMT alpha for beam search (default: the model's; 0.0 for an" in caption
+    assert "--max-len MAX_LEN maximum words per caption (default: the model's; 20 for an older model file)" in caption
 
 
 def test_help_does_not_import_torch():

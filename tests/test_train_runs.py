@@ -12,6 +12,8 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
+from captioner.bundle import load_trained
+from captioner.config import DecodingConfig, from_dict
 from captioner.training.logs import finish_wandb
 from conftest import compose_cfg, run_train, snapshot, tiny_overrides
 
@@ -88,7 +90,8 @@ def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path, capsy
     hard = "; hard attention reading the most likely location (argmax)"  # what the final scores were decoded with
     assert (hard in capsys.readouterr().out) == (extra == ["model=hard"])
     out = Path(cfg.paths.output_dir)
-    assert (out / "bundle.pt").is_file()
+    decoding = from_dict(DecodingConfig, OmegaConf.to_container(cfg.model.decoding, resolve=True))
+    assert load_trained(out / "bundle.pt").decoding == decoding.for_captioning()  # as its final scores decoded
     assert yaml.safe_load((out / "config.yaml").read_text()) == OmegaConf.to_container(cfg, resolve=True)
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0.0 <= metrics["val/bleu1"] <= 1.0

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from captioner.viz.gallery import GalleryEntry, Panels, write_gallery
     from captioner.viz.overlay import shade
 
-    decode = options.decode_options(args)
+    options.check_options(args)
     device = options.device(args.device)
     out = Path(args.out)
     single = out.suffix.lower() == ".png"
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
     with tqdm(total=len(found.paths), unit="img", file=sys.stderr, desc="drawing", disable=not show) as bar:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="attend-writer") as writer:
-            for result in captioned(args, found, output, decode, device, bar=False):
+            for result in captioned(args, found, output, device, bar=False):
                 if not cleared:  # the model has loaded and the inputs are listed: the earlier gallery goes
                     files.clear()
                     cleared = True

@@ -13,7 +13,6 @@ from captioner.cli import options
 from captioner.cli.inputs import Inputs, expand_inputs
 from captioner.cli.output import Output
 from captioner.cli.parser import DEFAULT_NAME
-from captioner.config import DecodingConfig
 from captioner.data.dataset import Skipped
 from captioner.errors import ConfigError
 from captioner.inference import Captioned, caption_files
@@ -41,10 +40,10 @@ def run(args: argparse.Namespace) -> int:
             "give image files, folders or globs (- reads paths from standard input), "
             "or --image-info FILE --images DIR --out DIR"
         )
-    decode = options.decode_options(args)
+    options.check_options(args)
     device = options.device(args.device)
     output = Output(args.json)
-    for result in captioned(args, expand_inputs(args.inputs, nul=args.nul), output, decode, device):
+    for result in captioned(args, expand_inputs(args.inputs, nul=args.nul), output, device):
         output.caption(result)
     return output.close()
 
@@ -53,12 +52,12 @@ def captioned(
     args: argparse.Namespace,
     found: Inputs,
     output: Output,
-    decode: DecodingConfig,
     device: torch.device,
     bar: bool = True,
 ) -> Iterator[Captioned]:
     """The captioned images of ``found`` in order; its input errors and unreadable images go to ``output`` as
-    failures, its skipped files to its summary. The model is loaded only when there is an image to caption.
+    failures, its skipped files to its summary. The model is loaded only when there is an image to caption, and
+    decodes as ``options.load`` says.
     ``bar``: show captioning's progress bar (``--no-progress`` and a terminal allowing); False when the caller
     shows its own."""
     output.skipped = found.skipped
@@ -68,6 +67,7 @@ def captioned(
     loaded = options.load(args, device)
     output.start(len(found.paths))
     show = bar and options.progress(args, len(found.paths))
+    decode = loaded.decoding
     for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, decode, args.max_pixels):
         if isinstance(result, Skipped):
             output.failure(result)
@@ -100,7 +100,7 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
             "--image-info, --images and --out go together: the COCO image list, the folder of "
             "its images and the folder for the results file"
         )
-    decode = options.decode_options(args)
+    options.check_options(args)
     target = Path(args.out) / server_results_name(args.image_info, args.name)
     options.refuse_overwrite(target, args)
     records = read_image_info(args.image_info, args.image_dir)
@@ -113,7 +113,7 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
     output.start(len(paths))
     captions: dict[int, str] = {}
     show = options.progress(args, len(paths))
-    results = caption_files(loaded, paths, args.batch_size, args.workers, show, decode, args.max_pixels)
+    results = caption_files(loaded, paths, args.batch_size, args.workers, show, loaded.decoding, args.max_pixels)
     for record, result in zip(records, results):
         if isinstance(result, Skipped):
             output.failure(result)

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return server_results(args, echo=False)
-    decode = options.decode_options(args)
+    options.check_options(args)
     device = options.device(args.device)
     out = Path(args.out)
     for name in (RESULTS_FILE, METRICS_FILE, PER_IMAGE_FILE):
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         args.workers,
         coco=not args.no_coco,
         progress=options.progress(args, len(records)),
-        decoding=decode,
+        decoding=loaded.decoding,
         max_pixels=args.max_pixels,
     )
     for item in skipped:

@@ -12,7 +12,7 @@ import torch
 
 from captioner import load_model
 from captioner.cli import parser
-from captioner.config import METHOD_SETTINGS, DecodingConfig, HardInference, captioning_settings
+from captioner.config import DecodingConfig, HardInference, captioning_settings
 from captioner.errors import ConfigError, DataError, check_range
 
 if TYPE_CHECKING:
@@ -37,22 +37,30 @@ def device(name: str) -> torch.device:
     return chosen
 
 
-def decode_options(args: argparse.Namespace) -> DecodingConfig:
-    """Check the decoding and batching options as ``caption()`` checks its keywords; return the decoding
-    settings. An option that one method reads counts only when it was given (``--beam-size`` with greedy)."""
+def check_options(args: argparse.Namespace) -> None:
+    """Check the batching and decoding options before anything loads, the decoding ones as ``caption()`` checks
+    its keywords (:func:`decoding` over captioning's defaults)."""
     check_range("--batch-size", args.batch_size, 1, kind=int)
     check_range("--workers", args.workers, 0, kind=int)
     if args.max_pixels is not None:
         check_range("--max-pixels", args.max_pixels, 1, kind=int)
+    decoding(args)
+
+
+def decoding(args: argparse.Namespace, base: DecodingConfig | None = None) -> DecodingConfig:
+    """The decoding options given (``args.given``) over ``base`` (a model's own: ``LoadedModel.decoding``; None:
+    captioning's defaults), checked as ``caption()`` checks its keywords."""
     names = [field.name for field in dataclasses.fields(DecodingConfig)]
-    given = {name: getattr(args, name) for name in names if name not in METHOD_SETTINGS or name in args.given}
-    return captioning_settings(given, flags=True)
+    given = {name: getattr(args, name) for name in names if name in args.given}
+    return captioning_settings(given, flags=True, base=base)
 
 
 def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
-    """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``; a hard attention model
-    reading what ``--hard-inference`` asks."""
+    """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``, decoding as its run did with
+    the decoding options given over that (:func:`decoding`); a hard attention model reading what
+    ``--hard-inference`` asks."""
     loaded = load_model(args.model, map_location="cpu")
+    loaded = dataclasses.replace(loaded, decoding=decoding(args, loaded.decoding))
     loaded.model.to(on)
     if getattr(args, "hard_inference", None) is not None:
         if loaded.model.decoder.hard_read is None:

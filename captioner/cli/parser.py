@@ -36,7 +36,9 @@ checkpoints. Images are decoded in worker processes and captioned a batch at a t
 shows on stderr for many. A bad input file gets one line on stderr naming it and the reason; the other
 images are still captioned and the exit status is 1. A bad argument, model file or dataset gets one line
 and exit status 2. No traceback. caption and attend end with a summary line on stderr (images captioned,
-failed, skipped, images/s); see captioner caption --help for the output formats."""
+failed, skipped, images/s); see captioner caption --help for the output formats. A model decodes as its
+training run decoded its final scores (beam search, as long as its training captions, ...: the scores that
+run printed are the scores captioner evaluate gives); each decoding option given replaces one of those."""
 PROGRESS_MIN_IMAGES = 64  # a progress bar on stderr from this many images
 STDIN = "-"  # among the inputs: read image paths from standard input, one per line
 NUL_HELP = "(or -0) - reads NUL-separated paths (find -print0) instead of one per line"
@@ -78,8 +80,9 @@ SPLITS_EPILOG = """coco: val and test are Karpathy's 5,000 val2014 images each (
 
 
 class _Given(argparse.Action):
-    """Stores the option's value and records that it was given (its name in ``args.given``): an option that one
-    decoding method reads (``METHOD_SETTINGS``) is refused with another only when it was given."""
+    """Stores the option's value and records that it was given (its name in ``args.given``): a decoding option
+    replaces the model's own setting only when given, and one that one decoding method reads
+    (``METHOD_SETTINGS``) is refused with another only then."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
                  option_string: str | None = None) -> None:  # fmt: skip
@@ -142,36 +145,26 @@ def _common(sub: argparse.ArgumentParser) -> None:
         required=True,
         help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint",
     )
-    sub.add_argument("--method", choices=list(DecodeMethod), default=CAPTIONING_METHOD, help="decoding method")
     sub.set_defaults(given=set())
-    sub.add_argument(
-        "--beam-size",
-        type=int,
-        default=DecodingConfig.beam_size,
-        action=_Given,
-        help="captions kept per image by beam search",
-    )
-    sub.add_argument("--max-len", type=int, default=DecodingConfig.max_len, help="maximum words per caption")
-    sub.add_argument(
-        "--temperature", type=float, default=DecodingConfig.temperature, action=_Given, help="for --method sample"
-    )
-    sub.add_argument("--seed", type=int, action=_Given, help="for --method sample: the same seed, the same captions")
-    sub.add_argument(
-        "--length-penalty",
-        type=float,
-        default=DecodingConfig.length_penalty,
-        action=_Given,
-        help="GNMT alpha for beam search",
-    )
-    sub.add_argument(
-        "--min-len", type=int, default=DecodingConfig.min_len, help="no <end> before this many words (0: off)"
-    )
-    sub.add_argument(
-        "--no-repeat-ngram-size",
-        type=int,
-        default=DecodingConfig.no_repeat_ngram_size,
-        help="no n-gram of this many words twice in a caption (0: off)",
-    )
+    decoding = {  # flag: (type, help, what a model file that does not keep its decoding settings decodes with)
+        "--method": (None, "decoding method", CAPTIONING_METHOD.value),
+        "--beam-size": (int, "captions kept per image by beam search", DecodingConfig.beam_size),
+        "--max-len": (int, "maximum words per caption", DecodingConfig.max_len),
+        "--temperature": (float, "for --method sample", DecodingConfig.temperature),
+        "--seed": (int, "for --method sample: the same seed, the same captions", "none"),
+        "--length-penalty": (float, "GNMT alpha for beam search", DecodingConfig.length_penalty),
+        "--min-len": (int, "no <end> before this many words (0: off)", DecodingConfig.min_len),
+        "--no-repeat-ngram-size": (int, "no n-gram of this many words twice in a caption (0: off)",
+                                   DecodingConfig.no_repeat_ngram_size),
+    }  # fmt: skip
+    for name, (kind, text, fallback) in decoding.items():
+        sub.add_argument(
+            name,
+            type=kind,
+            choices=list(DecodeMethod) if name == "--method" else None,
+            action=_Given,
+            help=f"{text} (default: the model's; {fallback} for an older model file)",
+        )
     sub.add_argument(
         "--batch-size", type=int, default=CAPTIONING_BATCH_SIZE, help="images encoded and decoded together"
     )

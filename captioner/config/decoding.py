@@ -26,8 +26,9 @@ class DecodeMethod(enum.StrEnum):
 @dataclass
 class DecodingConfig(Settings):
     """How captions are decoded: these defaults are validation's and test's (``model.decoding``);
-    captioning (``Captioner.generate``, ``caption()``, the CLI's flags) starts from ``captioning()``, the
-    same settings with ``CAPTIONING_METHOD``. ``captioner.model.decoding`` takes one, checked here."""
+    captioning (``Captioner.generate``) starts from ``captioning()``, the same settings with
+    ``CAPTIONING_METHOD``, and a trained model's (``caption()``, the CLI's flags) from those its bundle keeps,
+    its run's ``for_captioning()``. ``captioner.model.decoding`` takes one, checked here."""
 
     # greedy for validation and test (one decode per epoch, fast); captioning: CAPTIONING_METHOD
     method: DecodeMethod = DecodeMethod.greedy
@@ -91,8 +92,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def captioning_settings(settings: Mapping[str, Any], flags: bool = False) -> DecodingConfig:
-    """How one captioning call decodes: ``settings`` (field names) over captioning's defaults, checked.
+def captioning_settings(
+    settings: Mapping[str, Any], flags: bool = False, base: DecodingConfig | None = None
+) -> DecodingConfig:
+    """How one captioning call decodes: ``settings`` (field names) over ``base`` (a model's: how its run decoded
+    its final scores; None: captioning's defaults), checked.
 
     The one check of ``caption()``'s keywords and the command line's decoding flags. TypeError for a name that
     is no setting (naming the nearest one); ConfigError for a setting that the method does not read
@@ -112,7 +116,7 @@ def captioning_settings(settings: Mapping[str, Any], flags: bool = False) -> Dec
         return f"{flag(name)} {value}" if flags else f"{name}={str(value)!r}"
 
     try:
-        config = DecodingConfig(**{"method": CAPTIONING_METHOD, **settings})
+        config = dataclasses.replace(base or DecodingConfig(method=CAPTIONING_METHOD), **settings)
     except ConfigError as exc:
         message = str(exc)
         if flags:

@@ -49,10 +49,10 @@ def evaluate_split(
     its file, caption, references and the same scores for it alone (``COCOEvalCap.imgToEval``'s), to sort
     and read the worst captions. Unreadable images are left out (counted in ``skipped_images``). Returns the
     metrics, with a printable ``table`` (scores are fractions in [0, 1]), and the unreadable images.
-    ``decoding``: how (None: captioning's ``DecodingConfig.captioning()``); ``max_pixels``: the pixel limit of an
+    ``decoding``: how (None: the model's, ``loaded.decoding``); ``max_pixels``: the pixel limit of an
     image file (``load_rgb``; None: Pillow's). Raises DataError when there are no records or none could be decoded.
     """
-    decoding = DecodingConfig.captioning() if decoding is None else decoding
+    decoding = loaded.decoding if decoding is None else decoding
     if not records:
         raise DataError("the split has no images to evaluate")
     by_path = {r.image_path: r for r in records}

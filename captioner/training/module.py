@@ -292,21 +292,26 @@ class CaptionerModule(L.LightningModule):
 
     # ------------------------------------------------------------------ export
     def export_bundle(self, path: str) -> None:
-        """Write the inference bundle (weights, vocabulary, model config, the data module's image size);
-        no Lightning needed to load it."""
+        """Write the inference bundle (weights, vocabulary, model config, the data module's image size, and
+        the run's decoding with captioning's method, as its final scores were decoded); no Lightning needed to
+        load it."""
         save_bundle(
             path,
             self.model,
             self.vocab,
             self.net,
             preprocess={"image_size": self.trainer.datamodule.settings.image_size},
+            decoding=self.settings.decoding.for_captioning(),
         )
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Checkpoints carry the bundle metadata as plain data (model config, vocabulary, image size), so
+        """Checkpoints carry the bundle metadata as plain data (model config, vocabulary, image size, decoding), so
         ``captioner.bundle.load_trained`` reads them with ``weights_only=True``."""
         checkpoint[CHECKPOINT_KEY] = bundle_metadata(
-            self.net, self.vocab, {"image_size": self.trainer.datamodule.settings.image_size}
+            self.net,
+            self.vocab,
+            {"image_size": self.trainer.datamodule.settings.image_size},
+            self.settings.decoding.for_captioning(),
         )
         if self.phase is not None:
             checkpoint[PHASE_KEY] = self.phase.steps
