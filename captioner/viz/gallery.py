@@ -5,9 +5,11 @@ and still works. Files from elsewhere are copied in (a PNG, JPEG, GIF or WebP of
 it is; others re-encoded as JPEG, so that a TIFF or PPM shows in any browser). Each image shows its caption,
 the image and one attention panel at a readable size with its word under it, cropped from the strip of all its
 panels (captioner.viz.sheet.Strip: one file an image); the words are stepped through with the arrow keys (once
-the image is clicked or tabbed to) or by clicking them. PAGE_SIZE images make a
-page, each page links every other; the inputs that could not be captioned are listed first, on the first
-page (index.html). Every file is named by captioner.viz.layout and recorded there before it is written.
+the image is clicked or tabbed to) or by clicking them, with nothing more to fetch; images and strips load as
+they scroll into view (``loading="lazy"``), so a page of large photos does not fetch all its strips at once.
+PAGE_SIZE images make a page, each page links every other; the inputs that could not be captioned are listed
+first, on the first page (index.html). Every file is named by captioner.viz.layout and recorded there before
+it is written.
 """
 
 from __future__ import annotations
@@ -182,8 +184,8 @@ def _panel(panels: Panels, link: str) -> tuple[str, str]:
     whole = f"width: {100 * columns * across / width:.4f}%; height: {100 * rows * down / height:.4f}%"
     figure = (
         f'<figure><div class="frame" style="{_box(panels.size)}"><div class="crop" style="width: {fitted[0]}px; '
-        f'height: {fitted[1]}px"><img class="panel" src="{link}" alt="attention for: {first}" style="{whole}; '
-        f'left: 0%; top: 0%"></div></div><figcaption class="word">{first}</figcaption></figure>'
+        f'height: {fitted[1]}px"><img class="panel" loading="lazy" src="{link}" alt="attention for: {first}" '
+        f'style="{whole}; left: 0%; top: 0%"></div></div><figcaption class="word">{first}</figcaption></figure>'
     )
     return figure, json.dumps([columns, round(100 * across / width, 4), round(100 * down / height, 4)])
 
@@ -223,8 +225,8 @@ def _entry(number: int, entry: GalleryEntry, files: GalleryFiles, max_pixels: in
     parts.append(f'<p class="caption">{caption}</p>')
     parts.append('<div class="stage">')
     parts.append(
-        f'<figure><img src="{image}" alt="{name}" style="{_shown(image, out_dir)}"><figcaption>image</figcaption>'
-        "</figure>"
+        f'<figure><img loading="lazy" src="{image}" alt="{name}" style="{_shown(image, out_dir)}">'
+        "<figcaption>image</figcaption></figure>"
     )
     parts.append(panel)
     parts.append("</div>")
