@@ -236,6 +236,12 @@ def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(
         ]
     )
     assert f"resuming {tmp_path / 'scst' / 'checkpoints' / 'last.ckpt'}" in resumed.stdout
+    carried = [path.name for path in (tmp_path / "ddp" / "checkpoints").glob("epoch00[01]*.ckpt")]
+    assert carried == [
+        Path(last["callbacks"][key]["best_model_path"]).name
+        for key in last["callbacks"]
+        if key.startswith("BestCheckpoint")
+    ]  # save_top_k=-1: of the earlier epochs only the best
     ddp = torch.load(tmp_path / "ddp" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ddp["epoch"] == 2 and ddp["global_step"] == last["global_step"] + math.ceil(120 / 16)
     assert json.loads((tmp_path / "ddp" / "metrics.json").read_text())["val/cider"] > 0

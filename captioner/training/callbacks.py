@@ -204,9 +204,13 @@ class BestCheckpoint(ModelCheckpoint):
 
     def _carry_over(self, trainer: L.Trainer, earlier: dict[str, Any]) -> None:
         """Make the earlier run's best checkpoints that still exist this run's candidates: each linked (a copy
-        where the file system has no links) into ``dirpath`` by rank 0, under its name, with its score."""
+        where the file system has no links) into ``dirpath`` by rank 0, under its name, with its score. With
+        ``save_top_k=-1`` (every epoch kept, none ever compared away) only the best: the one to beat."""
+        candidates = earlier["best_k_models"]
+        if self.save_top_k < 0 and earlier.get("best_model_path") in candidates:
+            candidates = {earlier["best_model_path"]: candidates[earlier["best_model_path"]]}
         kept: dict[str, torch.Tensor] = {}
-        for path, score in earlier["best_k_models"].items():
+        for path, score in candidates.items():
             source, target = Path(path), Path(self.dirpath) / Path(path).name
             if not source.is_file() or (target.exists() and not os.path.samefile(source, target)):
                 continue  # gone, or a file of that name is here already: never replaced
