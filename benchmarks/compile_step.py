@@ -58,8 +58,7 @@ def rows(size: composed.Setup, mode: Compile, args: argparse.Namespace) -> list[
     eager = module.model.decoder
     compiled = copy.deepcopy(eager)
     compiled.compile_step(mode)
-    height, width, channels = composed.grid_shape(size)
-    features = torch.randn(IMAGES, height * width, channels, device=args.device).relu()  # (B, L, C)
+    features = composed.random_grid(size, IMAGES, args.device)  # (B, L, C)
     captions, index = composed.random_captions(size, IMAGES, args.device)
 
     def train(decoder: torch.nn.Module) -> Callable[[], None]:

@@ -202,6 +202,12 @@ def random_images(size: Setup, count: int, device: torch.device) -> Tensor:
     return torch.randn(count, 3, size.data.image_size, size.data.image_size, device=device)
 
 
+def random_grid(size: Setup, count: int, device: torch.device) -> Tensor:
+    """(count, H*W, C) non-negative features of ``size``'s grid: what the decoder attends over."""
+    height, width, channels = grid_shape(size)
+    return torch.randn(count, height * width, channels, device=device).relu()
+
+
 def random_features(model: Captioner, size: Setup, count: int, device: torch.device) -> Tensor:
     """(count, L', C') non-negative features shaped as ``model.encode``'s output (what the feature cache holds:
     the grid of a frozen encoder, the frozen stages' map of one that trains its last stages)."""

@@ -14,7 +14,6 @@ import argparse
 import time
 from collections.abc import Callable
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import clock
@@ -60,9 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         profile_table(f"training step, soft, {size.batch} images x {pairs} captions", step, flops, args)
         module = composed.build_module(size, args)
         decoder = module.model.decoder
-        height, width, channels = composed.grid_shape(size)
         images = size.batch if args.tiny or args.quick else DECODER_BATCH
-        grid = torch.randn(images, height * width, channels, device=args.device).relu()  # (B, L, C)
+        grid = composed.random_grid(size, images, args.device)  # (B, L, C)
         forward, batch = composed.decoder_training(decoder, grid, *composed.random_captions(size, images, args.device))
         decoder_step = composed.make_train_step(module, decoder, forward, batch, args, graphs)
         eager = composed.make_train_step(module, decoder, forward, batch, args) if graphs else decoder_step

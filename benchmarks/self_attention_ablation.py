@@ -134,8 +134,8 @@ def coco_costs(args: argparse.Namespace) -> list[list[object]]:
     overrides = [f"data.batch_size={args.coco_batch}", *variant_overrides("0 blocks")]
     size = composed.setup("demo" if args.tiny else "coco_soft", args, overrides=overrides)
     _, decoder_step, _ = composed.model_train_step(size, args, "features")
-    height, width, channels = composed.grid_shape(size)
-    features = torch.randn(size.batch, height * width, channels, device=args.device).relu()  # (B, L, C): the grid
+    height, width, _ = composed.grid_shape(size)
+    features = composed.random_grid(size, size.batch, args.device)  # (B, L, C)
     rows = []
     decoder = clock.measure(decoder_step, args, warmup=1, repeats=args.repeats).median
     rows.append(["decoder step (0 blocks)", features.shape[1], 1000 * decoder, 1.0, 0])

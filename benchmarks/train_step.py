@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 import clock
 import composed
 import counters
@@ -109,8 +107,7 @@ def decoder_row(
     ``graphs`` and ``flops`` as ``step_row``'s."""
     module = composed.build_module(size, args)
     decoder = module.model.decoder
-    height, width, channels = composed.grid_shape(size)
-    features = torch.randn(images, height * width, channels, device=args.device).relu()  # (B, L, C)
+    features = composed.random_grid(size, images, args.device)  # (B, L, C)
     captions, index = composed.random_captions(size, images, args.device, gathered)
     forward, batch = composed.decoder_training(decoder, features, captions, index)
     step = composed.make_train_step(module, decoder, forward, batch, args, graphs)
