@@ -177,17 +177,16 @@ def _panel(panels: Panels, link: str) -> tuple[str, str]:
     """The first word's panel, cropped from the strip at ``link``: its HTML, and the ``data-strip`` that steps
     the crop to another word's (columns, and one panel's stride across and down as % of a panel)."""
     strip = Strip(panels.size, len(panels.words))
-    (width, height), (across, down) = panels.size, strip.stride
-    columns, rows = strip.columns, -(-strip.count // strip.columns)
+    (width, height), (across, down), (whole_width, whole_height) = panels.size, strip.stride, strip.picture_size
     fitted = _fitted(panels.size)
     first = html.escape(panels.words[0])
-    whole = f"width: {100 * columns * across / width:.4f}%; height: {100 * rows * down / height:.4f}%"
+    whole = f"width: {100 * whole_width / width:.4f}%; height: {100 * whole_height / height:.4f}%"
     figure = (
         f'<figure><div class="frame" style="{_box(panels.size)}"><div class="crop" style="width: {fitted[0]}px; '
         f'height: {fitted[1]}px"><img class="panel" loading="lazy" src="{link}" alt="attention for: {first}" '
         f'style="{whole}; left: 0%; top: 0%"></div></div><figcaption class="word">{first}</figcaption></figure>'
     )
-    return figure, json.dumps([columns, round(100 * across / width, 4), round(100 * down / height, 4)])
+    return figure, json.dumps([strip.columns, round(100 * across / width, 4), round(100 * down / height, 4)])
 
 
 def _legend(scale: tuple[float, float] | None) -> str:

@@ -4,10 +4,9 @@ what it wrote there, so that a later ``--force`` removes exactly those files and
 Entry ``n`` of image ``photos/cat.png`` is ``0007_cat``: its sheet ``0007_cat.jpg``, the strip of its panels
 ``0007_cat.panels.jpg`` (captioner.viz.sheet), and copies of files from elsewhere under ``images/``:
 ``0007_cat.jpg`` for the image, ``0007_cat.sheet.jpg`` and ``0007_cat.panels.jpg`` for a sheet or a strip (each
-copy its own name). The pages are
-``index.html``, ``page002.html``, .... The record, ``.captioner-gallery``, lists one written file per line (a
-JSON string, relative to the folder), each added before the file is written: a run that stops halfway still
-leaves a record of all it wrote. Hidden, it is never listed as an input either.
+copy its own name). The pages are ``index.html``, ``page002.html``, .... The record, ``.captioner-gallery``, lists
+one written file per line (a JSON string, relative to the folder), each added before the file is written: a run
+that stops halfway still leaves a record of all it wrote. Hidden, it is never listed as an input either.
 """
 
 from __future__ import annotations
@@ -108,8 +107,7 @@ class GalleryFiles:
 
     def record_all(self, paths: Iterable[str | os.PathLike]) -> list[Path]:
         """:meth:`record` for each of ``paths``, with one write to the record for them all (an image's sheet and
-        strip);
-        FileExistsError, with none of them recorded, when one exists and no gallery wrote it."""
+        strip); FileExistsError, with none of them recorded, when one exists and no gallery wrote it."""
         paths = [Path(path) for path in paths]
         names = [self.relative(path) for path in paths]
         new = [name for name in dict.fromkeys(names) if name not in self.earlier and name not in self.written]

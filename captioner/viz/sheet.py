@@ -57,9 +57,14 @@ class Strip:
         return max(1, min(self.count, max(MAX_COLUMNS, math.ceil(self.count / (JPEG_SIDE // self.stride[1])))))
 
     @property
+    def rows(self) -> int:
+        """Rows of panels, the last one perhaps short."""
+        return math.ceil(self.count / self.columns)
+
+    @property
     def picture_size(self) -> tuple[int, int]:
         """The strip's (width, height) in pixels."""
-        return (self.columns * self.stride[0], math.ceil(self.count / self.columns) * self.stride[1])
+        return (self.columns * self.stride[0], self.rows * self.stride[1])
 
     def corner(self, step: int) -> tuple[int, int]:
         """The top-left pixel of panel ``step`` (from 0)."""
