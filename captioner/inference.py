@@ -162,10 +162,13 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
     return LoadedModel(**fields, source=os.fspath(path))
 
 
-def _generator(loaded: LoadedModel, decoding: DecodingConfig) -> torch.Generator | None:
-    """Sampling's generator for all the batches of one call, seeded with ``decoding.seed`` (torch's state left
-    alone); None without a seed."""
-    return seeded_generator(decoding, next(loaded.model.parameters()).device)
+def _call_decoding(
+    loaded: LoadedModel, decoding: DecodingConfig | None
+) -> tuple[DecodingConfig, torch.Generator | None]:
+    """How one call decodes (None: the model's own, ``loaded.decoding``), and sampling's generator for all its
+    batches, seeded with the settings' ``seed`` (torch's state left alone; None without a seed)."""
+    decoding = loaded.decoding if decoding is None else decoding
+    return decoding, seeded_generator(decoding, next(loaded.model.parameters()).device)
 
 
 def _caption_batch(
@@ -214,8 +217,7 @@ def caption_files(
         num_workers=min(workers, batches),
         collate_fn=_keep_list,
     )
-    decoding = loaded.decoding if decoding is None else decoding
-    generator = _generator(loaded, decoding)
+    decoding, generator = _call_decoding(loaded, decoding)
     with tqdm(total=len(paths), unit="img", file=sys.stderr, desc="captioning", disable=not progress) as bar:
         for number, items in enumerate(loader):
             first = number * batch_size  # index in ``paths`` of the batch's first item
@@ -285,8 +287,7 @@ def caption_images(
     single = _one_image(images)
     items = [images] if single else list(images)
     transform = build_transform(loaded.image_size, train=False)
-    decoding = loaded.decoding if decoding is None else decoding
-    generator = _generator(loaded, decoding)
+    decoding, generator = _call_decoding(loaded, decoding)
     results: list[Captioned] = []
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
