@@ -95,9 +95,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     number, would take every negative number (``--workers -1``) for an option too."""
     args = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # name -> the command's parser
     takes_value = {
         option
-        for sub in parser._subparsers._group_actions[0].choices.values()
+        for sub in commands.values()
         for action in sub._actions
         if action.nargs != 0
         for option in action.option_strings
@@ -105,7 +106,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = ["--null" if a == "-0" and (i == 0 or args[i - 1] not in takes_value) else a for i, a in enumerate(args)]
     parsed, unknown = parser.parse_known_args(args)
     if unknown:
-        _unknown(parser._subparsers._group_actions[0].choices[parsed.command], unknown)
+        _unknown(commands[parsed.command], unknown)
     return parsed
 
 
