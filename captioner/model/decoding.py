@@ -202,7 +202,7 @@ def decode(
     key = (features.shape, features.dtype, dataclasses.astuple(settings), unk_id, decoder.training, decoder.hard_read)
     key += capture_state(features.device)
     run = functools.partial(_untrimmed, decoder, settings, None, unk_id, True)
-    call = graphs.get(key, lambda: CapturedCall(torch.no_grad()(run), [features]))
+    call = graphs.get(key, lambda: CapturedCall(torch.no_grad()(run), [features], keep=decoder))
     replayed = call(features)
     return trimmed(Generation(*(getattr(replayed, field.name).clone() for field in dataclasses.fields(Generation))))
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 WARMUP_CALLS = 2  # eager calls on a side stream before a capture (cuBLAS workspaces, lazy initialisation)
 DECODING_GRAPHS = 8  # decoding graphs kept per decoder (batch sizes, methods); the least recently used goes
@@ -30,24 +30,29 @@ DECODING_GRAPHS = 8  # decoding graphs kept per decoder (batch sizes, methods); 
 class CapturedCall:
     """``function(*inputs)`` captured as one CUDA graph on static copies of ``inputs``.
 
-    ``function`` is first called ``WARMUP_CALLS`` times on a side stream (``before_capture`` runs after those, e.g.
-    to undo their side effects), then captured. Calling the object copies new inputs of the same shapes into the
-    static ones, replays the graph and returns the captured outputs: the same tensors every time, overwritten by
-    the next replay.
+    ``function`` is first called ``WARMUP_CALLS`` times (on a side stream on CUDA), then the buffers of ``keep``
+    (the modules it runs) and the random state are put back as they were before those calls: the warm-up leaves
+    no trace, and the first replay draws what one eager call would have drawn. Then it is captured. Calling the
+    object copies new inputs of the same shapes into the static ones, replays the graph and returns the captured
+    outputs: the same tensors every time, overwritten by the next replay.
+
+    ``capture=False`` runs all of that but the capture: each call runs ``function`` eagerly on the static
+    inputs (what a CPU can check of a capture: ``GraphedSteps``' and ``GraphCache``'s ``capture``).
     """
 
     def __init__(
-        self, function: Callable[..., Any], inputs: Sequence[Tensor], before_capture: Callable[[], None] | None = None
+        self,
+        function: Callable[..., Any],
+        inputs: Sequence[Tensor],
+        keep: nn.Module | None = None,
+        capture: bool = True,
     ) -> None:
         self.inputs = [tensor.clone() for tensor in inputs]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_CALLS):
-                function(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        if before_capture is not None:
-            before_capture()
+        self.function = function
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._warm_up(keep, capture)
+        if not capture:
+            return
         self.graph = torch.cuda.CUDAGraph()
         # Autocast caches each weight's low-precision copy until its region ends: a copy cached before the capture
         # would be read by every replay, stale once Adam moves the weight. Emptied, the copies are made inside the
@@ -58,11 +63,31 @@ class CapturedCall:
             self.outputs = function(*self.inputs)
         torch.clear_autocast_cache()
 
+    def _warm_up(self, keep: nn.Module | None, capture: bool) -> None:
+        """The ``WARMUP_CALLS`` eager calls (cuBLAS workspaces, lazy initialisation), on a side stream when
+        capturing; ``keep``'s buffers and the random state of the CPU and of the inputs' GPU restored after them."""
+        saved = [buffer.detach().clone() for buffer in keep.buffers()] if keep is not None else []
+        device = self.inputs[0].device
+        side = torch.cuda.Stream() if capture else None  # None: the current stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                self.function(*self.inputs)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():
+            for buffer, value in zip(keep.buffers() if keep is not None else (), saved):
+                buffer.copy_(value)
+
     def __call__(self, *inputs: Tensor) -> Any:
         """Replay on ``inputs`` (the captured shapes and dtypes); the static outputs."""
         for static, tensor in zip(self.inputs, inputs):
             static.copy_(tensor)
-        self.graph.replay()
+        if self.graph is None:
+            self.outputs = self.function(*self.inputs)
+        else:
+            self.graph.replay()
         return self.outputs
 
 
