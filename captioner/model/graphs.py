@@ -16,6 +16,8 @@ once. What a capture needs, and what the model keeps true for it:
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -93,16 +95,33 @@ class CapturedCall:
 
 class GraphCache:
     """Captured calls by key (the shapes, dtypes and settings a capture depends on), the ``size`` most recently
-    used kept. A ``deepcopy`` (``AveragedModel``'s copy of a decoder, say) gets an empty cache: graphs replay
-    the tensors they were captured on, never a copy's."""
+    used kept, all captured on the module's tensors where they are now (``tensors_at``): moved, cast or given new
+    tensors, the module empties the cache at its next call, whose graphs would replay freed memory. A copy
+    (``deepcopy``: ``AveragedModel``'s copy of a decoder, say; a pickle) gets an empty cache: graphs replay the
+    tensors they were captured on, never a copy's. ``capture``: ``CapturedCall``'s.
 
-    def __init__(self, size: int = DECODING_GRAPHS) -> None:
+    A replay overwrites the graph's static inputs and outputs: a caller holds ``lock`` from copying its inputs in
+    until it has its outputs copied out, so that threads calling one model take turns (``decoding.decode``)."""
+
+    def __init__(self, size: int = DECODING_GRAPHS, capture: bool = True) -> None:
         self.size = size
+        self.capture = capture
         self.calls: OrderedDict[Hashable, CapturedCall] = OrderedDict()
         self.captures = 0  # graphs captured so far (a test reads it: one per shape, not one per call)
+        self.tensors: Hashable = None  # ``tensors_at`` of the module when its calls were captured
+        self.lock = threading.Lock()
 
-    def get(self, key: Hashable, capture: Callable[[], CapturedCall]) -> CapturedCall:
-        """The call captured for ``key``, captured now by ``capture()`` the first time."""
+    def serves(self, features: Tensor, static: bool) -> bool:
+        """Whether a call on ``features`` with ``static`` shapes goes through the cache: on CUDA with static shapes
+        (every call when not capturing: what a CPU can check of it)."""
+        return not self.capture or (features.is_cuda and static)
+
+    def get(self, key: Hashable, capture: Callable[[], CapturedCall], tensors: Hashable) -> CapturedCall:
+        """The call captured for ``key``, captured now by ``capture()`` the first time; every call captured before
+        dropped when the module's ``tensors`` (``tensors_at``) are no longer those they were captured on."""
+        if tensors != self.tensors:
+            self.calls.clear()
+            self.tensors = tensors
         if key in self.calls:
             self.calls.move_to_end(key)
             return self.calls[key]
@@ -112,8 +131,15 @@ class GraphCache:
         self.captures += 1
         return call
 
-    def __deepcopy__(self, memo: dict) -> GraphCache:
-        return GraphCache(self.size)
+    def __reduce__(self) -> tuple[type[GraphCache], tuple[int, bool]]:
+        return GraphCache, (self.size, self.capture)
+
+
+def tensors_at(module: nn.Module) -> tuple[tuple[int, torch.dtype, torch.Size], ...]:
+    """Where ``module``'s parameters and buffers are (address, dtype, shape): what a graph captured on them reads.
+    Moving the module (``.cpu().cuda()``), casting it (``.half().float()``) or giving it new tensors
+    (``load_state_dict(..., assign=True)``) changes it; updating them in place (Adam) does not."""
+    return tuple((t.data_ptr(), t.dtype, t.shape) for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def capture_state(device: torch.device) -> tuple[bool, torch.dtype, bool]:
