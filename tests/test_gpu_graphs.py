@@ -16,7 +16,7 @@ import torch
 
 from captioner.config import DecodingConfig
 from captioner.model.decoding import decode
-from captioner.model.graphs import CapturedCall
+from captioner.model.graphs import CapturedCall, tensors_at
 from captioner.training.graphed import GraphedSteps
 from captioner.training.objectives import cross_entropy_terms
 from captioner.training.optimization import build_optimizer
@@ -68,14 +68,19 @@ def new_tensors(decoder: torch.nn.Module) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("change", [lambda decoder: decoder.cpu().cuda(), half_float, new_tensors])
+@pytest.mark.parametrize(
+    "change", [lambda decoder: decoder.cpu().cuda(), half_float, new_tensors], ids=["moved", "cast", "assigned"]
+)
 def test_a_decoder_moved_cast_or_given_new_tensors_never_replays_the_old_ones(change) -> None:
     decoder, settings = make_decoder().to(CUDA), METHODS["beam 3, constrained"]
     features = features_for(4).to(CUDA)
     decode(decoder, features, settings)  # captured on the tensors as they are now
-    old = [t.detach() for t in itertools.chain(decoder.parameters(), decoder.buffers())]  # kept: never reused
+    old = [t.detach() for t in itertools.chain(decoder.parameters(), decoder.buffers())]  # kept: the new go elsewhere
     change(decoder)
-    for tensor in old:
+    now = {address for address, _, _ in tensors_at(decoder)}
+    left = [tensor for tensor in old if tensor.data_ptr() not in now]
+    assert left
+    for tensor in left:
         tensor.fill_(float("nan"))  # what the freed memory holds once something else is allocated there
     graphed = decode(decoder, features, settings)
     graphs, decoder.decoding_graphs = decoder.decoding_graphs, None
