@@ -126,6 +126,9 @@ class LoadedModel(TrainedModel):
         method does not read or a bad value.
         ``max_pixels``: the most pixels a file may decode to (None: Pillow's limit), a guard against
         decompression bombs; raise it for a very large photo you trust (``data.images.load_rgb``).
+
+        Threads may call it on one model at once and get what the same calls one after another get: they take
+        turns at each batch's decoding graph (``model.graphs.GraphCache.lock``), the rest runs side by side.
         """
         decoding = captioning_settings(settings, base=self.decoding)
         return caption_images(self, images, batch_size, raise_errors, decoding, max_pixels)

@@ -1,5 +1,6 @@
 """CUDA graphs of whole calls (``model.graphs``; skipped without a CUDA device, run on a lent GPU by
-``python benchmarks/gpu_check.py``): a replayed decoding call equals the eager one for every method, a replayed
+``python benchmarks/gpu_check.py``): a replayed decoding call equals the eager one for every method, and still
+after the decoder is moved, cast or given new tensors (never replaying freed memory), a replayed
 training step equals the eager step over 20 steps in bf16, hard attention's replays draw fresh locations with
 eager's statistics and follow the expected-context schedule, and Lightning trains with the graphs as without.
 tests/test_graphed.py checks on the CPU what runs there of the same path."""
@@ -7,6 +8,7 @@ tests/test_graphed.py checks on the CPU what runs there of the same path."""
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 
 import pytest
@@ -14,7 +16,7 @@ import torch
 
 from captioner.config import DecodingConfig
 from captioner.model.decoding import decode
-from captioner.model.graphs import CapturedCall
+from captioner.model.graphs import CapturedCall, tensors_at
 from captioner.training.graphed import GraphedSteps
 from captioner.training.objectives import cross_entropy_terms
 from captioner.training.optimization import build_optimizer
@@ -55,6 +57,37 @@ def test_a_replayed_decoding_call_equals_the_eager_one(name: str, attention: str
         decoder.decoding_graphs = graphs
         generations_equal(graphed, eager)
     assert graphs.captures == 2
+
+
+def half_float(decoder: torch.nn.Module) -> None:
+    decoder.half().float()
+
+
+def new_tensors(decoder: torch.nn.Module) -> None:
+    decoder.load_state_dict(copy.deepcopy(decoder.state_dict()), assign=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "change", [lambda decoder: decoder.cpu().cuda(), half_float, new_tensors], ids=["moved", "cast", "assigned"]
+)
+def test_a_decoder_moved_cast_or_given_new_tensors_never_replays_the_old_ones(change) -> None:
+    decoder, settings = make_decoder().to(CUDA), METHODS["beam 3, constrained"]
+    features = features_for(4).to(CUDA)
+    decode(decoder, features, settings)  # captured on the tensors as they are now
+    old = [t.detach() for t in itertools.chain(decoder.parameters(), decoder.buffers())]  # kept: the new go elsewhere
+    change(decoder)
+    now = {address for address, _, _ in tensors_at(decoder)}
+    left = [tensor for tensor in old if tensor.data_ptr() not in now]
+    assert left
+    for tensor in left:
+        tensor.fill_(float("nan"))  # what the freed memory holds once something else is allocated there
+    graphed = decode(decoder, features, settings)
+    graphs, decoder.decoding_graphs = decoder.decoding_graphs, None
+    eager = decode(decoder, features, settings)
+    decoder.decoding_graphs = graphs
+    generations_equal(graphed, eager)
+    assert graphs.captures == 2 and len(graphs.calls) == 1
 
 
 @needs_cuda

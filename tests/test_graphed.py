@@ -1,7 +1,9 @@
 """``model.graphs``' training path on the CPU: what a CUDA graph of the step replays, run without capturing it
-(``GraphedSteps(capture=False)``), trains as Lightning's eager steps do: the static batch, the backward done
-inside the step and skipped by the module's hook, the gradients handed to Lightning's clipping and Adam, a
-batch of other shapes run eagerly and reported. tests/test_gpu.py captures the same path on a GPU."""
+(``GraphedSteps(capture=False)``), trains as Lightning's eager steps do: the capture's two warm-up steps undone
+(the feature norm's statistics, hard attention's baseline and the random state put back: else the weights part
+from eager's), the static batch, the backward done inside the step and skipped by the module's hook, the
+gradients handed to Lightning's clipping and Adam, a batch of other shapes run eagerly and reported.
+tests/test_gpu.py captures the same path on a GPU."""
 
 from __future__ import annotations
 

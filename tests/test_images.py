@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -197,6 +199,37 @@ def test_max_pixels_raises_the_limit_and_leaves_pillow_s_own_alone(tmp_path, mon
         load_rgb(path, max_pixels=399)
     with pytest.raises(ConfigError, match="max_pixels=0 must be >= 1"):
         load_rgb(path, max_pixels=0)
+
+
+class Watched(types.ModuleType):
+    """PIL.Image while a test watches it: setting its process-wide ``MAX_IMAGE_PIXELS`` fails the test."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "MAX_IMAGE_PIXELS":
+            raise AssertionError(f"PIL.Image.MAX_IMAGE_PIXELS set to {value!r}")
+        super().__setattr__(name, value)
+
+
+@pytest.mark.filterwarnings("error::PIL.Image.DecompressionBombWarning")
+def test_pillow_s_own_limit_is_never_changed_nor_in_the_way_of_max_pixels(tmp_path, monkeypatch):
+    png = save(Image.new("RGB", (20, 20), RED), tmp_path / "big.png")
+    jpeg = save(Image.new("RGB", (800, 600), BLUE), tmp_path / "large.jpg")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 400 pixels: over twice Pillow's limit (its error)
+    monkeypatch.setattr(Image, "__class__", Watched)  # changed for a call, it races with other threads' calls
+    with ThreadPoolExecutor(4) as pool:
+        sizes = list(pool.map(lambda path: load_rgb(path, max_pixels=400).size, [png] * 8))
+    assert sizes == [(20, 20)] * 8
+    assert load_rgb(jpeg, max_pixels=40_000, size=96).size == (200, 150)  # 480,000 pixels drafted at 1/4
+    with pytest.raises(ImageError) as info:
+        load_rgb(png)
+    assert str(info.value) == (
+        f"{png}: image too large: 20x20 is 400 pixels, over the limit of 100, refused as a possible decompression "
+        "bomb; for a file you trust raise the limit with --max-pixels N (max_pixels=N in Python)"
+    )
+    tiff = save(Image.new("RGB", (20, 20), RED), tmp_path / "big.tif")  # Pillow's TIFF decoder checks its limit
+    with pytest.raises(ImageError, match=r"big.tif: image too large: Image size \(400 pixels\) exceeds limit of 200"):
+        load_rgb(tiff, max_pixels=400)
+    assert Image.MAX_IMAGE_PIXELS == 100
 
 
 def test_a_jpeg_over_the_limit_is_decoded_at_a_reduced_scale(tmp_path, monkeypatch):

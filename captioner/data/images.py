@@ -3,14 +3,14 @@ image given in memory (a PIL image or an image tensor) to the same form."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator, Sequence
+import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torchvision.transforms.v2.functional import to_pil_image
 
 from captioner.errors import DataError, check_range, first_line
@@ -44,13 +44,15 @@ def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None =
     at a reduced scale by libjpeg (1/2, 1/4 or 1/8: Pillow's ``draft``): with ``size`` (the model's input side)
     the smallest that keeps each side at least ``size`` (a 12000x9000 photo is read as 1500x1125 for 224), else
     the largest that brings it under the limit (6000x4500). Another format over the limit is refused.
+    Pillow's own limit is never changed (it is the process's, and threads decode at once); its TIFF, WebP and
+    GIF decoders check it as well, so a ``max_pixels`` above it lets such a file through only up to twice it.
     """
     path = Path(path)
     _check_file(path)
     limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
     check_range("max_pixels", limit, 1, kind=int)
     try:
-        with _pillow_limit(None), Image.open(path) as image:  # the limit is checked below, on what is decoded
+        with _open(path) as image:  # the header read: the limit is checked below, on what is decoded
             full = image.size
             if full[0] * full[1] > limit:
                 image.draft("RGB", _draft_size(full, limit, size))  # JPEG only; other formats decode whole
@@ -59,6 +61,12 @@ def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None =
             return _to_rgb(ImageOps.exif_transpose(image))
     except ImageTooLarge as exc:
         raise ImageError(path, str(exc)) from None
+    except Image.DecompressionBombError as exc:  # over Pillow's own limit, which some of its decoders check
+        raise ImageError(
+            path,
+            f"image too large: {first_line(exc)} (Pillow's own limit, PIL.Image.MAX_IMAGE_PIXELS, which its "
+            "TIFF, WebP and GIF decoders check whatever max_pixels says)",
+        ) from None
     except UnidentifiedImageError:
         raise ImageError(path, "not an image file (Pillow cannot identify its format)") from None
     except PermissionError:
@@ -71,15 +79,24 @@ class ImageTooLarge(Exception):
     """An image over the pixel limit (inside ``load_rgb``, which names the file)."""
 
 
-@contextlib.contextmanager
-def _pillow_limit(limit: int | None) -> Iterator[None]:
-    """Pillow's own pixel limit set to ``limit`` (None: off) while decoding, then restored."""
-    before = Image.MAX_IMAGE_PIXELS
-    Image.MAX_IMAGE_PIXELS = limit
-    try:
-        yield
-    finally:
-        Image.MAX_IMAGE_PIXELS = before
+def _open(path: Path) -> ImageFile.ImageFile:
+    """``path`` opened as ``Image.open`` opens a file (its format found, its header read, nothing decoded) but
+    without ``Image.open``'s check of its size against Pillow's process-wide ``Image.MAX_IMAGE_PIXELS``:
+    ``load_rgb`` checks its own limit, before decoding, and setting Pillow's for one call would race with other
+    threads' calls (and change it for all the process's code meanwhile). UnidentifiedImageError for no format."""
+    Image.init()  # every format's opener registered
+    with path.open("rb") as file:
+        prefix = file.read(16)
+    for name in Image.ID:
+        opener, accept = Image.OPEN[name]
+        claimed = accept is None or accept(prefix)
+        if not claimed or isinstance(claimed, str):  # a string: why it may not be this format
+            continue
+        try:
+            return opener(os.fspath(path), os.fspath(path))
+        except (SyntaxError, IndexError, TypeError, struct.error):  # not this format after all, as Image.open has it
+            continue
+    raise UnidentifiedImageError(f"cannot identify image file {os.fspath(path)!r}")
 
 
 def _draft_size(full: tuple[int, int], limit: int, size: int | None) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from captioner.config import DecodeMethod, DecodingConfig, ModelConfig
 from captioner.data.vocab import END_ID, PAD_ID, START_ID
 from captioner.model.beam import beam_search, untrimmed_beam_search
 from captioner.model.decoder import ShowAttendTellDecoder
-from captioner.model.graphs import CapturedCall, capture_state
+from captioner.model.graphs import CapturedCall, capture_state, tensors_at
 from captioner.model.steps import Constraints, Generation, run_steps, static_steps, trimmed, word_log_probs
 
 __all__ = ["Generation", "Rollout", "beam_search", "decode", "greedy", "rollout", "sample", "seeded_generator"]
@@ -197,14 +197,16 @@ def decode(
         generator = generator or seeded_generator(settings, features.device)
     static = static_steps(static_shapes, features)
     graphs = decoder.decoding_graphs
-    if graphs is None or not (features.is_cuda and static) or generator is not None or decoder.graphed:
+    if graphs is None or not graphs.serves(features, static) or generator is not None or decoder.graphed:
         return trimmed(_untrimmed(decoder, settings, generator, unk_id, static, features))
     key = (features.shape, features.dtype, dataclasses.astuple(settings), unk_id, decoder.training, decoder.hard_read)
     key += capture_state(features.device)
-    run = functools.partial(_untrimmed, decoder, settings, None, unk_id, True)
-    call = graphs.get(key, lambda: CapturedCall(torch.no_grad()(run), [features]))
-    replayed = call(features)
-    return trimmed(Generation(*(getattr(replayed, field.name).clone() for field in dataclasses.fields(Generation))))
+    run = torch.no_grad()(functools.partial(_untrimmed, decoder, settings, None, unk_id, True))
+    with graphs.lock:  # one caller at a time copies its features in and its captions out (threads, one model)
+        call = graphs.get(key, lambda: CapturedCall(run, [features], decoder, graphs.capture), tensors_at(decoder))
+        replayed = call(features)
+        outputs = Generation(*(getattr(replayed, field.name).clone() for field in dataclasses.fields(Generation)))
+        return trimmed(outputs)  # its host read waits for the copies, before the next caller's replay
 
 
 def _untrimmed(

@@ -16,12 +16,14 @@ once. What a capture needs, and what the model keeps true for it:
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 WARMUP_CALLS = 2  # eager calls on a side stream before a capture (cuBLAS workspaces, lazy initialisation)
 DECODING_GRAPHS = 8  # decoding graphs kept per decoder (batch sizes, methods); the least recently used goes
@@ -30,24 +32,29 @@ DECODING_GRAPHS = 8  # decoding graphs kept per decoder (batch sizes, methods); 
 class CapturedCall:
     """``function(*inputs)`` captured as one CUDA graph on static copies of ``inputs``.
 
-    ``function`` is first called ``WARMUP_CALLS`` times on a side stream (``before_capture`` runs after those, e.g.
-    to undo their side effects), then captured. Calling the object copies new inputs of the same shapes into the
-    static ones, replays the graph and returns the captured outputs: the same tensors every time, overwritten by
-    the next replay.
+    ``function`` is first called ``WARMUP_CALLS`` times (on a side stream on CUDA), then the buffers of ``keep``
+    (the modules it runs) and the random state are put back as they were before those calls: the warm-up leaves
+    no trace, and the first replay draws what one eager call would have drawn. Then it is captured. Calling the
+    object copies new inputs of the same shapes into the static ones, replays the graph and returns the captured
+    outputs: the same tensors every time, overwritten by the next replay.
+
+    ``capture=False`` runs all of that but the capture: each call runs ``function`` eagerly on the static
+    inputs (what a CPU can check of a capture: ``GraphedSteps``' and ``GraphCache``'s ``capture``).
     """
 
     def __init__(
-        self, function: Callable[..., Any], inputs: Sequence[Tensor], before_capture: Callable[[], None] | None = None
+        self,
+        function: Callable[..., Any],
+        inputs: Sequence[Tensor],
+        keep: nn.Module | None = None,
+        capture: bool = True,
     ) -> None:
         self.inputs = [tensor.clone() for tensor in inputs]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(WARMUP_CALLS):
-                function(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        if before_capture is not None:
-            before_capture()
+        self.function = function
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._warm_up(keep, capture)
+        if not capture:
+            return
         self.graph = torch.cuda.CUDAGraph()
         # Autocast caches each weight's low-precision copy until its region ends: a copy cached before the capture
         # would be read by every replay, stale once Adam moves the weight. Emptied, the copies are made inside the
@@ -58,26 +65,63 @@ class CapturedCall:
             self.outputs = function(*self.inputs)
         torch.clear_autocast_cache()
 
+    def _warm_up(self, keep: nn.Module | None, capture: bool) -> None:
+        """The ``WARMUP_CALLS`` eager calls (cuBLAS workspaces, lazy initialisation), on a side stream when
+        capturing; ``keep``'s buffers and the random state of the CPU and of the inputs' GPU restored after them."""
+        saved = [buffer.detach().clone() for buffer in keep.buffers()] if keep is not None else []
+        device = self.inputs[0].device
+        side = torch.cuda.Stream() if capture else None  # None: the current stream
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.cuda.stream(side):
+            for _ in range(WARMUP_CALLS):
+                self.function(*self.inputs)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():
+            for buffer, value in zip(keep.buffers() if keep is not None else (), saved):
+                buffer.copy_(value)
+
     def __call__(self, *inputs: Tensor) -> Any:
         """Replay on ``inputs`` (the captured shapes and dtypes); the static outputs."""
         for static, tensor in zip(self.inputs, inputs):
             static.copy_(tensor)
-        self.graph.replay()
+        if self.graph is None:
+            self.outputs = self.function(*self.inputs)
+        else:
+            self.graph.replay()
         return self.outputs
 
 
 class GraphCache:
     """Captured calls by key (the shapes, dtypes and settings a capture depends on), the ``size`` most recently
-    used kept. A ``deepcopy`` (``AveragedModel``'s copy of a decoder, say) gets an empty cache: graphs replay
-    the tensors they were captured on, never a copy's."""
+    used kept, all captured on the module's tensors where they are now (``tensors_at``): moved, cast or given new
+    tensors, the module empties the cache at its next call, whose graphs would replay freed memory. A copy
+    (``deepcopy``: ``AveragedModel``'s copy of a decoder, say; a pickle) gets an empty cache: graphs replay the
+    tensors they were captured on, never a copy's. ``capture``: ``CapturedCall``'s.
 
-    def __init__(self, size: int = DECODING_GRAPHS) -> None:
+    A replay overwrites the graph's static inputs and outputs: a caller holds ``lock`` from copying its inputs in
+    until it has its outputs copied out, so that threads calling one model take turns (``decoding.decode``)."""
+
+    def __init__(self, size: int = DECODING_GRAPHS, capture: bool = True) -> None:
         self.size = size
+        self.capture = capture
         self.calls: OrderedDict[Hashable, CapturedCall] = OrderedDict()
         self.captures = 0  # graphs captured so far (a test reads it: one per shape, not one per call)
+        self.tensors: Hashable = None  # ``tensors_at`` of the module when its calls were captured
+        self.lock = threading.Lock()
 
-    def get(self, key: Hashable, capture: Callable[[], CapturedCall]) -> CapturedCall:
-        """The call captured for ``key``, captured now by ``capture()`` the first time."""
+    def serves(self, features: Tensor, static: bool) -> bool:
+        """Whether a call on ``features`` with ``static`` shapes goes through the cache: on CUDA with static shapes
+        (every call when not capturing: what a CPU can check of it)."""
+        return not self.capture or (features.is_cuda and static)
+
+    def get(self, key: Hashable, capture: Callable[[], CapturedCall], tensors: Hashable) -> CapturedCall:
+        """The call captured for ``key``, captured now by ``capture()`` the first time; every call captured before
+        dropped when the module's ``tensors`` (``tensors_at``) are no longer those they were captured on."""
+        if tensors != self.tensors:
+            self.calls.clear()
+            self.tensors = tensors
         if key in self.calls:
             self.calls.move_to_end(key)
             return self.calls[key]
@@ -87,8 +131,15 @@ class GraphCache:
         self.captures += 1
         return call
 
-    def __deepcopy__(self, memo: dict) -> GraphCache:
-        return GraphCache(self.size)
+    def __reduce__(self) -> tuple[type[GraphCache], tuple[int, bool]]:
+        return GraphCache, (self.size, self.capture)
+
+
+def tensors_at(module: nn.Module) -> tuple[tuple[int, torch.dtype, torch.Size], ...]:
+    """Where ``module``'s parameters and buffers are (address, dtype, shape): what a graph captured on them reads.
+    Moving the module (``.cpu().cuda()``), casting it (``.half().float()``) or giving it new tensors
+    (``load_state_dict(..., assign=True)``) changes it; updating them in place (Adam) does not."""
+    return tuple((t.data_ptr(), t.dtype, t.shape) for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def capture_state(device: torch.device) -> tuple[bool, torch.dtype, bool]:

@@ -41,8 +41,8 @@ class GraphedSteps:
     """Cross-entropy steps of ``modules`` (the model and the loss) replayed as one CUDA graph for the batch shape
     captured first; ``terms(batch)`` is the step's loss terms (forward and loss, no backward).
 
-    ``capture=False`` runs the same static-buffer path eagerly instead of capturing it (what a CPU can check of
-    the bookkeeping); on a GPU it is always True.
+    ``capture=False`` runs the same path, warm-up calls and static batch included, eagerly instead of capturing
+    it (``CapturedCall``'s: what a CPU can check of the bookkeeping); on a GPU it is always True.
     """
 
     def __init__(self, modules: nn.Module, terms: Callable[[dict], Terms], capture: bool = True) -> None:
@@ -100,7 +100,7 @@ class GraphedSteps:
             f"than the {counts['replayed']} replayed (an epoch's last, smaller batch)"
         )
 
-    def _capture(self, batch: dict, inputs: list[Tensor]) -> CapturedCall | Callable:
+    def _capture(self, batch: dict, inputs: list[Tensor]) -> CapturedCall:
         names = [name for name in INPUTS if name in batch]
         rest = {k: v for k, v in batch.items() if k == "captions_per_image"}
         distributed = dist.is_available() and dist.is_initialized()
@@ -115,15 +115,7 @@ class GraphedSteps:
             flat = torch.cat([g.reshape(-1) for g in grads if g is not None]) if distributed else None
             return {k: v.detach() for k, v in terms.items()}, grads, flat
 
-        if not self.capture:
-            return step
-        saved = [b.detach().clone() for b in self.modules.buffers()]  # the warm-up calls' effects, undone
-
-        def restore() -> None:
-            for buffer, value in zip(self.modules.buffers(), saved):
-                buffer.copy_(value)
-
-        return CapturedCall(step, inputs, restore)
+        return CapturedCall(step, inputs, keep=self.modules, capture=self.capture)  # the warm-up undone
 
 
 def training_graphs(
