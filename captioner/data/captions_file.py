@@ -71,7 +71,10 @@ class Problems:
     def lines(self) -> list[str]:
         """One line each, in the file's order: ``photos/captions.csv line 4: empty caption``."""
         where = {0: self.file}
-        return [f"{where.get(line, f'{self.file} line {line}')}: {text}" for line, text in sorted(self.found)]
+        return [
+            f"{where.get(line, f'{self.file} line {line}')}: {text}"
+            for line, text in sorted(self.found, key=lambda item: item[0])
+        ]
 
     def raise_any(self) -> None:
         """Raise every problem at once as one DataProblems, if there is any."""
@@ -299,7 +302,7 @@ def read_captions(
     rows = read_rows(file, spec, problems)
     captions, lines, duplicates = _merge(rows, problems)
     root = Path(spec.images) if spec.images is not None else Path(file).parent
-    paths = {image: str(root / image) for image in captions}
+    paths = {image: os.path.join(root, image) for image in captions}  # "./a.jpg" for a file in the working folder
     present = set(images_present(list(paths.values())))
     for image, path in paths.items():
         if path not in present:
