@@ -145,8 +145,16 @@ def test_every_problem_of_a_csv_is_raised_at_once_with_its_line(tmp_path: Path) 
         f"{file} line 8: a.jpg is in split val, but in train on line 2",
     ]
     message = str(info.value).splitlines()
-    assert message[0] == f"{file}: 6 problems, each below with its line (docs/datasets.md#your-own-images)"
+    assert message[0] == f"{file}: 6 problems, listed below by line (docs/datasets.md#your-own-images)"
     assert message[1:] == info.value.problems
+
+
+def test_line_numbers_count_a_quoted_caption_s_line_breaks_and_blank_lines(tmp_path: Path) -> None:
+    write_images(tmp_path, ["a.jpg", "b.jpg"])
+    (tmp_path / "captions.csv").write_text('image,caption,split\na.jpg,"two\nlines",train\n\nb.jpg,,val\n')
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec())
+    assert info.value.problems == [f"{tmp_path / 'captions.csv'} line 5: empty caption"]
 
 
 def test_a_missing_column_names_the_header_and_the_key(tmp_path: Path) -> None:
@@ -287,6 +295,9 @@ def test_evaluate_reads_the_split_beside_the_model_and_scores_the_run_s_test_ima
     )
     with pytest.raises(DataError, match="--captions c.csv: file not found"):
         evaluate._records(args)  # noqa: SLF001
+    args = parse(["evaluate", "--model", "m", "--shapes", "s", "--split-file", str(run / SPLIT_FILE), "--out", "e"])
+    with pytest.raises(ConfigError, match="--split-file goes with --captions"):
+        evaluate.run(args)
 
 
 # ------------------------------------------------------------------------------------------------ preflight

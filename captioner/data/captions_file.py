@@ -66,6 +66,7 @@ class Problems:
     found: list[tuple[int, str]] = field(default_factory=list)
 
     def add(self, line: int, problem: str) -> None:
+        """Keep ``problem`` of ``line``."""
         self.found.append((line, problem))
 
     def lines(self) -> list[str]:
@@ -80,7 +81,7 @@ class Problems:
         """Raise every problem at once as one DataProblems, if there is any."""
         if self.found:
             count = len(self.found)
-            heading = f"{self.file}: {count} problem{'s' if count > 1 else ''}, each below with its line ({GUIDE})"
+            heading = f"{self.file}: {count} problem{'s' if count > 1 else ''}, listed below by line ({GUIDE})"
             raise DataProblems(heading, self.lines(), REMEDY)
 
 
@@ -104,6 +105,7 @@ def _words(text: str) -> str:
 
 
 def _is_json_lines(path: Path, first: str) -> bool:
+    """Whether the file is JSON Lines: by its suffix, else by its ``first`` line (an object's ``{``)."""
     return path.suffix.lower() in JSON_LINES_SUFFIXES or first.lstrip().startswith("{")
 
 
@@ -275,7 +277,7 @@ def _merge(rows: list[Row], problems: Problems) -> tuple[dict[str, list[str]], d
         own = captions.setdefault(row.image, [])
         lines.setdefault(row.image, []).append(row.line)
         earlier, where = split_of.setdefault(row.image, (row.split, row.line))
-        if earlier != row.split:
+        if None not in (earlier, row.split) and earlier != row.split:  # a row without one: a problem of its own
             problems.add(row.line, f"{row.image} is in split {row.split}, but in {earlier} on line {where}")
         for caption in row.captions:
             if caption in own:
