@@ -211,7 +211,7 @@ def test_duplicate_rows_are_kept_once_counted_and_reported_not_fatal(
         source.prepare()
     assert source.read().duplicates == [3, 7]
     assert [r.captions for r in source.read().records] == [("a dog", "a cat"), ("x",), ("y",)]
-    assert f"{tmp_path / 'captions.csv'}: 2 duplicate rows (a caption its image already has) kept once: line 3, 7" in (
+    assert f"{tmp_path / 'captions.csv'}: 2 duplicate rows (a caption its image already has) kept once: lines 3, 7" in (
         caplog.text
     )
     assert json.loads((tmp_path / "split.json").read_text())["duplicate_rows"] == 2

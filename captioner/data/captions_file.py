@@ -287,7 +287,7 @@ def _merge(rows: list[Row], problems: Problems) -> tuple[dict[str, list[str]], d
     return captions, lines, duplicates
 
 
-def _shown(lines: list[int]) -> str:
+def shown_lines(lines: list[int]) -> str:
     """``(lines 4, 9)`` or ``(lines 4, 9, 11, 20, 31 and 3 more)``: the rows that name an image."""
     shown = ", ".join(str(line) for line in lines[:LINES_SHOWN])
     more = f" and {len(lines) - LINES_SHOWN} more" if len(lines) > LINES_SHOWN else ""
@@ -308,7 +308,7 @@ def read_captions(
     present = set(images_present(list(paths.values())))
     for image, path in paths.items():
         if path not in present:
-            also = f" (named on {_shown(lines[image])})" if len(lines[image]) > 1 else ""
+            also = f" (named on {shown_lines(lines[image])})" if len(lines[image]) > 1 else ""
             problems.add(lines[image][0], f"image not found: {path}{also}")
     left_out = []
     if reused is not None:

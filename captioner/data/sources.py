@@ -242,18 +242,12 @@ class CaptionsSource:
             return
         found = self.read()
         if found.duplicates:
-            lines = ", ".join(str(line) for line in found.duplicates[: captions_file.LINES_SHOWN])
-            more = len(found.duplicates) - captions_file.LINES_SHOWN
-            lines += f" and {more} more" if more > 0 else ""
-            log.warning(
-                "%s: %d duplicate rows (a caption its image already has) kept once: line %s",
-                self.captions, len(found.duplicates), lines,
-            )  # fmt: skip
+            shown = captions_file.shown_lines(found.duplicates)
+            log.warning("%s: %d duplicate rows (a caption its image already has) kept once: %s", self.captions,
+                        len(found.duplicates), shown)  # fmt: skip
         if found.left_out:
-            log.warning(
-                "%s: %d images are not in the split of %s (e.g. %s), so in no split",
-                self.captions, len(found.left_out), self.split_from, found.left_out[0],
-            )  # fmt: skip
+            log.warning("%s: %d images are not in the split of %s (e.g. %s): in no split", self.captions,
+                        len(found.left_out), self.split_from, found.left_out[0])  # fmt: skip
         if self.write_split is not None:
             write_json(self.write_split, captions_file.split_document(self.captions, self.spec, found))
         self._prepared = True

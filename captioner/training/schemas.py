@@ -34,8 +34,8 @@ def register_schemas() -> None:
     spec = {k: v.value if isinstance(v, enum.Enum) else v for k, v in dataclasses.asdict(ShapesSpec()).items()}
     source = {"_target_": "captioner.data.sources.ShapesSource", "root": MISSING, **spec}
     store.store(name="shapes_source_schema", node=source)
-    captions = {"_target_": "captioner.data.sources.CaptionsSource", "captions": None, "split_from": None,
-                "write_split": None, **dataclasses.asdict(CaptionsSpec())}  # fmt: skip
+    own = {"captions": None, "split_from": None, "write_split": None}  # CaptionsSource's keys besides its spec
+    captions = {"_target_": "captioner.data.sources.CaptionsSource", **own, **dataclasses.asdict(CaptionsSpec())}
     store.store(name="captions_source_schema", node=captions)
     OmegaConf.register_new_resolver(SHAPES_ROOT, _shapes_root, replace=True)
 
