@@ -309,8 +309,8 @@ def test_preflight_names_a_missing_file_or_folder_and_lists_each_problem_of_the_
     given = [f"data.source.captions={tmp_path / 'nope.csv'}", f"data.source.images={tmp_path / 'photos'}"]
     found = [str(p) for p in preflight.problems(compose_plain(["experiment=captions_cpu", *given], tmp_path))]
     assert found == [
-        f"data.source.captions={str(tmp_path / 'nope.csv')!r}: file not found; give the captions file (see "
-        "docs/datasets.md#your-own-images) (docs/datasets.md#your-own-images)",
+        f"data.source.captions={str(tmp_path / 'nope.csv')!r}: file not found; give the captions file: CSV or TSV "
+        "with an image,caption header, or JSON Lines (docs/datasets.md#your-own-images)",
         f"data.source.images={str(tmp_path / 'photos')!r}: folder not found; give the images' folder "
         "(docs/datasets.md#images)",
     ]

@@ -218,8 +218,8 @@ class CaptionsSource:
 
     def paths(self) -> list[SourcePath]:
         """The captions file, the images folder when given (else the file's own) and a reused split file."""
-        guide = "see docs/datasets.md#your-own-images"
-        found = [SourcePath("captions", self.captions, "file", Holds.captions, f"give the captions file ({guide})")]
+        remedy = "give the captions file: CSV or TSV with an image,caption header, or JSON Lines"
+        found = [SourcePath("captions", self.captions, "file", Holds.captions, remedy)]
         if self.spec.images is not None:
             found.append(SourcePath("images", self.spec.images, "folder", Holds.images, "give the images' folder"))
         if self.split_from is not None:
