@@ -21,6 +21,22 @@ class DataError(CaptionerError):
     """An annotation file, split file or image is missing or malformed."""
 
 
+class DataProblems(DataError):
+    """Every problem found in one input file at once (a user's captions file): the message is ``heading``, then
+    one line each (at most ``MAX_LISTED``, then how many more); training's preflight lists ``problems`` one by one,
+    each with ``remedy``."""
+
+    MAX_LISTED = 100  # lines of the message at most: a file broken on every row still says what is wrong in a page
+
+    def __init__(self, heading: str, problems: list[str], remedy: str) -> None:
+        listed = problems[: self.MAX_LISTED]
+        more = len(problems) - len(listed)
+        tail = [f"... and {more:,} more"] if more else []
+        super().__init__("\n".join([heading, *listed, *tail]))
+        self.problems = problems
+        self.remedy = remedy
+
+
 class BundleError(CaptionerError):
     """A checkpoint or inference bundle cannot be loaded safely or does not match."""
 

@@ -145,7 +145,10 @@ def test_section_error_puts_the_section_in_front_of_a_key_only() -> None:
         (["trainer.max_epochs=abc"], "trainer.max_epochs='abc' must be an int"),
         (["experimnt=coco_soft"], "experimnt is not a known key; valid keys: callbacks, ckpt_path, data, debug,"),
         (["model.decoder.hiden_dim=3"], "model.decoder.hiden_dim is not a known key; valid keys: embed_dim,"),
-        (["data=cocoo"], "data=cocoo is not an option; choose one of: coco, coco_karpathy, flickr30k, flickr8k,"),
+        (
+            ["data=cocoo"],
+            "data=cocoo is not an option; choose one of: captions, coco, coco_karpathy, flickr30k, flickr8k,",
+        ),
         (["model.decoder.hidden_dim"], "the override 'model.decoder.hidden_dim' has no value: write "),
     ],
 )
@@ -167,7 +170,7 @@ def test_a_config_mistake_names_the_key_the_choices_and_the_nearest(
 def test_internal_options_are_refused_with_the_real_ones(tmp_path: Path) -> None:
     line = error_line_of(run_train(["data=base", f"paths.log_dir={tmp_path}"], check=False))
     assert line == (
-        "error: data=base is not an option of its own (the others start from it); choose one of: coco, "
+        "error: data=base is not an option of its own (the others start from it); choose one of: captions, coco, "
         "coco_karpathy, flickr30k, flickr8k, scenes, shapes"
     )
     assert not any(tmp_path.iterdir())
@@ -187,7 +190,7 @@ def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups
     groups = proc.stdout.split("config groups")[1].split("settings")[0]
     names = {line.split(":")[0].strip(): line.split(": ")[1] for line in groups.splitlines() if ": " in line}
     assert list(names) == ["callbacks", "data", "debug", "experiment", "logger", "model", "paths", "trainer"]
-    assert names["data"] == "coco, coco_karpathy, flickr30k, flickr8k, scenes, shapes"  # no base
+    assert names["data"] == "captions, coco, coco_karpathy, flickr30k, flickr8k, scenes, shapes"  # no base
     assert names["trainer"] == "cpu, ddp, ddp_cpu, gpu, multi_node"  # no default
     lines = proc.stdout.splitlines()
     assert "  model.decoder.dropout=0.3  (in [0.0, 0.99]; before the output layer)" in lines

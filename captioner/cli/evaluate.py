@@ -19,12 +19,15 @@ def run(args: argparse.Namespace) -> int:
     from captioner.evaluation.report import PER_IMAGE_FILE, RESULTS_FILE, evaluate_split
     from captioner.run_files import METRICS_FILE
 
-    datasets = [name for name in ("shapes", "karpathy", "coco_captions", "image_info") if getattr(args, name)]
+    names = ("shapes", "karpathy", "coco_captions", "captions", "image_info")
+    datasets = [name for name in names if getattr(args, name)]
     if len(datasets) != 1:
         raise ConfigError(
             "give exactly one dataset: --shapes ROOT, --karpathy FILE --images ROOT, "
-            "--coco-captions FILE --images DIR, or --image-info FILE --images DIR"
+            "--coco-captions FILE --images DIR, --captions FILE, or --image-info FILE --images DIR"
         )
+    if args.split_file and not args.captions:
+        raise ConfigError("--split-file goes with --captions (the split a run wrote of that captions file)")
     if args.instances and not args.coco_captions:
         raise ConfigError("--instances goes with --coco-captions (the boxes of that captions file's images)")
     if args.image_info:
@@ -66,9 +69,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _records(args: argparse.Namespace) -> list[Record]:
-    """The records of ``--split`` from the one dataset the arguments name (shapes, Karpathy or COCO)."""
+    """The records of ``--split`` from the one dataset the arguments name (shapes, Karpathy, COCO or captions)."""
     from captioner.data import shapes, sources
 
+    if args.captions:
+        return _captions_records(args)
     if args.shapes:
         if args.image_dir:
             raise ConfigError("--images goes with --karpathy or --coco-captions; --shapes has its own")
@@ -91,6 +96,43 @@ def _records(args: argparse.Namespace) -> list[Record]:
     source.prepare()
     records = source.records(args.split)
     options.check_images_found(args, args.split, [record.image_path for record in records])
+    return records
+
+
+def _run_split(model: str) -> Path | None:
+    """The captions split file of the run that ``--model`` names (its folder, its bundle.pt, or a checkpoint in
+    its checkpoints/), or None."""
+    from captioner.data.captions_file import SPLIT_FILE
+
+    path = Path(model)
+    folders = [path] if path.is_dir() else [path.parent, path.parent.parent]
+    return next((folder / SPLIT_FILE for folder in folders if (folder / SPLIT_FILE).is_file()), None)
+
+
+def _captions_records(args: argparse.Namespace) -> list[Record]:
+    """The records of ``--split`` of a captions file, split (and numbered) as the run that wrote the split file
+    split it; the file's settings (columns, images folder) are that run's, ``--images`` replacing its folder."""
+    from captioner.data.captions_file import SPLIT_FILE
+    from captioner.data.sources import CaptionsSource
+    from captioner.fileio import read_json
+
+    split_file = Path(args.split_file) if args.split_file else _run_split(args.model)
+    _check_given(("--captions", args.captions, "file"), ("--images", args.image_dir, "folder"))
+    if split_file is None:
+        raise ConfigError(
+            f"--captions {args.captions}: no {SPLIT_FILE} beside --model {args.model} (a run on data=captions writes "
+            "it into its folder): give the run's folder, or its split with --split-file"
+        )
+    _check_given(("--split-file", str(split_file), "file"))
+    written = read_json(split_file, "captions split file")
+    settings = dict(written.get("settings") or {}) if isinstance(written, dict) else {}
+    if args.image_dir:
+        settings["images"] = args.image_dir
+    source = CaptionsSource(args.captions, split_from=str(split_file), **settings)
+    source.prepare()
+    records = source.records(args.split)
+    if not records:
+        raise DataError(f"--captions {args.captions}: the split of {split_file} has no {args.split} image")
     return records
 
 

@@ -28,6 +28,7 @@ DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a 
     captioner caption --image-info image_info_test2014.json --images test2014/ --out DIR --model bundle.pt
     captioner attend IMAGE... --model bundle.pt --out overlay.png | --out DIR
     captioner evaluate --model bundle.pt|last.ckpt --shapes data/shapes --split test --out DIR
+    captioner evaluate --model RUN --captions photos/captions.csv --split test --out DIR
     captioner splits coco --captions-dir data/coco/annotations
     captioner shapes --out data/shapes_small --train 300 --val 50 --test 50
 
@@ -248,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--split",
         choices=SPLITS,
         default="test",
-        help="split of --shapes and --karpathy (and the name of the --coco-captions one)",
+        help="split of --shapes, --karpathy and --captions (and the name of the --coco-captions one)",
     )
     evaluate.add_argument("--shapes", help="root of the built-in dataset (python train.py generates data/shapes)")
     evaluate.add_argument("--karpathy", help="Karpathy split file (dataset_coco.json, dataset_flickr8k.json, ...)")
@@ -256,7 +257,22 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--instances", help="COCO instances file of --coco-captions (boxes for attention correctness)"
     )
-    _server(evaluate, "image root (--karpathy) or folder (--coco-captions, --image-info)")
+    evaluate.add_argument(
+        "--captions",
+        metavar="FILE",
+        help="your own captions file (CSV, TSV or JSON Lines: what data=captions trained on), split as the --model "
+        "run split it (the captions_split.json in its folder, or --split-file), with that run's image ids",
+    )
+    evaluate.add_argument(
+        "--split-file",
+        metavar="FILE",
+        help="--captions: the captions_split.json a run wrote (default: the one in --model's run folder)",
+    )
+    _server(
+        evaluate,
+        "image root (--karpathy), folder (--coco-captions, --image-info), or the folder --captions' paths are "
+        "relative to (default: the one the run read, else the file's own)",
+    )
     evaluate.add_argument("--out", required=True, help="folder for results.json, metrics.json and per_image.json")
     evaluate.add_argument("--no-coco", action="store_true", help="skip the Java coco-caption suite")
     evaluate.add_argument("--force", action="store_true", help="overwrite the files of an earlier --out")

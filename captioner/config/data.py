@@ -9,7 +9,7 @@ from typing import Any
 from captioner.config.decoding import MAX_LEN
 from captioner.config.settings import Settings
 from captioner.data.splits import SPLITS
-from captioner.errors import check_choice, check_range
+from captioner.errors import ConfigError, check_choice, check_range
 
 MIN_IMAGE_SIZE = 32  # pixels per side at least: every image the model reads, generates or stores
 MAX_IMAGE_SIZE = 4096  # ... and at most (a bound on what a config or a bundle can make us allocate)
@@ -119,3 +119,40 @@ class ShapesSpec:
         if self.scenes is SceneKind.simple:
             return {**common, "image_size": self.image_size, "seed": self.seed}
         return {**common, "width": self.width, "height": self.height, "seed": self.seed, "scenes": str(self.scenes)}
+
+
+@dataclass(frozen=True)
+class CaptionsSpec:
+    """How a user's captions file is read (``data.source`` of ``conf/data/captions.yaml``, besides the file
+    itself): where its images are, the names of its columns, and how its images are split when it has no split
+    column. The defaults read ``image,caption`` CSV files and JSON Lines of ``{"image", "caption"}``."""
+
+    images: str | None = None  # the folder the file's image paths are relative to; None: the file's own folder
+    image_column: str = "image"  # the column (CSV/TSV) or key (JSON Lines) of the image's path
+    caption_column: str = "caption"  # the column or key of one caption
+    captions_column: str = "captions"  # JSON Lines: the key of a list of captions (either key, or both, per line)
+    split_column: str | None = "split"  # a column of train/val/test, used when the file has it; None: never
+    # Without a split column the images (never their captions) are split by a seeded hash of their path:
+    # a count of images (>= 1: 500) or a fraction of them (< 1: 0.05; at least one image), for val and test
+    val: float = 0.1
+    test: float = 0.1
+    seed: int = 0  # the same seed and file, the same split, whatever the rows' order
+
+    def __post_init__(self) -> None:
+        for name in ("image_column", "caption_column", "captions_column"):
+            if not getattr(self, name):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must name a column")
+        for split in ("val", "test"):
+            value = getattr(self, split)
+            check_range(split, value, 0.0, kind=(int, float))
+            if value >= 1 and value != int(value):
+                raise ConfigError(f"{split}={value!r} must be a whole number of images (>= 1) or a fraction (< 1)")
+            if value == 0:
+                raise ConfigError(f"{split}={value!r} must be > 0: a count of images or a fraction of them")
+        check_range("seed", self.seed, 0, kind=int)
+
+    def held_out(self, split: str, images: int) -> int:
+        """How many of ``images`` images go to ``split`` (val or test): its count, or its fraction rounded
+        (at least one)."""
+        value = getattr(self, split)
+        return int(value) if value >= 1 else max(1, round(value * images))

@@ -1,4 +1,5 @@
-"""Dataset sources: where each split's records come from (COCO files, a Karpathy split file, built-in shapes).
+"""Dataset sources: where each split's records come from (COCO files, a Karpathy split file, built-in shapes, a
+user's captions file).
 
 A source is a small object with ``paths()`` (every file and folder its config names, each described once:
 ``check_paths`` checks them before any work, and so does the training preflight), ``prepare()`` (make sure the
@@ -9,15 +10,18 @@ pick one with ``_target_`` under ``data.source``; nothing else in the project ne
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
-from captioner.config import ShapesSpec
+from captioner.config import CaptionsSpec, ShapesSpec
+from captioner.data import captions_file
 from captioner.data.readers import SPLITS, Record, read_coco, read_karpathy
 from captioner.data.shapes import generate_shapes, shapes_records
 from captioner.errors import CaptionerError, ConfigError, DataError, check_choice
+from captioner.fileio import write_json
 
 CONFIG_KEY = "data.source"  # where the training config holds the source: a SourcePath's key is under it
 DATASET_HELP = "see data/README.md for where dataset files go"
@@ -27,11 +31,14 @@ SPLIT_COMMANDS = {
     "dataset_flickr8k.json": ("flickr8k", "flickr8k/text"),
 }
 
+log = logging.getLogger(__name__)
+
 
 class Holds(enum.StrEnum):
     """What a configured file or folder holds (preflight links each to its section of docs/datasets.md)."""
 
     annotations = "annotations"  # captions, boxes, split lists
+    captions = "captions"  # a user's own captions file (data=captions)
     images = "images"
 
 
@@ -173,6 +180,84 @@ class KarpathySource:
         return read_karpathy(self.split_file, self.image_root, splits=(split,), restval_as_train=self.restval_as_train)
 
 
+def _spec(cls: type, spec: Mapping[str, Any], own: str) -> Any:
+    """``cls`` (a frozen spec dataclass) of a source's other keys ``spec``; ConfigError naming an unknown key (the
+    source's ``own`` keys listed first among the valid ones)."""
+    names = [item.name for item in fields(cls)]
+    unknown = [key for key in spec if key not in names]
+    if unknown:
+        raise ConfigError(f"{CONFIG_KEY}.{unknown[0]} is not a known key; valid keys: {own}, {', '.join(names)}")
+    return cls(**spec)
+
+
+@dataclass(init=False)
+class CaptionsSource:
+    """A user's folder of images and captions file: CSV/TSV (``image,caption``, one row per caption, an optional
+    ``split`` column) or JSON Lines (``captioner.data.captions_file`` reads them).
+
+    Built from ``data.source`` (``conf/data/captions.yaml``): ``captions`` (the file), ``split_from`` (the split
+    file an earlier run wrote, whose ids and splits to reuse), ``write_split`` (where this run writes its own:
+    the run's folder) and any fields of ``CaptionsSpec`` (its images folder, columns, split sizes and seed).
+    ConfigError names another key. Every problem of the file is raised at once (``DataProblems``).
+    """
+
+    captions: str | None
+    spec: CaptionsSpec
+    split_from: str | None
+    write_split: str | None
+
+    def __init__(
+        self, captions: str | None, split_from: str | None = None, write_split: str | None = None, **spec: Any
+    ) -> None:
+        self.captions = captions
+        self.spec = _spec(CaptionsSpec, spec, "captions, split_from, write_split")
+        self.split_from = split_from
+        self.write_split = write_split
+        self._found: captions_file.CaptionsSet | None = None
+        self._prepared = False
+
+    def paths(self) -> list[SourcePath]:
+        """The captions file, the images folder when given (else the file's own) and a reused split file."""
+        remedy = "give the captions file: CSV or TSV with an image,caption header, or JSON Lines"
+        found = [SourcePath("captions", self.captions, "file", Holds.captions, remedy)]
+        if self.spec.images is not None:
+            found.append(SourcePath("images", self.spec.images, "folder", Holds.images, "give the images' folder"))
+        if self.split_from is not None:
+            remedy = f"give the {captions_file.SPLIT_FILE} of the run whose split to reuse"
+            found.append(SourcePath("split_from", self.split_from, "file", Holds.captions, remedy))
+        return found
+
+    def read(self) -> captions_file.CaptionsSet:
+        """The file's images, ids and splits (read once); DataProblems with every problem of the file."""
+        if self._found is None:
+            check_paths(self.paths(), DataError)
+            reused = captions_file.read_split(self.split_from) if self.split_from is not None else None
+            self._found = captions_file.read_captions(self.captions, self.spec, reused)
+        return self._found
+
+    def prepare(self) -> None:
+        """Read the file, report its duplicate rows and the images a reused split leaves out, and write the split
+        into ``write_split`` (when given)."""
+        if self._prepared:
+            return
+        found = self.read()
+        if found.duplicates:
+            shown = captions_file.shown_lines(found.duplicates)
+            log.warning("%s: %d duplicate rows (a caption its image already has) kept once: %s", self.captions,
+                        len(found.duplicates), shown)  # fmt: skip
+        if found.left_out:
+            log.warning("%s: %d images are not in the split of %s (e.g. %s): in no split", self.captions,
+                        len(found.left_out), self.split_from, found.left_out[0])  # fmt: skip
+        if self.write_split is not None:
+            write_json(self.write_split, captions_file.split_document(self.captions, self.spec, found))
+        self._prepared = True
+
+    def records(self, split: str) -> list[Record]:
+        """The records of ``split``."""
+        check_choice("split", split, SPLITS)
+        return self.read().split(split)
+
+
 def shapes_folder(base: str, params: Mapping[str, Any], given: Collection[str]) -> str:
     """Where a built-in set goes when ``data.source.root`` is not given: ``base`` (its dataset config's folder,
     ``data/shapes``) holds the set the config describes; a set with any of its parameters ``given`` (the names
@@ -200,12 +285,8 @@ class ShapesSource:
     spec: ShapesSpec
 
     def __init__(self, root: str, **spec: Any) -> None:
-        names = [item.name for item in fields(ShapesSpec)]
-        unknown = [key for key in spec if key not in names]
-        if unknown:
-            raise ConfigError(f"{CONFIG_KEY}.{unknown[0]} is not a known key; valid keys: root, {', '.join(names)}")
         self.root = root
-        self.spec = ShapesSpec(**spec)
+        self.spec = _spec(ShapesSpec, spec, "root")
 
     def paths(self) -> list[SourcePath]:
         """``root``, which may be missing (the dataset is generated there on first use) but must be a folder."""

@@ -257,10 +257,11 @@ def _settings(cls: type, prefix: str) -> list[str]:
 
 def _source_settings(comment: str) -> list[str]:
     """The ``data.source.*`` keys, by the source class each ``data=`` option builds (``conf/data/*.yaml``): the
-    built-in set's generator (``ShapesSpec``, its defaults), the others' keys as their configs write them."""
+    built-in set's generator (``ShapesSpec``, its defaults), a captions file's reading (``CaptionsSpec``, after the
+    keys its config writes), the others' keys as their configs write them."""
     from omegaconf import OmegaConf
 
-    from captioner.config import ShapesSpec
+    from captioner.config import CaptionsSpec, ShapesSpec
 
     by_class: dict[str, list[str]] = {}
     keys: dict[str, list[str]] = {}
@@ -281,6 +282,8 @@ def _source_settings(comment: str) -> list[str]:
             lines += _settings(ShapesSpec, "data.source.")
         else:
             lines += [f"  {key}  ({name}; data={', '.join(options)})" for key in keys[name]]
+        if name == "CaptionsSource":
+            lines += _settings(CaptionsSpec, "data.source.")
     return lines
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from captioner.data.readers import SPLITS
-from captioner.errors import CaptionerError, ConfigError, first_line
+from captioner.errors import CaptionerError, ConfigError, DataProblems, first_line
 
 GUIDE = "docs/datasets.md"
 SAMPLES = 3  # images of each split decoded: the first, the middle and the last found
@@ -38,6 +38,7 @@ class Section(enum.StrEnum):
 
     images = "images"
     split_files = "split-files"
+    own_images = "your-own-images"
     encoder_weights = "encoder-weights"
     gpu = "gpu"
     train = "train"
@@ -78,6 +79,9 @@ def _split_problems(source: Any, split: str) -> Iterator[Problem]:
 
     try:
         records = source.records(split)
+    except DataProblems as exc:  # every problem of a captions file, each on its line
+        yield from (Problem(line, exc.remedy, Section.own_images) for line in exc.problems)
+        return
     except CaptionerError as exc:
         yield Problem(f"{split}: {first_line(exc)}", "give the dataset's own annotation files", "split-files")
         return
@@ -104,7 +108,7 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
         built = _build_source(cfg["data"]["source"])
     except (CaptionerError, TypeError) as exc:
         return [Problem(first_line(exc), "see the dataset's config in conf/data", Section.split_files)]
-    sections = {"annotations": Section.split_files, "images": Section.images}  # by what a path holds
+    sections = {"annotations": Section.split_files, "images": Section.images, "captions": Section.own_images}
     found = [
         Problem(problem, path.fix(), sections[path.holds]) for path in built.paths() if (problem := path.problem())
     ]
@@ -115,7 +119,8 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
     if isinstance(built, ShapesSource):
         return []  # generated on first use
     needed = [split for split in SPLITS if split == "val" or cfg.get(split, True)]
-    return [problem for split in needed for problem in _split_problems(built, split)]
+    # a file's own problems come with every split read from it: listed once
+    return list(dict.fromkeys(problem for split in needed for problem in _split_problems(built, split)))
 
 
 def _file_problems(cfg: dict[str, Any]) -> list[Problem]:
