@@ -64,13 +64,16 @@ def test_each_split_s_images_are_counted_and_a_sample_decodes(tmp_path: Path) ->
     (data / "coco" / "val2014" / "COCO_val2014_000000000999.jpg").mkdir()  # a folder is not an image
     broken = data / "coco" / "val2014" / "COCO_val2014_000000000011.jpg"  # the last test image
     broken.write_bytes(b"not a jpeg")
+    unreadable = _lines(["experiment=coco_soft", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu"], tmp_path)
+    assert not [line for line in unreadable if line.startswith("test")]  # the first decodes: skipped in training
+    (data / "coco" / "val2014" / "COCO_val2014_000000000010.jpg").write_bytes(b"")  # and now the first too
     lines = _lines(["experiment=coco_soft", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu"], tmp_path)
     assert lines == [
         f"val: 0 of 5 images found under {data / 'coco' / 'val2014'} (e.g. {data}/coco/val2014/COCO_val2014_"
         "000000000005.jpg); unzip the dataset's images there, or point data.source at the folder that holds them "
         f"({GUIDE}#images)",
-        f"test: a sample image does not decode: {broken}: not an image file (Pillow cannot identify its format); "
-        f"download it again ({GUIDE}#images)",
+        f"test: none of the 2 sample images decodes: {data / 'coco' / 'val2014' / 'COCO_val2014_000000000010.jpg'}: "
+        f"file is empty; download it again ({GUIDE}#images)",
     ]
     # test=false: the test split is not read; train=false: nor is train
     assert len(_lines(["experiment=coco_soft", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu", "test=false"],
