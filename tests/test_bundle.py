@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import re
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
@@ -197,7 +201,7 @@ def test_a_bundle_keeps_how_its_run_decoded_and_an_older_one_decodes_with_captio
     save_bundle(tmp_path / "old.pt", small_model, small_vocab, net, preprocess)  # as bundles were written before
     assert load_trained(tmp_path / "old.pt").decoding == DecodingConfig.captioning()
     bad = tampered(tmp_path / "new.pt", tmp_path / "bad.pt", lambda raw: raw["decoding"].update(max_len=0))
-    with pytest.raises(BundleError, match=r"malformed decoding settings \(decoding.max_len=0 must be >= 1\)"):
+    with pytest.raises(BundleError, match=r"malformed decoding settings \(decoding.max_len=0 must be in \[1, 100\]\)"):
         load_trained(bad)
 
 
@@ -298,3 +302,48 @@ def test_a_checkpoint_says_its_version_and_stores_the_config_as_netconfig_serial
     )
     with pytest.raises(BundleError, match=f"bundle version {BUNDLE_VERSION + 1} is newer than this captioner reads"):
         load_trained(tmp_path / "new.ckpt")
+
+
+def _numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, type]]:
+    """The dotted names of every int and float field of the settings dataclass ``cls`` and of those it nests,
+    each with its type (an optional field's: the type it holds when set)."""
+    found, hints = [], typing.get_type_hints(cls)
+    for item in dataclasses.fields(cls):
+        kind = next((k for k in typing.get_args(hints[item.name]) if k is not type(None)), hints[item.name])
+        if dataclasses.is_dataclass(kind):
+            found += _numeric_fields(kind, f"{prefix}{item.name}.")
+        elif kind in (int, float):
+            found.append((f"{prefix}{item.name}", kind))
+    return found
+
+
+def _set(raw: dict, section: str, dotted: str, value: object) -> None:
+    """Set the dotted key ``dotted`` of the bundle's ``section`` (a training run's decoding when it has none)."""
+    raw.setdefault(section, to_dict(DecodingConfig.captioning()))
+    *parents, key = dotted.split(".")
+    node = raw[section]
+    for parent in parents:
+        node = node[parent]
+    node[key] = value
+
+
+_BOUNDED = [
+    (section, where, dotted, value)
+    for section, where, cls in (("config", "model", NetConfig), ("decoding", "decoding", DecodingConfig))
+    for dotted, kind in _numeric_fields(cls)
+    for value in ((-(2**70), 2**70) if kind is int else (-1e300, 1e300, math.inf, math.nan))
+] + [("preprocess", "preprocess", "image_size", value) for value in (-(2**70), 2**70)]
+
+
+@pytest.fixture(scope="module")
+def run_bundle(tmp_path_factory) -> Path:
+    return write_run(tmp_path_factory.mktemp("run") / "run", objective=None) / "bundle.pt"
+
+
+@pytest.mark.parametrize("section, where, dotted, value", _BOUNDED, ids=lambda x: str(x))
+def test_every_number_a_bundle_carries_is_bounded_on_load(run_bundle, tmp_path, section, where, dotted, value):
+    """Every int and float a bundle sets (the network's, its decoding's, its image size), found by walking the
+    settings' fields: far out of range on either side, or not a number, it is refused as the file is read."""
+    path = tampered(run_bundle, tmp_path / "evil.pt", lambda raw: _set(raw, section, dotted, value))
+    with pytest.raises(BundleError, match=re.escape(f"{where}.{dotted}={value!r}") + ".* must be"):
+        load_trained(path)
