@@ -7,6 +7,7 @@ import math
 import os
 import re
 import typing
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
@@ -346,4 +347,48 @@ def test_every_number_a_bundle_carries_is_bounded_on_load(run_bundle, tmp_path, 
     settings' fields: far out of range on either side, or not a number, it is refused as the file is read."""
     path = tampered(run_bundle, tmp_path / "evil.pt", lambda raw: _set(raw, section, dotted, value))
     with pytest.raises(BundleError, match=re.escape(f"{where}.{dotted}={value!r}") + ".* must be"):
+        load_trained(path)
+
+
+def _deflated(source: Path, path: Path) -> Path:
+    """A copy of the torch file ``source`` at ``path`` with every zip member deflate-compressed (torch.save
+    stores them), as a crafted file would be: a tensor of zeros takes next to nothing in it."""
+    with zipfile.ZipFile(source) as plain, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as packed:
+        for info in plain.infolist():
+            packed.writestr(info.filename, plain.read(info))
+    return path
+
+
+def test_a_compressed_bundle_is_refused_before_torch_reads_it(run_bundle, tmp_path, monkeypatch):
+    """Its zip directory is read first: a compressed member could make loading allocate a thousand times the
+    file's size (a 200 KB file, 200 MB of zeros) before anything else is checked."""
+    zeros = tampered(run_bundle, tmp_path / "zeros.pt", lambda raw: raw["state_dict"].update(extra=torch.zeros(2**20)))
+    path = _deflated(zeros, tmp_path / "deflated.pt")
+    assert path.stat().st_size < zeros.stat().st_size / 2
+    read, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: read.append(args) or load(*args, **kwargs))
+    with pytest.raises(BundleError, match=rf"^model file {path} was refused: its member .* is compressed"):
+        load_trained(path)
+    with pytest.raises(BundleError, match=rf"^bundle {path} was refused: its member .* is compressed"):
+        load_bundle(path)
+    assert read == []
+    load_trained(run_bundle)
+    assert len(read) == 1
+
+
+def test_a_model_larger_than_the_bound_is_refused_before_it_is_built(run_bundle, tmp_path, monkeypatch):
+    """The 8192-wide embedding of a vocabulary of 150,000 words (and its output layer: 9.8 GB) is more than any
+    bundle may hold: refused from the config, before the weights' shapes are compared or anything is built."""
+    words = [f"w{i}" for i in range(150_000)]
+
+    def wide(raw: dict) -> None:
+        vocab = Vocabulary(words)
+        raw["vocab"], raw["vocab_fingerprint"] = vocab.to_dict(), vocab.fingerprint()
+        raw["config"]["decoder"].update(embed_dim=8192)
+
+    path = tampered(run_bundle, tmp_path / "wide.pt", wide)
+    with pytest.raises(BundleError, match=rf"^bundle {path}: its model would hold 9\.[0-9] GiB of weights, more "):
+        load_trained(path)
+    monkeypatch.setattr(bundle_module, "MAX_MODEL_BYTES", 10_000)  # the file itself: checked before it is read
+    with pytest.raises(BundleError, match=rf"^model file {path} was refused: it holds [0-9.]+ MB, more than"):
         load_trained(path)

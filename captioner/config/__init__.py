@@ -48,6 +48,7 @@ from captioner.config.model import (
 )
 from captioner.config.network import (
     ARCHITECTURE,
+    MAX_MODEL_BYTES,
     Attention,
     DecoderConfig,
     EncoderConfig,
@@ -71,6 +72,7 @@ __all__ = [
     "MAX_IMAGE_SIZE",
     "MAX_VOCAB_SIZE",
     "MAX_LEN",
+    "MAX_MODEL_BYTES",
     "MAX_WORDS",
     "METHOD_SETTINGS",
     "MIN_IMAGE_SIZE",

@@ -13,6 +13,10 @@ from captioner.errors import ConfigError, check_range
 MAX_WIDTH = 8192  # embed_dim, hidden_dim, attention_dim
 MAX_COUNT = 64  # attention heads, self-attention heads and blocks, trainable encoder stages
 MAX_CELLS = 256  # a grid side (encoder.grid) and a relative-position clipping distance (max_distance)
+# The weights and buffers a network holds at most (its state dict, a bundle's tensors): the largest torchvision CNN
+# (regnet_y_128gf, 2.6 GB) with a decoder of the paper's widths over 100,000 words fits; the widths above allow
+# far more (an 8192-wide embedding of a million words alone is 32 GB), so a model is bounded by this too.
+MAX_MODEL_BYTES = 4 * 2**30
 MAX_TAU = 100.0  # gumbel_tau: softmax(logits / 100) is all but uniform already
 
 
