@@ -346,8 +346,9 @@ def test_every_number_a_bundle_carries_is_bounded_on_load(run_bundle, tmp_path, 
     """Every int and float a bundle sets (the network's, its decoding's, its image size), found by walking the
     settings' fields: far out of range on either side, or not a number, it is refused as the file is read."""
     path = tampered(run_bundle, tmp_path / "evil.pt", lambda raw: _set(raw, section, dotted, value))
-    with pytest.raises(BundleError, match=re.escape(f"{where}.{dotted}={value!r}") + ".* must be"):
+    with pytest.raises(BundleError, match=re.escape(f"{where}.{dotted}={value!r}") + ".* must be") as info:
         load_trained(path)
+    assert "\n" not in str(info.value)
 
 
 def _deflated(source: Path, path: Path) -> Path:
