@@ -22,7 +22,15 @@ import torch
 from torch import Tensor, nn
 
 from captioner.bundle_versions import BUNDLE_VERSION, read_net
-from captioner.config import MAX_IMAGE_SIZE, MIN_IMAGE_SIZE, DecodingConfig, NetConfig, from_dict, to_dict
+from captioner.config import (
+    MAX_IMAGE_SIZE,
+    MAX_MODEL_BYTES,
+    MIN_IMAGE_SIZE,
+    DecodingConfig,
+    NetConfig,
+    from_dict,
+    to_dict,
+)
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
@@ -34,6 +42,14 @@ _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
 _BUNDLE_KEYS = ("format", "version", *_METADATA_KEYS, "state_dict")
 PREPROCESS_KEYS = ("image_size",)
 CHECKPOINT_KEY = "captioner"  # where a training checkpoint keeps the bundle metadata
+# A model file holds at most this many times MAX_MODEL_BYTES: a training checkpoint keeps the weights and Adam's
+# two moments of each, a bundle the weights and its vocabulary.
+MODEL_FILE_COPIES = 3
+
+
+def _max_file_bytes() -> int:
+    """The most bytes a bundle or a training checkpoint may hold (``load_torch``'s ``max_bytes``)."""
+    return MODEL_FILE_COPIES * MAX_MODEL_BYTES
 
 
 def is_bundle(raw: object) -> bool:
@@ -208,6 +224,12 @@ def _assemble(
             shapes = build_captioner(without_weights, len(vocab))
     except (ConfigError, TypeError, ValueError) as exc:
         raise BundleError(f"{where}: its config does not build a model ({exc})") from None
+    held = sum(tensor.numel() * tensor.element_size() for tensor in shapes.state_dict().values())
+    if held > MAX_MODEL_BYTES:
+        raise BundleError(
+            f"{where}: its model would hold {held / 2**30:.1f} GiB of weights, more than any model may "
+            f"({MAX_MODEL_BYTES / 2**30:.0f} GiB)"
+        )
     problem = _embedding_mismatch(shapes, state_dict, len(vocab)) or _state_dict_problem(shapes, state_dict)
     if problem:
         raise BundleError(f"{where}: weights do not fit the model: {problem}")
@@ -228,7 +250,7 @@ def load_bundle(
     weights (the bundle carries them), so no weight file is needed. ``load_trained`` also reads
     training checkpoints and returns the image size.
     """
-    raw = load_torch(path, what="bundle", map_location=map_location)
+    raw = load_torch(path, what="bundle", map_location=map_location, max_bytes=_max_file_bytes())
     where = f"bundle {path}"
     metadata, state_dict = _bundle_parts(raw, where)
     return _assemble(metadata, state_dict, where, map_location)
@@ -276,7 +298,7 @@ def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cp
         folder, path = path, os.path.join(path, BUNDLE_NAME)
         if not os.path.isfile(path):
             raise BundleError(_no_bundle(folder))
-    raw = load_torch(path, what="model file", map_location=map_location)
+    raw = load_torch(path, what="model file", map_location=map_location, max_bytes=_max_file_bytes())
     if is_bundle(raw):
         where = f"bundle {path}"
         metadata, state_dict = _bundle_parts(raw, where)

@@ -78,11 +78,11 @@ def check_choice(name: str, value: object, choices: "tuple | list") -> None:
 def check_range(
     name: str, value: object, low: float | None = None, high: float | None = None, kind: type | tuple = (int, float)
 ) -> None:
-    """Raise ConfigError unless ``value`` has type ``kind`` and lies in [low, high]."""
+    """Raise ConfigError unless ``value`` has type ``kind`` and lies in [low, high] (NaN lies nowhere)."""
     if isinstance(value, bool) or not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise ConfigError(f"{name}={value!r} must be {'an' if names[0] in 'aeiou' else 'a'} {names}")
-    if (low is not None and value < low) or (high is not None and value > high):
+    if value != value or (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else (f"<= {high}" if low is None else f"in [{low}, {high}]")
         raise ConfigError(f"{name}={value!r} must be {bounds}")
 

@@ -14,6 +14,7 @@ import pickle
 import re
 import tempfile
 import warnings
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -119,11 +120,42 @@ def _missing_device(map_location: Any) -> str | None:
     )
 
 
-def load_torch(path: str | os.PathLike, what: str = "file", map_location: Any = "cpu") -> Any:
+def _check_archive(path: Path, what: str, max_bytes: int | None) -> None:
+    """BundleError unless the zip archive at ``path`` (what torch.save writes) keeps its members stored, as
+    torch.save does, within the file's own bytes, and at most ``max_bytes`` of them (None: no bound): its
+    directory is read before torch is, so a crafted file cannot make loading allocate more than its own size (a
+    compressed member of zeros: a thousand times it)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError) as exc:
+        raise BundleError(f"{what} {path} is truncated or corrupt (its zip directory: {first_line(exc)})") from None
+    compressed = [member.filename for member in members if member.compress_type != zipfile.ZIP_STORED]
+    if compressed:
+        raise BundleError(
+            f"{what} {path} was refused: its member {compressed[0]} is compressed, which torch.save never writes "
+            "(a compressed file can unpack to far more memory than its size)"
+        )
+    held, size = sum(member.file_size for member in members), path.stat().st_size
+    if held > size or any(member.file_size != member.compress_size for member in members):
+        raise BundleError(f"{what} {path} is corrupt: its zip directory claims {held:,} bytes in a file of {size:,}")
+    if max_bytes is not None and held > max_bytes:
+        raise BundleError(
+            f"{what} {path} was refused: it holds {held / 1e6:,.1f} MB, more than any model file may "
+            f"({max_bytes / 1e6:,.0f} MB)"
+        )
+
+
+def load_torch(
+    path: str | os.PathLike, what: str = "file", map_location: Any = "cpu", max_bytes: int | None = None
+) -> Any:
     """``torch.load(weights_only=True)`` with one clear BundleError for every way it can fail.
 
     A file that carries pickled code (classes, functions) is refused, never executed. A ``map_location``
     naming a device this machine lacks is reported as such (torch's own error would read as a broken file).
+    A zip archive (every file torch.save writes) is refused, before torch reads it, when a member is compressed
+    or its members hold more than the file's size or ``max_bytes`` (None: no bound), so loading allocates no
+    more than the file's size.
     """
     import torch
 
@@ -141,6 +173,8 @@ def load_torch(path: str | os.PathLike, what: str = "file", map_location: Any = 
             f"{what} {path} is not a model file (torch.save did not write it); give a training run's folder, "
             "its bundle.pt or a checkpoint"
         )
+    if head == b"PK":
+        _check_archive(path, what, max_bytes)
     missing = _missing_device(map_location)
     if missing:
         raise BundleError(

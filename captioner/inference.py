@@ -125,7 +125,8 @@ class LoadedModel(TrainedModel):
         (``captioning_settings``): TypeError for an unknown name (naming the nearest), ConfigError for one the
         method does not read or a bad value.
         ``max_pixels``: the most pixels a file may decode to (None: Pillow's limit), a guard against
-        decompression bombs; raise it for a very large photo you trust (``data.images.load_rgb``).
+        decompression bombs; raise it for a very large photo you trust (``data.images.load_rgb``). A bad one is a
+        ConfigError for the call, whatever the images.
 
         Threads may call it on one model at once and get what the same calls one after another get: they take
         turns at each batch's decoding graph (``model.graphs.GraphCache.lock``), the rest runs side by side.
@@ -174,6 +175,13 @@ def _call_decoding(
     return decoding, seeded_generator(decoding, next(loaded.model.parameters()).device)
 
 
+def _check_max_pixels(max_pixels: int | None) -> None:
+    """ConfigError for the call, before any image is read, unless ``max_pixels`` is None or a count >= 1: it
+    limits files only, so an image given in memory would pass a bad value by and a file fail on it alone."""
+    if max_pixels is not None:
+        check_range("max_pixels", max_pixels, 1, kind=int)
+
+
 def _caption_batch(
     loaded: LoadedModel, pixels: torch.Tensor, decoding: DecodingConfig, generator: torch.Generator | None
 ) -> list[Captioned]:
@@ -211,8 +219,10 @@ def caption_files(
     Images are decoded in ``workers`` processes and resized to the model's ``image_size``; each batch
     runs the encoder and the decoder once on the model's device. An unreadable file yields
     ``Skipped(path, reason)``. ``decoding``: how (None: the model's, ``loaded.decoding``).
-    ``progress`` shows a bar on stderr. ``max_pixels``: the pixel limit of ``load_rgb`` (None: Pillow's).
+    ``progress`` shows a bar on stderr. ``max_pixels``: the pixel limit of ``load_rgb`` (None: Pillow's; a bad
+    one: ConfigError before the first result).
     """
+    _check_max_pixels(max_pixels)
     batches = math.ceil(len(paths) / batch_size)
     loader = DataLoader(
         ImageFiles(paths, loaded.image_size, max_pixels),
@@ -284,9 +294,10 @@ def caption_images(
     ``decoding``: how (None: the model's, ``loaded.decoding``). A single image that
     cannot be captioned raises ImageError (a file), TypeError or ValueError (another kind of object); in a list
     it gets a result with ``error`` set, or raises those with ``raise_errors``. ``max_pixels``: the pixel limit
-    of a file (``load_rgb``; None: Pillow's).
+    of a file (``load_rgb``; None: Pillow's); a bad one is a ConfigError for the call, before any image.
     """
     check_range("batch_size", batch_size, 1, kind=int)
+    _check_max_pixels(max_pixels)
     single = _one_image(images)
     items = [images] if single else list(images)
     transform = build_transform(loaded.image_size, train=False)

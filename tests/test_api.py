@@ -268,3 +268,15 @@ def test_repr_is_a_one_paragraph_summary(model, run):
         f"(AdditiveAttention); {len(model.vocab)} words; loaded from {run}"
     )
     assert "\n" not in text and model.grid == (3, 3)
+
+
+@pytest.mark.parametrize("max_pixels", [0, -5, 2.5, "many"])
+def test_a_bad_max_pixels_is_a_config_error_for_the_call_whatever_the_images(model, photos, max_pixels):
+    """Checked once, before any image is read, as the decoding keywords are: for a file, a PIL image (which
+    max_pixels does not limit) and a list of both alike, never a file's ``.error``; caption_files too."""
+    picture = Image.open(photos[0])
+    for images in (photos[0], picture, [picture], [photos[0], picture]):
+        with pytest.raises(ConfigError, match=f"^max_pixels={max_pixels!r} must be"):
+            model.caption(images, max_pixels=max_pixels, **GREEDY)
+    with pytest.raises(ConfigError, match=f"^max_pixels={max_pixels!r} must be"):
+        next(caption_files(model, [str(photos[0])], workers=0, max_pixels=max_pixels))

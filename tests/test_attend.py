@@ -279,3 +279,55 @@ def test_a_file_the_writing_thread_cannot_write_stops_the_gallery_and_its_image_
     stdout, err = capsys.readouterr()
     assert [line.split("\t")[0] for line in stdout.splitlines()] == [good[0]]  # printed once its files are written
     assert "No space left on device" in err and not (out / "index.html").exists()
+
+
+def test_an_image_that_cannot_be_drawn_is_its_own_failure_and_a_failed_run_keeps_the_old_gallery(
+    bundle, tmp_path, capsys, monkeypatch
+):
+    from captioner.cli import attend as attend_module
+    from captioner.data.images import ImageError
+
+    ok, odd = photos(tmp_path / "in", "ok.png", "odd.png")
+    out = tmp_path / "g"
+    assert attend(bundle, str(ok), str(odd), "--out", str(out)) == 0
+    capsys.readouterr()
+    read = attend_module.load_rgb
+
+    def changed(path, *args, **kwargs):  # captioned, then replaced by a file that cannot be drawn
+        if Path(path).name == "odd.png":
+            raise ImageError(path, "not an image file (Pillow cannot identify its format)")
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(attend_module, "load_rgb", changed)
+    assert attend(bundle, str(ok), str(odd), "--out", str(out), "--force") == 1
+    stdout, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in stdout.splitlines()] == [str(ok)]
+    assert f"error: {odd}: cannot be drawn: not an image file" in err and "summary: 1 captioned, 1 failed" in err
+    page = (out / "index.html").read_text()
+    assert "Not captioned (1)" in page and f"{odd}</code>: cannot be drawn: not an image file" in page
+    assert sorted(recorded(out)) == ["0000_ok.jpg", "0000_ok.panels.jpg", "images/0000_ok.png", "index.html"]
+    before = snapshot(out)
+    save = sheet.save_picture
+
+    def full_disk(picture, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sheet, "save_picture", full_disk)
+    assert attend(bundle, str(ok), "--out", str(out), "--force") == 2
+    assert "No space left on device" in capsys.readouterr().err
+    assert snapshot(out) == before  # the new gallery never got ready: the old one is whole
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["g", "in"]  # nothing of the new one left beside
+    monkeypatch.setattr(sheet, "save_picture", save)
+
+
+def test_a_jpeg_drawn_at_a_reduced_scale_is_shown_and_copied_at_it(bundle, tmp_path, capsys):
+    """2001x1999 under 1,000,000 pixels: libjpeg draws it at 1/4 (501x500), and the gallery's copy of it, which
+    keeps no more than COPY_SIDE a side, is made at that scale too, not refused."""
+    (ok,) = photos(tmp_path / "in", "ok.png")
+    odd = tmp_path / "in" / "odd.jpg"
+    Image.new("RGB", (2001, 1999), (200, 40, 40)).save(odd)
+    out = tmp_path / "g"
+    assert attend(bundle, str(ok), str(odd), "--out", str(out), "--max-pixels", "1000000") == 0
+    assert "summary: 2 captioned, 0 failed" in capsys.readouterr().err
+    with Image.open(out / "images" / "0001_odd.jpg") as copy:
+        assert copy.size == (501, 500)

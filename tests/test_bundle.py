@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import re
+import typing
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
@@ -197,7 +202,7 @@ def test_a_bundle_keeps_how_its_run_decoded_and_an_older_one_decodes_with_captio
     save_bundle(tmp_path / "old.pt", small_model, small_vocab, net, preprocess)  # as bundles were written before
     assert load_trained(tmp_path / "old.pt").decoding == DecodingConfig.captioning()
     bad = tampered(tmp_path / "new.pt", tmp_path / "bad.pt", lambda raw: raw["decoding"].update(max_len=0))
-    with pytest.raises(BundleError, match=r"malformed decoding settings \(decoding.max_len=0 must be >= 1\)"):
+    with pytest.raises(BundleError, match=r"malformed decoding settings \(decoding.max_len=0 must be in \[1, 100\]\)"):
         load_trained(bad)
 
 
@@ -298,3 +303,93 @@ def test_a_checkpoint_says_its_version_and_stores_the_config_as_netconfig_serial
     )
     with pytest.raises(BundleError, match=f"bundle version {BUNDLE_VERSION + 1} is newer than this captioner reads"):
         load_trained(tmp_path / "new.ckpt")
+
+
+def _numeric_fields(cls: type, prefix: str = "") -> list[tuple[str, type]]:
+    """The dotted names of every int and float field of the settings dataclass ``cls`` and of those it nests,
+    each with its type (an optional field's: the type it holds when set)."""
+    found, hints = [], typing.get_type_hints(cls)
+    for item in dataclasses.fields(cls):
+        kind = next((k for k in typing.get_args(hints[item.name]) if k is not type(None)), hints[item.name])
+        if dataclasses.is_dataclass(kind):
+            found += _numeric_fields(kind, f"{prefix}{item.name}.")
+        elif kind in (int, float):
+            found.append((f"{prefix}{item.name}", kind))
+    return found
+
+
+def _set(raw: dict, section: str, dotted: str, value: object) -> None:
+    """Set the dotted key ``dotted`` of the bundle's ``section`` (a training run's decoding when it has none)."""
+    raw.setdefault(section, to_dict(DecodingConfig.captioning()))
+    *parents, key = dotted.split(".")
+    node = raw[section]
+    for parent in parents:
+        node = node[parent]
+    node[key] = value
+
+
+_BOUNDED = [
+    (section, where, dotted, value)
+    for section, where, cls in (("config", "model", NetConfig), ("decoding", "decoding", DecodingConfig))
+    for dotted, kind in _numeric_fields(cls)
+    for value in ((-(2**70), 2**70) if kind is int else (-1e300, 1e300, math.inf, math.nan))
+] + [("preprocess", "preprocess", "image_size", value) for value in (-(2**70), 2**70)]
+
+
+@pytest.fixture(scope="module")
+def run_bundle(tmp_path_factory) -> Path:
+    return write_run(tmp_path_factory.mktemp("run") / "run", objective=None) / "bundle.pt"
+
+
+@pytest.mark.parametrize("section, where, dotted, value", _BOUNDED, ids=lambda x: str(x))
+def test_every_number_a_bundle_carries_is_bounded_on_load(run_bundle, tmp_path, section, where, dotted, value):
+    """Every int and float a bundle sets (the network's, its decoding's, its image size), found by walking the
+    settings' fields: far out of range on either side, or not a number, it is refused as the file is read."""
+    path = tampered(run_bundle, tmp_path / "evil.pt", lambda raw: _set(raw, section, dotted, value))
+    with pytest.raises(BundleError, match=re.escape(f"{where}.{dotted}={value!r}") + ".* must be") as info:
+        load_trained(path)
+    assert "\n" not in str(info.value)
+
+
+def _deflated(source: Path, path: Path) -> Path:
+    """A copy of the torch file ``source`` at ``path`` with every zip member deflate-compressed (torch.save
+    stores them), as a crafted file would be: a tensor of zeros takes next to nothing in it."""
+    with zipfile.ZipFile(source) as plain, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as packed:
+        for info in plain.infolist():
+            packed.writestr(info.filename, plain.read(info))
+    return path
+
+
+def test_a_compressed_bundle_is_refused_before_torch_reads_it(run_bundle, tmp_path, monkeypatch):
+    """Its zip directory is read first: a compressed member could make loading allocate a thousand times the
+    file's size (a 200 KB file, 200 MB of zeros) before anything else is checked."""
+    zeros = tampered(run_bundle, tmp_path / "zeros.pt", lambda raw: raw["state_dict"].update(extra=torch.zeros(2**20)))
+    path = _deflated(zeros, tmp_path / "deflated.pt")
+    assert path.stat().st_size < zeros.stat().st_size / 2
+    read, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *args, **kwargs: read.append(args) or load(*args, **kwargs))
+    with pytest.raises(BundleError, match=rf"^model file {path} was refused: its member .* is compressed"):
+        load_trained(path)
+    with pytest.raises(BundleError, match=rf"^bundle {path} was refused: its member .* is compressed"):
+        load_bundle(path)
+    assert read == []
+    load_trained(run_bundle)
+    assert len(read) == 1
+
+
+def test_a_model_larger_than_the_bound_is_refused_before_it_is_built(run_bundle, tmp_path, monkeypatch):
+    """The 8192-wide embedding of a vocabulary of 150,000 words (and its output layer: 9.8 GB) is more than any
+    bundle may hold: refused from the config, before the weights' shapes are compared or anything is built."""
+    words = [f"w{i}" for i in range(150_000)]
+
+    def wide(raw: dict) -> None:
+        vocab = Vocabulary(words)
+        raw["vocab"], raw["vocab_fingerprint"] = vocab.to_dict(), vocab.fingerprint()
+        raw["config"]["decoder"].update(embed_dim=8192)
+
+    path = tampered(run_bundle, tmp_path / "wide.pt", wide)
+    with pytest.raises(BundleError, match=rf"^bundle {path}: its model would hold 9\.[0-9] GiB of weights, more "):
+        load_trained(path)
+    monkeypatch.setattr(bundle_module, "MAX_MODEL_BYTES", 10_000)  # the file itself: checked before it is read
+    with pytest.raises(BundleError, match=rf"^model file {path} was refused: it holds [0-9.]+ MB, more than"):
+        load_trained(path)

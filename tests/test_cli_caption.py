@@ -171,3 +171,29 @@ def test_a_model_decodes_as_its_run_did_unless_an_option_or_keyword_says_otherwi
     assert len(loaded.caption(image).words) == 4 and len(loaded.caption(image, max_len=3).words) == 3
     assert cli.main(["caption", str(image), "--model", str(bundle), "--min-len", "5"]) == 2  # over its own max_len
     assert capsys.readouterr().err.splitlines() == ["error: --min-len=5 must be < --max-len=4"]
+
+
+def test_min_len_is_checked_against_the_model_s_own_max_len_and_before_loading_only_against_every_model(
+    tmp_path, capsys
+):
+    from captioner import load_model
+    from captioner.bundle import save_bundle
+    from captioner.config import DecodingConfig
+    from conftest import SMALL_IMAGE_SIZE, net_v1, never_ending_captioner
+
+    model, vocab, config = never_ending_captioner(SHAPE_WORDS)  # every caption max_len words long
+    image = tmp_path / "photo.png"
+    noise((40, 30)).save(image)
+    bundle = tmp_path / "model.pt"
+    own = DecodingConfig(method="beam", beam_size=2, max_len=24)  # as experiment=scenes writes
+    save_bundle(bundle, model, vocab, net_v1(config), {"image_size": SMALL_IMAGE_SIZE}, own)
+    assert len(load_model(bundle).caption(image, min_len=21).words) == 24
+    assert cli.main(["caption", str(image), "--model", str(bundle), "--workers", "0", "--min-len", "21"]) == 0
+    assert len(capsys.readouterr().out.split("\t")[1].split()) == 24
+    missing = str(tmp_path / "missing.pt")  # what no model accepts is refused before the model is read
+    for options, message in (
+        (["--min-len", "5", "--max-len", "4"], "--min-len=5 must be < --max-len=4"),
+        (["--min-len", "100"], "--min-len=100 must be < --max-len=100"),
+    ):
+        assert cli.main(["caption", str(image), "--model", missing, *options]) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"

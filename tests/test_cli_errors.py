@@ -91,13 +91,13 @@ def test_a_bad_model_file_is_one_line_and_exit_2(kind, bundles, inputs, tmp_path
 @pytest.mark.parametrize(
     "option, message",
     [
-        (["--beam-size", "0"], "--beam-size=0 must be >= 1"),
-        (["--max-len", "0"], "--max-len=0 must be >= 1"),
+        (["--beam-size", "0"], "--beam-size=0 must be in [1, 32]"),
+        (["--max-len", "0"], "--max-len=0 must be in [1, 100]"),
         (["--batch-size", "0"], "--batch-size=0 must be >= 1"),
         (["--workers", "-1"], "--workers=-1 must be >= 0"),
-        (["--method", "sample", "--temperature", "0"], "--temperature=0.0 must be >= 1e-06"),
+        (["--method", "sample", "--temperature", "0"], "--temperature=0.0 must be in [1e-06, 100.0]"),
         (["--min-len", "20"], "--min-len=20 must be < --max-len=20"),
-        (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size=-1 must be >= 0"),
+        (["--no-repeat-ngram-size", "-1"], "--no-repeat-ngram-size=-1 must be in [0, 100]"),
         pytest.param(
             ["--device", "cuda"],
             "--device cuda: CUDA is not available on this machine; use --device cpu",

@@ -136,6 +136,18 @@ def test_missing_files_raise(tmp_path):
     assert not (tmp_path / "out" / "index.html").exists()
 
 
+def test_an_image_that_cannot_be_copied_is_listed_as_failed_and_the_others_are_shown(tmp_path):
+    """Its copy decodes it (a TIFF: no browser shows one) and it is over the pixel limit: that entry's failure
+    on the first page, not the gallery's."""
+    large = tmp_path / "large.tif"
+    Image.new("RGB", (60, 50), "blue").save(large)
+    entries = [GalleryEntry(make_png(tmp_path / "1.png"), "a circle"), GalleryEntry(large, "a square")]
+    index = write_gallery(tmp_path / "out", entries, max_pixels=2_000)
+    text = index.read_text(encoding="utf-8")
+    assert "1 captioned, 1 not captioned" in text and "a circle" in text and "a square" not in text
+    assert f"<code>{large}</code>: cannot be shown: image too large: 60x50 is 3,000 pixels" in text
+
+
 # ------------------------------------------------------------------------------ in a real browser
 BROWSER = next(
     (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None

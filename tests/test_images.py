@@ -252,6 +252,15 @@ def test_a_jpeg_over_the_limit_is_decoded_at_a_reduced_scale(tmp_path, monkeypat
         load_rgb(jpeg, max_pixels=5_000)
 
 
+def test_the_draft_scale_is_chosen_by_the_size_libjpeg_decodes(tmp_path):
+    """libjpeg decodes ceil(W / s) x ceil(H / s): 2001x1999 at 1/2 is 1001x1000, over 1,000,000 pixels, so 1/4;
+    the scale picked by floor(W / s) x floor(H / s) (1000x999: under) was refused once decoded."""
+    jpeg = save(Image.new("RGB", (2001, 1999), (200, 40, 40)), tmp_path / "odd.jpg")
+    assert load_rgb(jpeg, max_pixels=1_000_000).size == (501, 500)
+    assert load_rgb(jpeg, max_pixels=1_001_000).size == (1001, 1000)  # 1/2 fits exactly
+    assert load_rgb(jpeg, max_pixels=1_000_000, size=224).size == (251, 250)
+
+
 def test_image_error_survives_pickling():
     error = pickle.loads(pickle.dumps(ImageError("a/b.jpg", "file is empty")))
     assert str(error) == "a/b.jpg: file is empty" and error.reason == "file is empty"

@@ -41,9 +41,9 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
     "override,message",
     [
         ("model.scorer=luong", "model.scorer='luong' is not valid; choose one of: additive, dot, scaled_dot"),
-        ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be >= 1"),
+        ("model.decoding.beam_size=0", "model.decoding.beam_size=0 must be in [1, 32]"),
         ("model.decoding.min_len=16", "model.decoding.min_len=16 must be < max_len=16"),
-        ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be >= 0"),
+        ("model.decoding.no_repeat_ngram_size=-2", "model.decoding.no_repeat_ngram_size=-2 must be in [0, 100]"),
         ("model.nonfinite_check_interval=0", "model.nonfinite_check_interval=0 must be >= 1"),
         ("model.attention=medium", "model.attention='medium' is not valid; choose one of: soft, hard"),
         ("model.decoder.embed_dim=big", "model.decoder.embed_dim='big' must be an int"),

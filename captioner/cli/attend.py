@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,11 +20,14 @@ from captioner.cli import options
 from captioner.cli.caption import captioned
 from captioner.cli.inputs import IMAGE_SUFFIXES, Inputs, expand_inputs
 from captioner.cli.output import Output
-from captioner.data.images import load_rgb
+from captioner.data.dataset import Skipped
+from captioner.data.images import ImageError, load_rgb
 from captioner.errors import ConfigError
 from captioner.viz.layout import MANIFEST, GalleryFiles
 
 if TYPE_CHECKING:  # drawing's modules load with the command, not with the CLI
+    import torch
+
     from captioner.inference import Captioned
     from captioner.viz.overlay import Shading
 
@@ -72,12 +77,11 @@ def run(args: argparse.Namespace) -> int:
     """Caption images and draw one attention panel per word; for a folder ``--out``, a gallery of pages that
     show each word's panel in turn and list the inputs that failed.
 
-    Prints ``path<TAB>caption<TAB>overlay`` per image and a summary line on stderr. With ``--force`` a gallery
-    replaces exactly the files an earlier gallery recorded in ``--out``, once the model has loaded.
+    Prints ``path<TAB>caption<TAB>overlay`` per image and a summary line on stderr; an image that cannot be
+    drawn is that image's failure, listed on the gallery's first page. With ``--force`` a gallery replaces exactly
+    the files an earlier gallery recorded in ``--out``, once all of its own are written (in a stage beside
+    ``--out``, then moved in): a run that fails leaves the earlier gallery whole.
     """
-    from captioner.viz.gallery import GalleryEntry, Panels, write_gallery
-    from captioner.viz.overlay import shade
-
     options.check_options(args)
     device = options.device(args.device)
     out = Path(args.out)
@@ -96,10 +100,28 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} is the input image; give another file name")
     if not single:
         _check_gallery(files, found, args.out)
+    if not single and found.paths:  # written beside --out, moved in once it is whole
+        beside = out.absolute()
+        beside.parent.mkdir(parents=True, exist_ok=True)
+        files = GalleryFiles(out, tempfile.mkdtemp(prefix=f".{beside.name}.", suffix=".new", dir=beside.parent))
+    try:
+        return _draw(args, out, single, found, files, device)
+    finally:
+        if files.stage != files.root:
+            shutil.rmtree(files.stage, ignore_errors=True)
+
+
+def _draw(
+    args: argparse.Namespace, out: Path, single: bool, found: Inputs, files: GalleryFiles, device: torch.device
+) -> int:
+    """``run``'s captioning and drawing, once ``--out`` is checked: the gallery's files go to ``files``' stage and
+    are moved in when the gallery is whole."""
+    from captioner.viz.gallery import GalleryEntry, Panels, write_gallery
+    from captioner.viz.overlay import shade
+
     numbers = {path: number for number, path in enumerate(found.paths)}  # entry n: the n-th input, for every name
     entries: list[GalleryEntry | None] = [None] * len(found.paths)
     output = Output()
-    cleared = single
     show = options.progress(args, len(found.paths))
     # (its files' writing in the background, the result, its sheet, its strip, its shading, its entry), in order
     pending: deque[tuple[Future, Captioned, Path, Path | None, Shading, int]] = deque()
@@ -112,16 +134,18 @@ def run(args: argparse.Namespace) -> int:
             panels = Panels(strip, tuple(result.words), shading.picture.size) if strip else None
             scale = (shading.uniform, shading.top)
             entries[number] = GalleryEntry(result.path, result.caption, target, panels=panels, scale=scale)
-        output.caption(result, target)
+        output.caption(result, target if single else out / files.relative(target))  # where it is once moved in
         bar.update(output.captioned + output.failed - len(found.errors) - bar.n)
 
     with tqdm(total=len(found.paths), unit="img", file=sys.stderr, desc="drawing", disable=not show) as bar:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="attend-writer") as writer:
             for result in captioned(args, found, output, device, bar=False):
-                if not cleared:  # the model has loaded and the inputs are listed: the earlier gallery goes
-                    files.clear()
-                    cleared = True
-                number, picture = numbers[result.path], load_rgb(result.path, args.max_pixels)
+                number = numbers[result.path]
+                try:
+                    picture = load_rgb(result.path, args.max_pixels)
+                except ImageError as exc:  # changed since it was captioned, or larger than it can be drawn
+                    output.failure(Skipped(result.path, f"cannot be drawn: {exc.reason}"))
+                    continue
                 shading = shade(picture, result.words, result.alphas, result.grid, result.locations)
                 target, strip = out, None
                 if not single:
@@ -136,8 +160,6 @@ def run(args: argparse.Namespace) -> int:
                 finish(bar)
         bar.update(len(found.paths) - bar.n)
     if not single and found.paths:
-        if not cleared:
-            files.clear()
         for item in output.failed_inputs:
             failed = GalleryEntry(image=item.path, caption="", error=item.reason)
             if item.path in numbers:
@@ -145,5 +167,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 entries.append(failed)  # an input that named no image: a glob without a match, ...
         gallery = [entry for entry in entries if entry is not None]
-        print(f"gallery: {write_gallery(out, gallery, files=files, max_pixels=args.max_pixels)}", file=sys.stderr)
+        write_gallery(out, gallery, files=files, max_pixels=args.max_pixels)
+        files.move_in()
+        print(f"gallery: {files.page(0)}", file=sys.stderr)
     return output.close()

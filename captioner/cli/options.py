@@ -12,7 +12,7 @@ import torch
 
 from captioner import load_model
 from captioner.cli import parser
-from captioner.config import DecodingConfig, HardInference, captioning_settings
+from captioner.config import MAX_WORDS, DecodingConfig, HardInference, captioning_settings
 from captioner.errors import ConfigError, DataError, check_range
 
 if TYPE_CHECKING:
@@ -38,13 +38,15 @@ def device(name: str) -> torch.device:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """Check the batching and decoding options before anything loads, the decoding ones as ``caption()`` checks
-    its keywords (:func:`decoding` over captioning's defaults)."""
+    """Check the batching and decoding options before anything loads, refusing only what no model accepts: the
+    decoding ones as ``caption()`` checks its keywords (:func:`decoding`) over captioning's defaults with the
+    longest captions any model may decode (``--min-len 21`` fits a model of ``max_len`` 24); ``load`` checks them
+    against the model's own settings."""
     check_range("--batch-size", args.batch_size, 1, kind=int)
     check_range("--workers", args.workers, 0, kind=int)
     if args.max_pixels is not None:
         check_range("--max-pixels", args.max_pixels, 1, kind=int)
-    decoding(args)
+    decoding(args, DecodingConfig.captioning(max_len=MAX_WORDS))
 
 
 def decoding(args: argparse.Namespace, base: DecodingConfig | None = None) -> DecodingConfig:

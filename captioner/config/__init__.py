@@ -27,6 +27,7 @@ from captioner.config.decoding import (
     CAPTIONING_METHOD,
     CAPTIONING_WORKERS,
     MAX_LEN,
+    MAX_WORDS,
     METHOD_SETTINGS,
     DecodeMethod,
     DecodingConfig,
@@ -48,6 +49,7 @@ from captioner.config.model import (
 )
 from captioner.config.network import (
     ARCHITECTURE,
+    MAX_MODEL_BYTES,
     Attention,
     DecoderConfig,
     EncoderConfig,
@@ -71,6 +73,8 @@ __all__ = [
     "MAX_IMAGE_SIZE",
     "MAX_VOCAB_SIZE",
     "MAX_LEN",
+    "MAX_MODEL_BYTES",
+    "MAX_WORDS",
     "METHOD_SETTINGS",
     "MIN_IMAGE_SIZE",
     "PER_WORD_GRAPHS",

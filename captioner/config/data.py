@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from captioner.config.decoding import MAX_LEN
+from captioner.config.decoding import MAX_LEN, MAX_WORDS
 from captioner.config.settings import Settings
 from captioner.data.splits import SPLITS
 from captioner.errors import ConfigError, check_choice, check_range
@@ -63,7 +63,7 @@ class DataConfig(Settings):
         check_range("min_word_count", self.min_word_count, 1, kind=int)
         if self.max_vocab is not None:
             check_range("max_vocab", self.max_vocab, 4, MAX_VOCAB_SIZE, kind=int)
-        check_range("max_len", self.max_len, 1, kind=int)
+        check_range("max_len", self.max_len, 1, MAX_WORDS, kind=int)
         if self.pad_to is not None:
             check_range("pad_to", self.pad_to, self.caption_tokens, kind=int)
 

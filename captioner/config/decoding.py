@@ -13,6 +13,13 @@ from captioner.config.settings import Settings
 from captioner.errors import ConfigError, check_range
 
 MAX_LEN = 20  # words per caption at most, <end> excluded: training's cut (DataConfig) and decoding's limit
+# Upper bounds of what a config (and so a bundle, which may come from anyone) can set, far above any use: decoding
+# holds (images x beam_size, max_len, grid cells) attention maps, so a bundle never makes it allocate or loop
+# without end.
+MAX_WORDS = 100  # max_len (decoding's and training's DataConfig.max_len), min_len, no_repeat_ngram_size
+MAX_BEAM_SIZE = 32
+MAX_LENGTH_PENALTY = 10.0  # GNMT's alpha; 0.6-1.0 are the usual values
+MAX_TEMPERATURE = 100.0  # softmax(logits / 100) is all but uniform already
 
 
 class DecodeMethod(enum.StrEnum):
@@ -59,12 +66,12 @@ class DecodingConfig(Settings):
         return str(self.method)
 
     def check(self) -> None:
-        check_range("beam_size", self.beam_size, 1, kind=int)
-        check_range("max_len", self.max_len, 1, kind=int)
-        check_range("length_penalty", self.length_penalty, 0.0)
-        check_range("temperature", self.temperature, 1e-6)
-        check_range("min_len", self.min_len, 0, kind=int)
-        check_range("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, kind=int)
+        check_range("beam_size", self.beam_size, 1, MAX_BEAM_SIZE, kind=int)
+        check_range("max_len", self.max_len, 1, MAX_WORDS, kind=int)
+        check_range("length_penalty", self.length_penalty, 0.0, MAX_LENGTH_PENALTY)
+        check_range("temperature", self.temperature, 1e-6, MAX_TEMPERATURE)
+        check_range("min_len", self.min_len, 0, MAX_WORDS, kind=int)
+        check_range("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, MAX_WORDS, kind=int)
         if self.seed is not None:
             check_range("seed", self.seed, 0, 2**64 - 1, kind=int)  # what torch.Generator.manual_seed takes
         if self.min_len >= self.max_len:

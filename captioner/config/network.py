@@ -11,8 +11,13 @@ from captioner.errors import ConfigError, check_range
 # Upper bounds of the sizes a config (and so a bundle, which may come from anyone) can set, far above any model
 # this project trains (the paper's widest layer is 1,800): a bundle never makes its reader allocate without end.
 MAX_WIDTH = 8192  # embed_dim, hidden_dim, attention_dim
-MAX_COUNT = 64  # attention heads, self-attention heads and blocks
+MAX_COUNT = 64  # attention heads, self-attention heads and blocks, trainable encoder stages
 MAX_CELLS = 256  # a grid side (encoder.grid) and a relative-position clipping distance (max_distance)
+# The weights and buffers a network holds at most (its state dict, a bundle's tensors): the largest torchvision CNN
+# (regnet_y_128gf, 2.6 GB) with a decoder of the paper's widths over 100,000 words fits; the widths above allow
+# far more (an 8192-wide embedding of a million words alone is 32 GB), so a model is bounded by this too.
+MAX_MODEL_BYTES = 4 * 2**30
+MAX_TAU = 100.0  # gumbel_tau: softmax(logits / 100) is all but uniform already
 
 
 class Attention(enum.StrEnum):
@@ -84,7 +89,7 @@ class EncoderConfig(Settings):
     def check(self) -> None:
         if self.grid is not None:
             check_range("grid", self.grid, 1, MAX_CELLS, kind=int)
-        check_range("trainable_stages", self.trainable_stages, -1, kind=int)
+        check_range("trainable_stages", self.trainable_stages, -1, MAX_COUNT, kind=int)
 
 
 @dataclass
@@ -138,7 +143,7 @@ class DecoderConfig(Settings):
         check_range("dropout", self.dropout, 0.0, 0.99)
         check_range("hard_expectation_prob", self.hard_expectation_prob, 0.0, 1.0)
         check_range("hard_expectation_warmup", self.hard_expectation_warmup, 0.0, 1.0)
-        check_range("gumbel_tau", self.gumbel_tau, 1e-3)
+        check_range("gumbel_tau", self.gumbel_tau, 1e-3, MAX_TAU)
         check_range("gumbel_tau_min", self.gumbel_tau_min, 1e-3, self.gumbel_tau)
 
 

@@ -102,10 +102,11 @@ def _open(path: Path) -> ImageFile.ImageFile:
 def _draft_size(full: tuple[int, int], limit: int, size: int | None) -> tuple[int, int]:
     """The (width, height) to ask libjpeg for, which decodes at the largest of 1/2, 1/4, 1/8 that keeps both
     sides at least this: ``size`` by ``size`` when given, else the image at the least of those scales that
-    brings it under ``limit`` pixels (1/8 when none does)."""
+    brings it under ``limit`` pixels (1/8 when none does). At 1/s libjpeg decodes ceil(W / s) x ceil(H / s), so
+    that is what the limit is held against; asking for floor(W / s) x floor(H / s) gets scale s."""
     if size is not None:
         return size, size
-    scale = next((s for s in (2, 4, 8) if (full[0] // s) * (full[1] // s) <= limit), 8)
+    scale = next((s for s in (2, 4, 8) if -(-full[0] // s) * -(-full[1] // s) <= limit), 8)
     return max(1, full[0] // scale), max(1, full[1] // scale)
 
 

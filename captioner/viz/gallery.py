@@ -20,13 +20,13 @@ import math
 import os
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote, unquote
 
 from PIL import ExifTags, Image
 
-from captioner.data.images import load_rgb
+from captioner.data.images import ImageError, load_rgb
 from captioner.fileio import atomic_write
 from captioner.viz.layout import GalleryFiles
 from captioner.viz.sheet import Strip
@@ -143,11 +143,14 @@ def _local(
         with atomic_write(copy, "wb", durable=False) as handle, open(target, "rb") as source:
             shutil.copyfileobj(source, handle)
     else:
-        picture = load_rgb(target, max_pixels, size=COPY_SIDE)
+        try:
+            picture = load_rgb(target, max_pixels, size=COPY_SIDE)
+        except ImageError:  # over the limit at the scale that keeps COPY_SIDE: at the one it was drawn at
+            picture = load_rgb(target, max_pixels)
         picture.thumbnail((COPY_SIDE, COPY_SIDE))
         with atomic_write(copy, "wb", durable=False) as handle:
             picture.save(handle, format="JPEG", quality=90)
-    return _href(copy, files.root)
+    return _href(copy, files.stage)
 
 
 def _fitted(size: tuple[int, int]) -> tuple[int, int]:
@@ -163,10 +166,10 @@ def _box(size: tuple[int, int]) -> str:
     return f"width: {max(SHOWN_MIN, width)}px; height: {max(SHOWN_MIN, height)}px"
 
 
-def _shown(link: str, out_dir: Path) -> str:
-    """The ``style`` that shows the image of ``link`` (in ``out_dir``) in its :func:`_box`, as a browser turns
-    it (EXIF orientation)."""
-    with Image.open(out_dir / unquote(html.unescape(link))) as image:
+def _shown(link: str, files: GalleryFiles) -> str:
+    """The ``style`` that shows the image of ``link`` (in the gallery of ``files``) in its :func:`_box`, as a
+    browser turns it (EXIF orientation)."""
+    with Image.open(files.current(unquote(html.unescape(link)))) as image:
         width, height = image.size
         if image.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):  # a browser turns it on its side
             width, height = height, width
@@ -208,7 +211,6 @@ def _legend(scale: tuple[float, float] | None) -> str:
 
 def _entry(number: int, entry: GalleryEntry, files: GalleryFiles, max_pixels: int | None) -> list[str]:
     """The HTML of one captioned input."""
-    out_dir = files.root
     caption = html.escape(entry.caption)
     name = html.escape(f"image {entry.image_id}" if entry.image_id is not None else Path(entry.image).name)
     image = _local(entry.image, files, number, entry.image, "", max_pixels)
@@ -224,7 +226,7 @@ def _entry(number: int, entry: GalleryEntry, files: GalleryFiles, max_pixels: in
     parts.append(f'<p class="caption">{caption}</p>')
     parts.append('<div class="stage">')
     parts.append(
-        f'<figure><img loading="lazy" src="{image}" alt="{name}" style="{_shown(image, out_dir)}">'
+        f'<figure><img loading="lazy" src="{image}" alt="{name}" style="{_shown(image, files)}">'
         "<figcaption>image</figcaption></figure>"
     )
     parts.append(panel)
@@ -255,7 +257,7 @@ def _navigation(index: int, pages: int, files: GalleryFiles) -> str:
     if pages == 1:
         return ""
     links = [
-        f"<b>{k + 1}</b>" if k == index else f'<a href="{_href(files.page(k), files.root)}">{k + 1}</a>'
+        f"<b>{k + 1}</b>" if k == index else f'<a href="{_href(files.page(k), files.stage)}">{k + 1}</a>'
         for k in range(pages)
     ]
     return f'<nav class="pages">page {" ".join(links)}</nav>'
@@ -278,24 +280,23 @@ def write_gallery(
 
     The first page starts with a count of the entries and the list of those with an error. Every file the
     pages show lies in ``out_dir`` (files from elsewhere are copied in), linked relatively, so the folder can
-    be moved; all text is HTML-escaped. ``files``: the folder's names and record (default: ``out_dir``'s).
+    be moved; all text is HTML-escaped. ``files``: the folder's names and record (default: ``out_dir``'s), and
+    where the files are written (its stage, when one is set: ``GalleryFiles.move_in`` moves them in).
     Raises FileNotFoundError for a missing image, overlay or panel, and FileExistsError where a file that no
     gallery wrote (captioner.viz.layout's record) is in the way: it is never replaced. ``max_pixels``: the
     pixel limit of the images copied in (``captioner.data.images.load_rgb``'s).
     """
     files = files if files is not None else GalleryFiles(out_dir)
-    files.root.mkdir(parents=True, exist_ok=True)
-    shown = [(number, entry) for number, entry in enumerate(entries) if entry.error is None]
+    files.stage.mkdir(parents=True, exist_ok=True)
     failed = [entry for entry in entries if entry.error is not None]
+    shown = []  # the HTML of each entry shown: one whose image cannot be read to copy it is listed as failed
+    for number, entry in enumerate(entries):
+        try:
+            shown += [_entry(number, entry, files, max_pixels)] if entry.error is None else []
+        except ImageError as exc:
+            failed.append(replace(entry, error=f"cannot be shown: {exc.reason}"))
     pages = page_count(len(shown))
-    bodies = [
-        [
-            part
-            for number, entry in shown[k * PAGE_SIZE : (k + 1) * PAGE_SIZE]
-            for part in _entry(number, entry, files, max_pixels)
-        ]
-        for k in range(pages)
-    ]
+    bodies = [[part for parts in shown[k * PAGE_SIZE : (k + 1) * PAGE_SIZE] for part in parts] for k in range(pages)]
     for index, body in enumerate(bodies):
         parts = [
             "<!DOCTYPE html>",

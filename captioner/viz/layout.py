@@ -7,6 +7,9 @@ Entry ``n`` of image ``photos/cat.png`` is ``0007_cat``: its sheet ``0007_cat.jp
 copy its own name). The pages are ``index.html``, ``page002.html``, .... The record, ``.captioner-gallery``, lists
 one written file per line (a JSON string, relative to the folder), each added before the file is written: a run
 that stops halfway still leaves a record of all it wrote. Hidden, it is never listed as an input either.
+
+A gallery that replaces an earlier one is written into a stage, a hidden folder beside its own, and moved in only
+once every file of it is written (``GalleryFiles.move_in``): a run that fails leaves the earlier gallery whole.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,10 +26,15 @@ COPIES = "images"  # the folder, inside the gallery's, that holds the copies of 
 
 
 class GalleryFiles:
-    """The names of a gallery's files in ``root``, and the record of those a gallery wrote there."""
+    """The names of a gallery's files in ``root``, and the record of those a gallery wrote there.
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    ``stage``: where this gallery's files are written until ``move_in`` moves them into ``root`` (None: into
+    ``root`` itself); their names, the record's and the pages' links, are those they will have in ``root``.
+    """
+
+    def __init__(self, root: str | os.PathLike, stage: str | os.PathLike | None = None) -> None:
         self.root = Path(root)
+        self.stage = self.root if stage is None else Path(stage)
         self.earlier = self._read()  # what an earlier gallery recorded (paths relative to root, POSIX)
         self.written: set[str] = set()  # what this one recorded
 
@@ -51,20 +60,20 @@ class GalleryFiles:
 
     def sheet(self, number: int, image: str | os.PathLike) -> Path:
         """The sheet of every word (captioner.viz.sheet) of entry ``number``."""
-        return self.root / f"{self.entry(number, image)}.jpg"
+        return self.stage / f"{self.entry(number, image)}.jpg"
 
     def strip(self, number: int, image: str | os.PathLike) -> Path:
         """The strip of entry ``number``'s panels, one per word (captioner.viz.sheet.Strip)."""
-        return self.root / f"{self.entry(number, image)}.panels.jpg"
+        return self.stage / f"{self.entry(number, image)}.panels.jpg"
 
     def copy(self, number: int, image: str | os.PathLike, role: str, suffix: str) -> Path:
         """The copy of a file from elsewhere shown by entry ``number``: ``role`` is "" for the image itself,
         ``sheet`` or ``panels`` (a strip); ``suffix`` the copy's format (``.jpg``, ``.png``)."""
-        return self.root / COPIES / f"{self.entry(number, image)}{'.' + role if role else ''}{suffix}"
+        return self.stage / COPIES / f"{self.entry(number, image)}{'.' + role if role else ''}{suffix}"
 
     def page(self, index: int) -> Path:
         """Page ``index`` (from 0) of the gallery: ``index.html``, then ``page002.html``, ..."""
-        return self.root / ("index.html" if index == 0 else f"page{index + 1:03d}.html")
+        return self.stage / ("index.html" if index == 0 else f"page{index + 1:03d}.html")
 
     def planned(self, number: int, image: str | os.PathLike) -> list[Path]:
         """What entry ``number`` of ``image`` may write: its sheet, its strip and its copies."""
@@ -73,15 +82,23 @@ class GalleryFiles:
 
     # ------------------------------------------------------------------------------------- the record
     def relative(self, path: str | os.PathLike) -> str:
-        """``path`` (inside root) relative to root, as the record writes it: symbolic links resolved, so one
-        file has one name. A path spelled under root with no link below root costs a few ``lstat`` calls."""
+        """``path`` (inside root, or a file this gallery writes in its stage) relative to root, as the record
+        writes it: symbolic links resolved, so one file has one name. A path spelled under root with no link
+        below root costs a few ``lstat`` calls."""
         path = Path(path)
-        if path.is_relative_to(self.root) and ".." not in path.parts:
-            inner = path.relative_to(self.root)
-            below = [self.root.joinpath(*inner.parts[: k + 1]) for k in range(len(inner.parts))]
-            if not any(step.is_symlink() for step in below):
-                return inner.as_posix()
-        return Path(os.path.relpath(os.path.realpath(path), os.path.realpath(self.root))).as_posix()
+        for base in dict.fromkeys((self.stage, self.root)):
+            if path.is_relative_to(base) and ".." not in path.parts:
+                inner = path.relative_to(base)
+                below = [base.joinpath(*inner.parts[: k + 1]) for k in range(len(inner.parts))]
+                if not any(step.is_symlink() for step in below):
+                    return inner.as_posix()
+        real, stage = os.path.realpath(path), os.path.realpath(self.stage)
+        base = stage if self.stage != self.root and Path(real).is_relative_to(stage) else os.path.realpath(self.root)
+        return Path(os.path.relpath(real, base)).as_posix()
+
+    def current(self, name: str) -> Path:
+        """Where the file of ``name`` (relative to root) is now: in the stage when this gallery wrote it."""
+        return (self.stage if name in self.written else self.root) / name
 
     def ours(self, path: str | os.PathLike) -> bool:
         """Whether a gallery (an earlier one, or this one) recorded ``path``."""
@@ -110,13 +127,14 @@ class GalleryFiles:
         strip); FileExistsError, with none of them recorded, when one exists and no gallery wrote it."""
         paths = [Path(path) for path in paths]
         names = [self.relative(path) for path in paths]
-        new = [name for name in dict.fromkeys(names) if name not in self.earlier and name not in self.written]
+        kept = self.written if self.stage != self.root else self.earlier | self.written  # what the record holds
+        new = [name for name in dict.fromkeys(names) if name not in kept]
         for path, name in zip(paths, names):
             if name in new and (path.exists() or path.is_symlink()):
                 raise FileExistsError(f"{path} exists and no gallery wrote it; it is left as it is")
         if new:
-            self.root.mkdir(parents=True, exist_ok=True)
-            with open(self.root / MANIFEST, "a", encoding="utf-8") as handle:
+            self.stage.mkdir(parents=True, exist_ok=True)
+            with open(self.stage / MANIFEST, "a", encoding="utf-8") as handle:
                 handle.write("".join(json.dumps(name) + "\n" for name in new))
             self.written.update(new)
         return paths
@@ -139,3 +157,21 @@ class GalleryFiles:
                 folder.rmdir()
         (self.root / MANIFEST).unlink(missing_ok=True)
         self.earlier = set()
+
+    def move_in(self) -> None:
+        """Move this gallery's files from its stage into root, in place of the earlier gallery's (``clear``), and
+        remove the stage; FileExistsError, with nothing moved or removed, when a file that no gallery wrote has
+        one of their names in root."""
+        if self.stage == self.root:
+            return
+        for name in sorted(self.written - self.earlier):
+            if (self.root / name).exists() or (self.root / name).is_symlink():
+                raise FileExistsError(f"{self.root / name} exists and no gallery wrote it; it is left as it is")
+        self.clear()
+        for name in sorted(self.written):
+            (self.root / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.stage / name, self.root / name)
+        if (self.stage / MANIFEST).is_file():
+            os.replace(self.stage / MANIFEST, self.root / MANIFEST)
+        shutil.rmtree(self.stage)
+        self.stage, self.earlier, self.written = self.root, self.written, set()
