@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import warnings
 
 from captioner import cli
 from captioner.cli.inputs import expand_inputs
@@ -83,6 +84,17 @@ def test_a_folder_scan_takes_regular_files_skips_hidden_ones_and_names_each_file
     found = expand_inputs(named)
     assert found.paths == [str(folder / "a.png"), str(folder / "album.jpg" / "b.png")]
     assert found.errors == [] and found.skipped == []
+
+
+def test_a_folder_scan_takes_a_photo_past_pillow_s_own_limit_without_a_warning(tmp_path, monkeypatch):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    noise((64, 64)).save(folder / "IMG_0002", format="JPEG")  # no suffix: its header is read to know it
+    monkeypatch.setattr("PIL.Image.MAX_IMAGE_PIXELS", 100)  # 4,096 pixels: past twice Pillow's limit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # DecompressionBombWarning (or Error) would fail the test
+        found = expand_inputs([str(folder)])
+    assert found.paths == [str(folder / "IMG_0002")] and found.skipped == []  # load_rgb applies max_pixels
 
 
 def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path, monkeypatch, capsys):

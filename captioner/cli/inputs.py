@@ -9,10 +9,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 
 from captioner.cli.parser import STDIN
 from captioner.data.dataset import Skipped
+from captioner.data.images import open_header
 from captioner.errors import ConfigError
 
 LeaveOut = Callable[[Path], bool]  # whether a folder's file or sub-folder is left out of the search
@@ -29,9 +30,9 @@ class Inputs:
 
 
 def _holds_an_image(path: Path) -> bool:
-    """Whether PIL recognises the file's header as an image (reads only the header)."""
+    """Whether PIL recognises the file's header as an image (reads only the header, whatever its size)."""
     try:
-        with Image.open(path):
+        with open_header(path):
             return True
     except (UnidentifiedImageError, OSError):
         return False

@@ -52,7 +52,7 @@ def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None =
     limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
     check_range("max_pixels", limit, 1, kind=int)
     try:
-        with _open(path) as image:  # the header read: the limit is checked below, on what is decoded
+        with open_header(path) as image:  # the header read: the limit is checked below, on what is decoded
             full = image.size
             if full[0] * full[1] > limit:
                 image.draft("RGB", _draft_size(full, limit, size))  # JPEG only; other formats decode whole
@@ -79,11 +79,13 @@ class ImageTooLarge(Exception):
     """An image over the pixel limit (inside ``load_rgb``, which names the file)."""
 
 
-def _open(path: Path) -> ImageFile.ImageFile:
+def open_header(path: str | Path) -> ImageFile.ImageFile:
     """``path`` opened as ``Image.open`` opens a file (its format found, its header read, nothing decoded) but
     without ``Image.open``'s check of its size against Pillow's process-wide ``Image.MAX_IMAGE_PIXELS``:
     ``load_rgb`` checks its own limit, before decoding, and setting Pillow's for one call would race with other
-    threads' calls (and change it for all the process's code meanwhile). UnidentifiedImageError for no format."""
+    threads' calls (and change it for all the process's code meanwhile), and a gallery's or a folder listing's look
+    at a very large photo would warn or raise. UnidentifiedImageError for no format, OSError for no file."""
+    path = Path(path)
     Image.init()  # every format's opener registered
     with path.open("rb") as file:
         prefix = file.read(16)

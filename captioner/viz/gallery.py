@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-from PIL import ExifTags, Image
+from PIL import ExifTags
 
-from captioner.data.images import ImageError, load_rgb
+from captioner.data.images import ImageError, load_rgb, open_header
 from captioner.fileio import atomic_write
 from captioner.viz.layout import GalleryFiles
 from captioner.viz.sheet import Strip
@@ -134,7 +134,7 @@ def _local(
     inside = files.relative(target)  # links resolved, as _href resolves them
     if Path(inside).parts[0] != "..":
         return html.escape(quote(inside), quote=True)
-    with Image.open(target) as header:
+    with open_header(target) as header:
         still = not getattr(header, "is_animated", False) and header.mode != "CMYK"  # as captioned, as shown
         as_is = header.format in AS_IS and still and max(header.size) <= COPY_SIDE
         suffix = {"JPEG": ".jpg"}.get(header.format, f".{str(header.format).lower()}") if as_is else ".jpg"
@@ -169,7 +169,7 @@ def _box(size: tuple[int, int]) -> str:
 def _shown(link: str, files: GalleryFiles) -> str:
     """The ``style`` that shows the image of ``link`` (in the gallery of ``files``) in its :func:`_box`, as a
     browser turns it (EXIF orientation)."""
-    with Image.open(files.current(unquote(html.unescape(link)))) as image:
+    with open_header(files.current(unquote(html.unescape(link)))) as image:
         width, height = image.size
         if image.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):  # a browser turns it on its side
             width, height = height, width
