@@ -152,7 +152,11 @@ def build_scheduler(
     """The scheduler stepping ``optimizer``'s rates by ``plan`` every optimiser step (None: constant rates)."""
     if plan.constant:
         return None
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, plan.factor)  # a bound method: out of its state dict
+
+    def factor(step: int) -> float:  # a function, not an object: LambdaLR leaves it out of its state dict
+        return plan.factor(step)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def cross_entropy_steps(
