@@ -1,16 +1,21 @@
 """The non-finite guard's report under 16-mixed: the training step's loss, neither scaled by the GradScaler nor
-divided by ``accumulate_grad_batches`` as Lightning back-propagates it; over ranks, the step's loss of all."""
+divided by ``accumulate_grad_batches`` as Lightning back-propagates it; over ranks, the step's loss of all. And
+BestCheckpoint's resume into a new folder, with real Lightning fits: it carries over at most ``save_top_k`` of the
+earlier run's best checkpoints."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from captioner.config import NonFinite
-from captioner.training.callbacks import NonFiniteLossError, NonFiniteLossGuard
+from captioner.training.callbacks import BestCheckpoint, NonFiniteLossError, NonFiniteLossGuard
 
 SCALE = 2.0**16  # GradScaler's initial scale
 
@@ -76,3 +81,88 @@ def test_the_loss_kept_of_a_backward_is_the_training_steps() -> None:
     for loss in (2.5, float("-inf")):
         guard.on_before_backward(trainer, None, scaler.scale(torch.tensor(loss) / 4))
     assert [record.tolist() for record in guard.losses] == [[2.5, 0.0], [float("-inf"), 1.0]]
+
+
+class Scored(L.LightningModule):
+    """One weight trained on one batch an epoch, whose validation logs ``SCORES[epoch]`` as val/bleu4."""
+
+    SCORES = [0.3, 0.5, 0.4, 0.2, 0.1, 0.45, 0.6, 0.35]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return (self.weight - batch).pow(2).sum()
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val/bleu4", self.SCORES[self.current_epoch])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader([torch.ones(1)], batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader([torch.ones(1)], batch_size=None)
+
+
+class Carried(L.Callback):
+    """The checkpoints a run's BestCheckpoint holds as it starts its first epoch, and those in its folder."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not hasattr(self, "files"):
+            best = trainer.checkpoint_callback
+            self.candidates = sorted(Path(path).name for path in best.best_k_models)
+            self.files = sorted(path.name for path in Path(best.dirpath).glob("*.ckpt"))
+            self.best = (Path(best.best_model_path).name, best.best_model_score)
+
+
+def fit_scored(folder: Path, epochs: int, save_top_k: int, ckpt_path: Path | None = None) -> tuple:
+    """``Scored`` trained for ``epochs`` epochs (resumed from ``ckpt_path``), its checkpoints in ``folder``: its
+    BestCheckpoint, and what it held as the first epoch started (``Carried``)."""
+    best = BestCheckpoint(
+        dirpath=folder, filename="{epoch}", monitor="val/bleu4", mode="max", save_top_k=save_top_k, save_last=True
+    )
+    carried = Carried()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=epochs,
+        callbacks=[best, carried],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Scored(), ckpt_path=ckpt_path, weights_only=True)
+    return best, carried
+
+
+@pytest.mark.parametrize(
+    "earlier_top_k, top_k, carried, kept",
+    [
+        (-1, 1, ["epoch=1.ckpt"], ["epoch=6.ckpt"]),  # the best of every epoch the earlier run kept
+        (3, 1, ["epoch=1.ckpt"], ["epoch=6.ckpt"]),
+        (3, 2, ["epoch=1.ckpt", "epoch=2.ckpt"], ["epoch=1.ckpt", "epoch=6.ckpt"]),  # the two best of its three
+        (3, 0, [], []),  # this run keeps none
+        (1, -1, ["epoch=1.ckpt"], ["epoch=1.ckpt", "epoch=5.ckpt", "epoch=6.ckpt", "epoch=7.ckpt"]),  # the one to beat
+    ],
+)
+def test_a_resume_carries_over_at_most_save_top_k_of_the_earlier_runs_best_checkpoints(
+    earlier_top_k: int, top_k: int, carried: list[str], kept: list[str], tmp_path: Path
+) -> None:
+    """The earlier run's 5 epochs score 0.3, 0.5, 0.4, 0.2, 0.1: its best are epochs 1, 2, 0. Resumed with
+    save_top_k=``top_k`` into a new folder for 3 more epochs (0.45, 0.6, 0.35), Lightning's own top-k keeps
+    the folder at ``top_k`` checkpoints (and last.ckpt), the best of both runs."""
+    fit_scored(tmp_path / "first", 5, earlier_top_k)
+    before = sorted(path.name for path in (tmp_path / "first").iterdir())
+    best, start = fit_scored(tmp_path / "second", 8, top_k, ckpt_path=tmp_path / "first" / "last.ckpt")
+    assert start.candidates == carried and start.files == carried  # linked as it started, no more
+    if carried:
+        assert start.best[0] == "epoch=1.ckpt" and float(start.best[1]) == 0.5
+    else:
+        assert start.best == ("", None)  # not the earlier folder's best: none of this run's
+    assert sorted(Path(path).name for path in best.best_k_models) == kept
+    assert sorted(path.name for path in (tmp_path / "second").iterdir()) == [*kept, "last.ckpt"]
+    assert sorted(path.name for path in (tmp_path / "first").iterdir()) == before  # the earlier run untouched

@@ -109,9 +109,22 @@ def test_validation_decodes_with_the_configured_constraints(tmp_path: Path) -> N
     assert any(n <= 3 for n in short.lengths.tolist())  # without: shorter captions (this untrained model's)
 
 
+def _trainer(epochs: int, batches: int, max_steps: int = -1, accumulate: int = 1) -> SimpleNamespace:
+    """What configure_optimizers reads of a trainer of ``epochs`` epochs of ``batches`` training batches
+    (Lightning's estimate: optimiser steps an epoch times the epochs, at most ``max_steps``)."""
+    steps = math.ceil(batches / accumulate) * epochs
+    return SimpleNamespace(
+        estimated_stepping_batches=steps if max_steps == -1 else min(steps, max_steps),
+        num_training_batches=batches,
+        accumulate_grad_batches=accumulate,
+        max_epochs=epochs,
+        max_steps=max_steps,
+    )
+
+
 def _learning_rates(module: CaptionerModule, epochs: int, steps_per_epoch: int) -> list[float]:
     """The decoder group's learning rate at every training step of the module's schedule."""
-    module.trainer = SimpleNamespace(estimated_stepping_batches=epochs * steps_per_epoch, max_epochs=epochs)
+    module.trainer = _trainer(epochs, steps_per_epoch)
     config = module.configure_optimizers()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     rates = []
@@ -143,6 +156,36 @@ def test_scst_after_cross_entropy_epochs_starts_its_schedule_again_at_the_lower_
     assert single[:5] == pytest.approx(rates[:5]) and single[20] == pytest.approx(
         0.01 * 0.5 * (1 + math.cos(math.pi * 15 / 35))
     )
+
+
+def _factor(module: CaptionerModule, trainer: SimpleNamespace):
+    """The module's learning-rate factor by optimiser step, for a fit by ``trainer``."""
+    module.trainer = trainer
+    return module.configure_optimizers()["lr_scheduler"]["scheduler"].lr_lambdas[0]
+
+
+def test_the_schedule_and_the_switch_to_scst_follow_max_steps(vocab):
+    """500 batches an epoch, 20 epochs, max_steps=4000, SCST after 5 epochs: SCST takes over at step 2500 (its
+    epoch 5), so the cross-entropy cosine falls over steps 0-2499 and SCST's over 2500-3999, where 4000 // 20 =
+    200 "steps an epoch" put the switch at step 1000."""
+    scst = {"after_epochs": 5, "lr_scale": 0.1}
+    settings = dict(encoder=SMALL, objective="scst", scst=scst, scheduler={"warmup_steps": 0})
+    factor = _factor(CaptionerModule(vocab, from_dict(ModelConfig, settings)), _trainer(20, 500, max_steps=4000))
+    assert factor(999) == pytest.approx(0.5 * (1 + math.cos(math.pi * 999 / 2500)))
+    assert factor(2499) == pytest.approx(0.0, abs=1e-5) and factor(2500) == pytest.approx(0.1)
+    assert factor(3250) == pytest.approx(0.05) and factor(3999) == pytest.approx(0.0, abs=1e-5)
+    # gradient accumulation: 1000 batches, 2 a step, are the same 500 steps an epoch
+    accumulated = _factor(CaptionerModule(vocab, from_dict(ModelConfig, settings)), _trainer(20, 1000, 4000, 2))
+    assert accumulated(2499) == pytest.approx(factor(2499)) and accumulated(2500) == pytest.approx(0.1)
+
+
+def test_step_decay_decays_every_step_size_epochs_of_the_loaders_steps(vocab):
+    """step_size=2 epochs of 500 steps, gamma 0.5: halved at steps 1000, 2000 and 3000 of a run that max_steps=4000
+    bounds (4000 // 20 epochs = 200 "steps an epoch" halved it every 400 steps)."""
+    scheduler = {"name": "step", "step_size": 2, "gamma": 0.5, "warmup_steps": 0}
+    module = CaptionerModule(vocab, from_dict(ModelConfig, dict(encoder=SMALL, scheduler=scheduler)))
+    factor = _factor(module, _trainer(20, 500, max_steps=4000))
+    assert [factor(step) for step in (0, 999, 1000, 1999, 2000, 3999)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.125]
 
 
 def test_scst_takes_over_after_the_cross_entropy_epochs(vocab):

@@ -12,8 +12,8 @@ from matplotlib.patches import Rectangle  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from captioner.viz import overlay  # noqa: E402
-from captioner.viz.overlay import DIM_FLOOR, MAX_SIDE, draw_overlay, overlay_figure, upsample_attention  # noqa: E402
-from captioner.viz.sheet import BAR, MARK  # noqa: E402
+from captioner.viz.overlay import DIM_FLOOR, MAX_SIDE, overlay_figure, upsample_attention  # noqa: E402
+from captioner.viz.sheet import BAR, MARK, draw_overlay  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

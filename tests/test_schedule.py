@@ -1,15 +1,17 @@
 """The cross-entropy phase that hard attention's warm-up and the Gumbel temperature are fractions of
-(``training.schedule.CrossEntropyPhase``), and the runs whose length no schedule can be laid over
-(``ModelConfig.unscheduled``)."""
+(``training.schedule.CrossEntropyPhase``), the runs whose length no schedule can be laid over
+(``ModelConfig.unscheduled``), and the learning-rate plan of a resumed run (``LearningRatePlan.resumed``)."""
 
 from __future__ import annotations
 
+import logging
+import math
 from types import SimpleNamespace
 
 import pytest
 
 from captioner.config import ModelConfig, from_dict
-from captioner.training.schedule import CrossEntropyPhase
+from captioner.training.schedule import CrossEntropyPhase, LearningRatePlan
 from conftest import make_decoder
 
 HARD = {"attention": "hard", "decoder": {"hard_expectation_warmup": 0.5, "hard_expectation_prob": 0.5}}
@@ -93,9 +95,71 @@ def test_a_run_with_a_length_or_nothing_laid_over_it_is_scheduled() -> None:
     plain = settings(attention="soft", scheduler={"name": "none"})
     assert plain.unscheduled(None, None) is None  # nothing to lay out: until max_time or early stopping
     # objective=scst: its cross-entropy epochs bound the warm-up, but the rates' switch to lr x lr_scale is
-    # laid out over the run's steps (build_scheduler: after_epochs x steps / max_epochs)
+    # laid out over the run's steps (LearningRatePlan: from the first step of epoch after_epochs)
     bounded = settings(objective="scst", scst={"after_epochs": 3}, scheduler={"name": "none"})
     assert "model.scst.lr_scale=0.1 (from epoch model.scst.after_epochs on)" in bounded.unscheduled(None, None)
     assert "hard_expectation_warmup" not in bounded.unscheduled(None, None)
     at_once = settings(objective="scst", scst={"after_epochs": 0}, scheduler={"name": "none"})
     assert at_once.unscheduled(None, None) is None
+
+
+def plan_of(model: ModelConfig, max_epochs: int, max_steps: int = -1, batches: int = 500) -> LearningRatePlan:
+    """The learning-rate plan ``CaptionerModule.configure_optimizers`` lays over a fit (Lightning's estimate of
+    its steps: the steps an epoch times max_epochs, at most max_steps)."""
+    steps = batches * max_epochs if math.isfinite(batches) else math.inf
+    trainer = SimpleNamespace(
+        estimated_stepping_batches=steps if max_steps == -1 else min(steps, max_steps),
+        num_training_batches=batches,
+        accumulate_grad_batches=1,
+        max_epochs=max_epochs,
+        max_steps=max_steps,
+    )
+    return LearningRatePlan.of_run(model, trainer)
+
+
+SCST = {"objective": "scst", "scst": {"after_epochs": 5, "lr_scale": 0.1}, "scheduler": {"warmup_steps": 0}}
+
+
+def cosine(progress: float, scale: float = 1.0) -> float:
+    return scale * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def test_a_resumed_longer_run_goes_on_along_the_cosine_it_was_on() -> None:
+    """SCST after 5 epochs of 500 steps, 8 epochs planned, resumed at step 3000 (SCST's cosine at 1/3) with 12:
+    SCST's cosine goes on from 1/3 to 1 over the 3000 steps left; the cross-entropy phase, over, is as it was."""
+    earlier = plan_of(settings(**SCST), max_epochs=8)
+    assert [(p.start, p.end) for p in earlier.phases] == [(0, 2500), (2500, 4000)]
+    longer = plan_of(settings(**SCST), max_epochs=12).resumed(earlier.state(), 3000)
+    assert longer.factor(3000) == pytest.approx(earlier.factor(3000)) == pytest.approx(cosine(1 / 3, 0.1))
+    assert longer.factor(4500) == pytest.approx(cosine(1 / 3 + 2 / 3 * 1500 / 3000, 0.1))
+    assert longer.factor(5999) == pytest.approx(0.0, abs=1e-6) and longer.factor(1000) == earlier.factor(1000)
+    # resumed inside cross-entropy (step 2000, its cosine at 0.8): it goes on as it was, SCST's laid over 12 epochs
+    inside = plan_of(settings(**SCST), max_epochs=12).resumed(earlier.state(), 2000)
+    assert inside.factor(2000) == pytest.approx(cosine(0.8)) and inside.factor(2499) == earlier.factor(2499)
+    assert inside.factor(2500) == pytest.approx(0.1) and inside.factor(4250) == pytest.approx(cosine(0.5, 0.1))
+    # resumed with the same length: the plan it had
+    assert plan_of(settings(**SCST), max_epochs=8).resumed(earlier.state(), 3000).factor(3500) == pytest.approx(
+        earlier.factor(3500)
+    )
+
+
+def test_a_resumed_run_inside_its_warm_up_keeps_it_and_lays_its_cosine_over_the_new_length() -> None:
+    earlier = plan_of(settings(scheduler={"warmup_steps": 100}), max_epochs=2)
+    longer = plan_of(settings(scheduler={"warmup_steps": 100}), max_epochs=4).resumed(earlier.state(), 50)
+    assert longer.factor(50) == earlier.factor(50) and longer.factor(99) == earlier.factor(99)
+    assert longer.factor(100) == 1.0 and longer.factor(1050) == pytest.approx(cosine(0.5))
+
+
+def test_a_run_resumed_after_its_cosine_ended_stays_at_its_last_rate_and_says_so(caplog) -> None:
+    earlier = plan_of(settings(scheduler={"warmup_steps": 0}), max_epochs=2)
+    with caplog.at_level(logging.WARNING, logger="captioner.training.schedule"):
+        longer = plan_of(settings(scheduler={"warmup_steps": 0}), max_epochs=4).resumed(earlier.state(), 1000)
+    assert longer.factor(1000) == longer.factor(1999) == pytest.approx(0.0)
+    assert "cosine had ended at step 1000: its steps up to 2000 train at its last rate" in caplog.text
+
+
+def test_a_loader_without_a_length_lays_the_schedule_over_max_steps() -> None:
+    plan = plan_of(settings(**SCST), max_epochs=-1, max_steps=300, batches=math.inf)
+    assert [(p.start, p.end) for p in plan.phases] == [(0, 300)]  # its one epoch never ends: no SCST in it
+    assert plan.factor(150) == pytest.approx(cosine(0.5))
+    assert phase_of(settings(), max_epochs=-1, max_steps=300, batches=math.inf).steps == 300

@@ -47,6 +47,37 @@ def test_a_wrong_value_stops_before_the_run_folder_the_config_tree_and_torch(swe
         assert sweep or not logs.exists()  # no run folder, no FAILED litter (a sweep's folder is made first)
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.min_epochs=abc", "trainer.min_epochs='abc' must be an int"),
+        ("+callbacks.extra.monitor=val/loss", "callbacks.extra has no _target_ (the class to build)"),
+    ],
+)
+def test_a_value_a_check_did_not_expect_is_one_line_before_any_run_folder(
+    override: str, message: str, tmp_path: Path
+) -> None:
+    proc = run_train([override, f"paths.log_dir={tmp_path}"], check=False, timeout=120)
+    assert error_line(proc) == f"error: {message}"
+    assert sorted(tmp_path.iterdir()) == []  # no run folder, no FAILED litter
+
+
+def test_a_check_that_fails_unexpectedly_refuses_the_run_with_one_line(monkeypatch) -> None:
+    from omegaconf import OmegaConf
+
+    from captioner.training import validate
+
+    def broken(plain: dict) -> None:
+        raise KeyError("somewhere")
+
+    monkeypatch.setattr(validate, "validate_config", broken)
+    monkeypatch.setattr(validate, "_job_config", lambda config: {})
+    with pytest.raises(validate.ConfigRefused) as refused:
+        validate._validate_or_exit(OmegaConf.create({}))
+    assert refused.value.code == 2
+    assert str(refused.value.error) == "the config could not be checked: KeyError: 'somewhere'"
+
+
 def test_a_missing_file_is_one_line_before_any_run_folder(tmp_path: Path) -> None:
     missing = tmp_path / "missing.ckpt"
     proc = run_train([f"ckpt_path={missing}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)

@@ -1,9 +1,11 @@
 """Hard attention's expected-context warm-up in real fits: laid over cross-entropy training, carried on by a
 resume with a larger trainer.max_epochs, and never the source of the best checkpoint or of an early stop unless
-``model.select_in_warmup`` asks (``training.schedule.CrossEntropyPhase``, ``training.callbacks``)."""
+``model.select_in_warmup`` asks (``training.schedule.CrossEntropyPhase``, ``training.callbacks``). The learning
+rate's cosine, carried on by such a resume from where it stopped (``training.schedule.LearningRatePlan``)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,9 +33,8 @@ def hard_module(kind: type[CaptionerModule] = CaptionerModule, **settings) -> Ca
         attention="hard",
         encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
         decoder=decoder,
-        scheduler={"name": "none"},
-        **settings,
     )
+    model |= {"scheduler": {"name": "none"}} | settings
     return kind(Vocabulary(WORDS), from_dict(ModelConfig, model))
 
 
@@ -90,6 +91,39 @@ def test_a_resume_with_more_epochs_carries_on_the_warm_up_it_started(tmp_path: P
     resumed = Shares()
     fit(hard_module(), max_epochs=6, ckpt_path=tmp_path / "four.ckpt", callbacks=[resumed], limit_val_batches=0)
     assert resumed.shares == {8: 0.5, 9: 0.5, 10: 0.5, 11: 0.5}
+
+
+class Rates(L.Callback):
+    """The decoder's learning rate at each training step, by step; ``stop_after``: epochs before the run stops."""
+
+    def __init__(self, stop_after: int | None = None) -> None:
+        self.rates: dict[int, float] = {}
+        self.stop_after = stop_after
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        self.rates[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.should_stop = trainer.current_epoch + 1 == self.stop_after
+
+
+def test_a_resume_with_more_epochs_carries_on_the_learning_rate_it_stopped_at(tmp_path: Path) -> None:
+    """A cosine over 6 epochs of 2 steps, stopped after 2 epochs (step 4: 0.75 of the rate) and resumed with
+    trainer.max_epochs=10: the rate goes on from 0.75 and falls along the same cosine, to 0 over the 16 steps
+    left (laid over the new 20 steps from the start, it jumped up to 0.905 of the rate)."""
+    cosine = {"scheduler": {"name": "cosine", "warmup_steps": 0}, "optimizer": {"lr": 0.01}}
+
+    def rate(progress: float) -> float:
+        return 0.01 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    first = Rates(stop_after=2)
+    trainer = fit(hard_module(**cosine), max_epochs=6, callbacks=[first], limit_val_batches=0)
+    assert first.rates == pytest.approx({step: rate(step / 12) for step in range(4)})
+    trainer.save_checkpoint(tmp_path / "stopped.ckpt", weights_only=False)
+    resumed = Rates()
+    stopped = tmp_path / "stopped.ckpt"
+    fit(hard_module(**cosine), max_epochs=10, ckpt_path=stopped, callbacks=[resumed], limit_val_batches=0)
+    assert resumed.rates == pytest.approx({step: rate(1 / 3 + 2 / 3 * (step - 4) / 16) for step in range(4, 20)})
 
 
 class Scored(CaptionerModule):

@@ -19,9 +19,11 @@ class TrainConfig(Settings):
     seed: int = 0  # seeds Python, NumPy and torch in every process and worker
     # Resume after a crash or a stop: a run folder (its checkpoints/last.ckpt, rewritten atomically after every
     # validation and every callbacks.last_checkpoint.every_n_train_steps steps) or a .ckpt file. Epoch, global
-    # step, optimiser state, learning-rate schedule and callbacks continue from it; the resumed run writes into
-    # a new run folder and never changes the old one. A run stopped mid-epoch finishes that epoch's remaining
-    # steps in a freshly shuffled order. The model (architecture, vocabulary, image size) is the checkpoint's.
+    # step, optimiser state, learning-rate schedule and callbacks continue from it (with a larger
+    # trainer.max_epochs or max_steps the rate goes on from where it stopped and decays over the new length:
+    # training.schedule.LearningRatePlan); the resumed run writes into a new run folder and never changes the old
+    # one. A run stopped mid-epoch finishes that epoch's remaining steps in a freshly shuffled order. The model
+    # (architecture, vocabulary, image size) is the checkpoint's.
     # Only a run of the same model.objective is resumed: a checkpoint of the other objective (a cross-entropy
     # run given to experiment=demo_scst) is taken as init_from, and so is a bundle.pt by a run whose SCST starts
     # at once (model.scst.after_epochs=0); the run's config then says init_from.

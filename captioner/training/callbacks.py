@@ -204,28 +204,34 @@ class BestCheckpoint(ModelCheckpoint):
 
     def _carry_over(self, trainer: L.Trainer, earlier: dict[str, Any]) -> None:
         """Make the earlier run's best checkpoints that still exist this run's candidates: each linked (a copy
-        where the file system has no links) into ``dirpath`` by rank 0, under its name, with its score. With
-        ``save_top_k=-1`` (every epoch kept, none ever compared away) only the best: the one to beat."""
-        candidates = earlier["best_k_models"]
-        if self.save_top_k < 0 and earlier.get("best_model_path") in candidates:
-            candidates = {earlier["best_model_path"]: candidates[earlier["best_model_path"]]}
+        where the file system has no links) into ``dirpath`` by rank 0, under its name, with its score. At most
+        as many as this run keeps, the best by its ``mode``: ``save_top_k`` of them, none with 0, and with -1
+        (every epoch kept, none ever compared away) only the best, the one to beat. Lightning's top-k then
+        removes them as this run's epochs beat them, as it does its own."""
+        count = 1 if self.save_top_k < 0 else self.save_top_k
+        candidates = {path: score for path, score in earlier["best_k_models"].items() if Path(path).is_file()}
+        ranked = sorted(candidates, key=lambda path: float(candidates[path]), reverse=self.mode == "max")
         kept: dict[str, torch.Tensor] = {}
-        for path, score in candidates.items():
+        for path in ranked:
+            if len(kept) == count:
+                break
             source, target = Path(path), Path(self.dirpath) / Path(path).name
-            if not source.is_file() or (target.exists() and not os.path.samefile(source, target)):
-                continue  # gone, or a file of that name is here already: never replaced
+            if target.exists() and not os.path.samefile(source, target):
+                continue  # a file of that name is here already: never replaced
             if trainer.is_global_zero and not target.exists():
                 target.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     os.link(source, target)
                 except OSError:  # another file system, or one without links
                     shutil.copy2(source, target)
-            kept[str(target)] = score
-        if not kept:
-            log.warning(
-                "the best checkpoints of the resumed run (%s) are gone: the best is chosen among this run's epochs",
-                earlier.get("dirpath"),
-            )
+            kept[str(target)] = candidates[path]
+        if not kept:  # Lightning kept the earlier best's path: this run's best is chosen among its own epochs
+            self.best_model_path, self.best_model_score = "", None
+            if count > 0:
+                log.warning(
+                    "the best checkpoints of the resumed run (%s) are gone: the best is chosen among this run's epochs",
+                    earlier.get("dirpath"),
+                )
             return
         best, worst = (max, min) if self.mode == "max" else (min, max)
         self.best_k_models = kept

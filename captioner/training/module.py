@@ -11,7 +11,6 @@ Adam and gradient clipping under every precision ``training.optimization``'s, th
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import lightning as L
@@ -35,11 +34,12 @@ from captioner.training.evaluation import EvaluationEpoch
 from captioner.training.graphed import GraphedSteps, training_graphs
 from captioner.training.metrics import LOSS, PROGRESS, TEST, TRAIN, VAL, metric
 from captioner.training.optimization import build_optimizer, clip_gradients
-from captioner.training.schedule import CrossEntropyPhase, build_scheduler, self_critical_epoch
+from captioner.training.schedule import CrossEntropyPhase, LearningRatePlan, build_scheduler, self_critical_epoch
 
 log = logging.getLogger(__name__)
 
 PHASE_KEY = "cross_entropy_steps"  # a checkpoint's CrossEntropyPhase.steps
+RATES_KEY = "learning_rate_phases"  # a checkpoint's LearningRatePlan.state()
 
 
 class CaptionerModule(L.LightningModule):
@@ -63,6 +63,8 @@ class CaptionerModule(L.LightningModule):
         self.predictions: dict[str, dict[int, list[str]]] = {}  # split -> image id -> words, all ranks
         self._frozen_fingerprint: str | None = None  # of the encoder's frozen stages, which a run never changes
         self.phase: CrossEntropyPhase | None = None  # set when training starts, or by the resumed checkpoint
+        self.learning_rates: LearningRatePlan | None = None  # laid over the run by configure_optimizers
+        self._resumed_rates: tuple[list[dict], int] | None = None  # the resumed checkpoint's plan, and its step
         self.graphed_steps: GraphedSteps | None = None  # model.graphs' training steps (set up for a fit on CUDA)
         self._replayed = False  # whether this batch's step was a replay, its backward done
 
@@ -192,15 +194,10 @@ class CaptionerModule(L.LightningModule):
         encoder_ids = {id(p) for p in encoder}
         rest = [p for p in self.parameters() if p.requires_grad and id(p) not in encoder_ids]
         optimizer = build_optimizer(rest, encoder, self.settings.optimizer)
-        settings = self.settings
-        scheduler = build_scheduler(
-            optimizer,
-            settings.scheduler,
-            settings.objective,
-            settings.scst,
-            _finite(self.trainer.estimated_stepping_batches),
-            self.trainer.max_epochs or 1,
-        )
+        self.learning_rates = LearningRatePlan.of_run(self.settings, self.trainer)
+        if self._resumed_rates is not None:  # on from the rate the resumed run had reached
+            self.learning_rates = self.learning_rates.resumed(*self._resumed_rates)
+        scheduler = build_scheduler(optimizer, self.learning_rates)
         if scheduler is None:
             return {"optimizer": optimizer}
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -315,15 +312,14 @@ class CaptionerModule(L.LightningModule):
         )
         if self.phase is not None:
             checkpoint[PHASE_KEY] = self.phase.steps
+        if self.learning_rates is not None:
+            checkpoint[RATES_KEY] = self.learning_rates.state()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """A resumed run anneals over the cross-entropy phase its checkpoint was measuring (one written before
-        the phase was stored: measured again from this run's settings)."""
+        """A resumed run anneals over the cross-entropy phase its checkpoint was measuring, and its learning rates
+        go on from the plan the checkpoint was following (one written before either was stored: laid out again
+        from this run's settings)."""
         if PHASE_KEY in checkpoint:
             self.phase = CrossEntropyPhase(checkpoint[PHASE_KEY])
-
-
-def _finite(steps: float) -> int:
-    """Lightning's ``estimated_stepping_batches`` as an int (0 for an unbounded run: no schedule uses it then,
-    as ``setup`` refused those that would)."""
-    return int(steps) if math.isfinite(steps) else 0
+        if RATES_KEY in checkpoint:
+            self._resumed_rates = (checkpoint[RATES_KEY], checkpoint["global_step"])

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from captioner.config import TrainConfig, from_dict
-from captioner.errors import CaptionerError, ConfigError, check_choice, check_range
+from captioner.errors import CaptionerError, ConfigError, check_choice, check_range, first_line
 from captioner.training.metrics import MONITORS  # what CaptionerModule logs, so what a callback can monitor
 from captioner.training.run_folder import first_process
 
@@ -42,6 +42,8 @@ def _check_trainer(trainer: dict[str, Any]) -> None:
             )
     if trainer.get("max_epochs") is not None:
         check_range("trainer.max_epochs", trainer["max_epochs"], 1, kind=int)
+    if trainer.get("min_epochs") is not None:
+        check_range("trainer.min_epochs", trainer["min_epochs"], 0, kind=int)
     if trainer.get("gradient_clip_val") is not None:
         check_range("trainer.gradient_clip_val", trainer["gradient_clip_val"], 0.0)
     max_epochs = trainer.get("max_epochs")
@@ -51,9 +53,12 @@ def _check_trainer(trainer: dict[str, Any]) -> None:
         )
 
 
-def _check_monitors(callbacks: dict[str, Any] | None) -> None:
-    """A callback's ``monitor`` must name a metric the module logs (Lightning finds out only after an epoch)."""
+def _check_callbacks(callbacks: dict[str, Any] | None) -> None:
+    """Each callback names the class to build, and its ``monitor`` a metric the module logs (Lightning finds out
+    only after an epoch)."""
     for name, node in (callbacks or {}).items():
+        if isinstance(node, dict) and not isinstance(node.get("_target_"), str):
+            raise ConfigError(f"callbacks.{name} has no _target_ (the class to build)")
         if isinstance(node, dict) and "monitor" in node:
             allowed = MONITORS if node["_target_"].endswith("EarlyStopping") else (*MONITORS, None)
             check_choice(f"callbacks.{name}.monitor", node["monitor"], allowed)
@@ -66,7 +71,7 @@ def validate_config(cfg: dict[str, Any]) -> TrainConfig:
     _check_trainer(trainer)
     if (problem := settings.model.unscheduled(trainer.get("max_epochs"), trainer.get("max_steps"))) is not None:
         raise ConfigError(problem)
-    _check_monitors(cfg.get("callbacks"))
+    _check_callbacks(cfg.get("callbacks"))
     cache = settings.data.feature_cache
     if cache and Path(cache).exists() and not Path(cache).is_dir():
         raise ConfigError(f"data.feature_cache={cache!r} is a file, not a folder")
@@ -107,7 +112,9 @@ class ConfigRefused(SystemExit):
 
 def _validate_or_exit(config: DictConfig) -> None:
     """``validate_config`` of the job's config, then ``preflight.check`` (in the process that starts the run);
-    ConfigRefused with the first invalid value, or with every problem preflight found."""
+    ConfigRefused with the first invalid value, or with every problem preflight found; a check that fails in a way
+    it does not expect is refused too, naming the error (as preflight's own checks are), never a traceback that
+    Hydra turns into a warning before the run's folder is made."""
     try:
         plain = _job_config(config)
         validate_config(plain)
@@ -117,6 +124,10 @@ def _validate_or_exit(config: DictConfig) -> None:
             preflight.check(plain)
     except (CaptionerError, OmegaConfBaseException) as exc:
         raise ConfigRefused(exc) from None
+    except Exception as exc:  # noqa: BLE001 - any failure of a check stops the run with one line
+        raise ConfigRefused(
+            ConfigError(f"the config could not be checked: {first_line(exc, with_type=True)}")
+        ) from None
 
 
 def _job_config(config: DictConfig) -> dict[str, Any]:

@@ -58,7 +58,7 @@ class GalleryEntry:
 
     image: str | Path  # the image file
     caption: str
-    overlay: str | Path | None = None  # all panels in one image (captioner.viz.overlay.draw_overlay)
+    overlay: str | Path | None = None  # all panels in one image (captioner.viz.sheet.draw_overlay)
     references: tuple[str, ...] = ()  # reference captions, shown under the generated one
     image_id: int | None = None  # the heading; the image's file name when None
     panels: Panels | None = None  # the words and their attention panels

@@ -9,15 +9,14 @@ bright on its spot. For hard attention the chosen cell is outlined.
 
 :func:`shade` computes the panels once (one image per word, without titles or axes); :func:`overlay_figure` lays
 them out as a matplotlib figure (for notebooks; the object-oriented API on an Agg canvas: no display, and no pyplot
-figure registry to leak from) and :func:`draw_overlay` as one PNG sheet (captioner.viz.sheet, drawn with
-Pillow: a figure per image costs seconds).
+figure registry to leak from); captioner.viz.sheet draws them as one PNG sheet with Pillow (a figure per image
+costs seconds), importing this module's Shading and constants (this module imports nothing of it).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -189,22 +188,3 @@ def _colour_bar(fig: Figure, axes: list, scale: Normalize, uniform: float) -> No
         -0.15, uniform, "1/L", transform=bar.ax.get_yaxis_transform(), ha="right", va="center", color="tab:orange",
         fontsize=10, fontweight="bold",
     )  # fmt: skip
-
-
-def draw_overlay(
-    image: Image.Image,
-    words: Sequence[str],
-    alphas: Tensor | np.ndarray,
-    grid: tuple[int, int],
-    out_path: str | os.PathLike,
-    locations: Sequence[int] | None = None,
-    title: str | None = None,
-) -> Shading:
-    """Write the panels of :func:`shade` as one PNG sheet at ``out_path`` (atomically; captioner.viz.sheet):
-    the image, then one panel per word under its word, the colour bar of the caption's scale; return the
-    shading, whose panels a gallery shows one at a time."""
-    from captioner.viz.sheet import write_sheet
-
-    shading = shade(image, words, alphas, grid, locations)
-    write_sheet(shading, words, out_path, title)
-    return shading

@@ -21,9 +21,10 @@ from typing import BinaryIO
 import numpy as np
 from matplotlib import font_manager
 from PIL import Image, ImageDraw, ImageFont, ImageOps
+from torch import Tensor
 
 from captioner.fileio import atomic_write
-from captioner.viz.overlay import ASPECT_RANGE, DIM_FLOOR, MAX_COLUMNS, Shading
+from captioner.viz.overlay import ASPECT_RANGE, DIM_FLOOR, MAX_COLUMNS, Shading, shade
 
 CELL = 200  # a panel's width on the sheet (pixels); its height follows the image's, within ASPECT_RANGE
 GAP = 12  # pixels between panels and round the edges
@@ -150,6 +151,23 @@ def _enlarged(picture: Image.Image, box: tuple[int, int]) -> Image.Image:
     if factor >= 2:
         return picture.resize((picture.width * factor, picture.height * factor), Image.Resampling.NEAREST)
     return ImageOps.contain(picture, box, Image.Resampling.BILINEAR)
+
+
+def draw_overlay(
+    image: Image.Image,
+    words: Sequence[str],
+    alphas: Tensor | np.ndarray,
+    grid: tuple[int, int],
+    out_path: str | os.PathLike,
+    locations: Sequence[int] | None = None,
+    title: str | None = None,
+) -> Shading:
+    """Write the panels of :func:`captioner.viz.overlay.shade` as one sheet at ``out_path`` (:func:`write_sheet`):
+    the image, then one panel per word under its word, the colour bar of the caption's scale; return the
+    shading, whose panels a gallery shows one at a time."""
+    shading = shade(image, words, alphas, grid, locations)
+    write_sheet(shading, words, out_path, title)
+    return shading
 
 
 def write_sheet(shading: Shading, words: Sequence[str], out_path: str | os.PathLike, title: str | None) -> Path:
