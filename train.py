@@ -2,7 +2,9 @@
 
     python train.py                                   # built-in dataset: about 5 minutes on 2 CPU cores
     python train.py model=hard trainer.max_epochs=3 data.batch_size=64
-    python train.py -m model=soft,hard                # a sweep
+    python train.py -m model=soft,hard                # a sweep, one job after another
+    python train.py -m hydra/launcher=local model=soft,hard   # each job in a process of its own (submitit)
+    python train.py -m hydra/launcher=slurm hydra.launcher.partition=gpu model=soft,hard   # SLURM jobs
     python train.py experiment=coco_soft              # the paper's COCO recipe
     python train.py ckpt_path=outputs/train/runs/<run>  # resume a run from its last checkpoint
     python train.py experiment=demo_scst ckpt_path=outputs/train/runs/<run>  # SCST from that run's model
@@ -15,7 +17,8 @@ stderr and exits with status 2; a wrong value is found before the run's folder i
 (``training/validate.py``), and so is every missing file or device, all listed at once
 (``training/preflight.py``). A run that fails says so in its folder: the error in ``train.log`` and in a
 ``FAILED`` file. A run stopped by SIGTERM or Ctrl-C says how to resume it and exits with 128 + the signal's
-number (143, 130).
+number (143, 130). A job of a sweep that fails is marked so and the sweep goes on; the sweep then ends with
+every failed job's error (``training/run_folder.py``), status 2.
 """
 
 from __future__ import annotations
@@ -32,15 +35,19 @@ from typing import NoReturn
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, InstantiationException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
 from captioner.training.command_line import error_line, refused_override, section_error
+from captioner.training.run_folder import JobsFailed
 from captioner.training.schemas import register_schemas
-from captioner.training.validate import ConfigRefused
+from captioner.training.validate import ConfigRefused, check_run
 
 log = logging.getLogger("train")
+# The launcher of ``-m`` that runs each job in the sweep's own process, one after another (Hydra's default).
+IN_PROCESS_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -198,15 +205,20 @@ def main(cfg: DictConfig) -> float | None:
     line and 128 + its number.
 
     Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only. A run
-    that fails, whatever the reason, is marked so in its folder (``run_folder.mark_failed``).
+    that fails, whatever the reason, is marked so in its folder (``run_folder.mark_failed``). A job of a
+    sweep is checked as a single run is before it starts (``validate.check_run``); when it fails the sweep
+    goes on (``sweep_goes_on``) and reports it at its end. Launchers that run a job in a process of its own
+    pickle this function: it, and what it calls, only take the config and return a number or None.
     """
     from captioner.training.logs import finish_wandb
     from captioner.training.run_folder import mark_failed
 
-    folder = HydraConfig.get().runtime.output_dir
+    run = HydraConfig.get()
     failure: str | None = None
     status = 2
     try:
+        if run.mode == RunMode.MULTIRUN:
+            check_run(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
         return train(cfg)
     except CaptionerError as exc:
         failure = str(exc)
@@ -217,12 +229,23 @@ def main(cfg: DictConfig) -> float | None:
     except BaseException as exc:  # a crash: marked, then reported as Python reports it
         failure = stop_reason(exc)
         if failure is not None:
-            mark_failed(folder, failure)
+            mark_failed(run.runtime.output_dir, failure)
         raise
     finally:
         finish_wandb(failed=failure is not None)
-    mark_failed(folder, failure)
+    mark_failed(run.runtime.output_dir, failure)
+    if sweep_goes_on(status):
+        return None
     fail(failure, status)
+
+
+def sweep_goes_on(status: int) -> bool:
+    """Whether the job that failed with exit ``status`` is one of a sweep whose other jobs go on: always, but
+    after a stop by a signal (Ctrl-C, SIGTERM) in the sweep's own process, which stops the sweep there."""
+    run = HydraConfig.get()
+    if run.mode != RunMode.MULTIRUN:
+        return False
+    return status == 2 or run.launcher._target_ != IN_PROCESS_LAUNCHER
 
 
 def cli() -> None:
@@ -250,6 +273,8 @@ def cli() -> None:
         if full:
             raise exc.error from None
         fail(error_line(exc.error))
+    except JobsFailed as exc:  # a sweep whose jobs failed, each marked in its folder
+        fail(exc.message)
     except (CaptionerError, CompactHydraException, OmegaConfBaseException) as exc:
         if full:
             raise
