@@ -1,0 +1,106 @@
+"""Sweeps through Hydra's submitit launcher: ``hydra/launcher=local`` runs each job in a process of its own and
+leaves the same run folders a single run does; a job that fails is marked and the sweep ends with its error;
+``hydra/launcher=slurm`` asks SLURM for what the trainer will use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+
+from captioner.bundle import load_trained
+from captioner.run_files import (
+    BUNDLE_NAME,
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    CURVES_FILE,
+    FAILED_FILE,
+    LAST_CHECKPOINT,
+    METRICS_FILE,
+    SAMPLES_DIR,
+    VAL_CAPTIONS_FILE,
+)
+from captioner.training.schemas import register_schemas
+from conftest import CONF, run_train, tiny_overrides
+
+pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+
+# What a finished run leaves in its folder (besides its checkpoints and the CSV log).
+RUN_FILES = {".hydra", BUNDLE_NAME, CONFIG_FILE, CURVES_FILE, METRICS_FILE, SAMPLES_DIR, VAL_CAPTIONS_FILE, "train.log"}
+
+
+def _sweep(logs: Path) -> Path:
+    """The one sweep folder under ``logs`` (``paths.log_dir``)."""
+    (sweep,) = (logs / "train" / "multiruns").iterdir()
+    return sweep
+
+
+def _job_logs(sweep: Path) -> list[str]:
+    """The stdout of every job the local executor ran (``.submitit/<job id>/``), in no particular order."""
+    return [log.read_text() for log in sweep.glob(".submitit/*/*_log.out")]
+
+
+@pytest.mark.slow
+def test_a_local_sweep_runs_each_job_in_a_process_of_its_own_into_a_complete_run_folder(
+    tiny_shapes: Path, tmp_path: Path
+) -> None:
+    short = ["trainer.max_epochs=1", "+trainer.limit_train_batches=2", "test=false"]
+    proc = run_train(["-m", "hydra/launcher=local", "model=soft,hard", *tiny_overrides(tiny_shapes, tmp_path), *short])
+    assert proc.stderr == ""
+    sweep = _sweep(tmp_path)  # tiny_overrides' paths.log_dir
+    assert sorted(p.name for p in sweep.iterdir()) == [".submitit", "0", "1", "multirun.yaml"]
+    logs = _job_logs(sweep)
+    assert len(logs) == 2  # two submitit jobs, each its own process with its own log
+    for job, mode in (("0", "soft"), ("1", "hard")):
+        run = sweep / job
+        assert {p.name for p in run.iterdir()} >= RUN_FILES and not (run / FAILED_FILE).exists()
+        assert (run / CHECKPOINT_DIR / LAST_CHECKPOINT).is_file()
+        assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())[0] == f"model={mode}"
+        assert yaml.safe_load((run / CONFIG_FILE).read_text())["model"]["attention"] == mode
+        assert "val/bleu4" in json.loads((run / METRICS_FILE).read_text())
+        assert load_trained(run).config.attention.value == mode  # the bundle of the job's own model
+        # the closing summary, in the job's own log
+        assert sum(f"inference bundle: {run / BUNDLE_NAME}\n" in log for log in logs) == 1
+
+
+def test_failed_jobs_of_a_local_sweep_are_marked_and_the_sweep_ends_with_their_errors(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.ckpt"
+    junk.write_bytes(b"\x80\x04K\x01.")  # a pickle, not a checkpoint: job 0 fails once it has started
+    args = ["-m", "hydra/launcher=local", "model.decoder.dropout=0.5,2", f"ckpt_path={junk}"]
+    proc = run_train([*args, f"paths.log_dir={tmp_path / 'logs'}"], check=False, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"error: checkpoint {junk} is truncated or corrupt")
+    assert lines[1] == "error: model.decoder.dropout=2.0 must be in [0.0, 0.99]"  # job 1: refused before it started
+    sweep = _sweep(tmp_path / "logs")
+    for job, line in zip(("0", "1"), lines):
+        assert (sweep / job / FAILED_FILE).read_text() == line.removeprefix("error: ") + "\n"
+        assert f"job {job} of the sweep failed: {sweep / job / FAILED_FILE}" in proc.stdout
+    assert (sweep / "0" / CONFIG_FILE).is_file() and not (sweep / "1" / CONFIG_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,nodes,gpus",
+    [
+        (["trainer=multi_node"], 2, 8),
+        (["trainer=multi_node", "trainer.devices=4", "trainer.num_nodes=3"], 3, 4),
+        (["trainer=gpu"], 1, 1),
+    ],
+)
+def test_the_slurm_launcher_asks_for_the_trainers_nodes_and_one_task_per_gpu(
+    overrides: list[str], nodes: int, gpus: int
+) -> None:
+    register_schemas()
+    queue = ["hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=2880"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", ["hydra/launcher=slurm", *overrides, *queue], return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    params = instantiate(cfg.hydra.launcher).params
+    assert (params["nodes"], params["gpus_per_node"], params["tasks_per_node"]) == (nodes, gpus, gpus)
+    assert (params["partition"], params["timeout_min"]) == ("gpu", 2880)
+    assert params["submitit_folder"] == f"{cfg.hydra.sweep.dir}/.submitit/%j"
