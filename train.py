@@ -230,6 +230,8 @@ def main(cfg: DictConfig) -> float | None:
         failure = stop_reason(exc)
         if failure is not None:
             mark_failed(run.runtime.output_dir, failure)
+            if own_process(run):  # the sweep's process gets the exception without its traceback
+                log.exception("the job crashed")
         raise
     finally:
         finish_wandb(failed=failure is not None)
@@ -243,9 +245,13 @@ def sweep_goes_on(status: int) -> bool:
     """Whether the job that failed with exit ``status`` is one of a sweep whose other jobs go on: always, but
     after a stop by a signal (Ctrl-C, SIGTERM) in the sweep's own process, which stops the sweep there."""
     run = HydraConfig.get()
-    if run.mode != RunMode.MULTIRUN:
-        return False
-    return status == 2 or run.launcher._target_ != IN_PROCESS_LAUNCHER
+    return run.mode == RunMode.MULTIRUN and (status == 2 or own_process(run))
+
+
+def own_process(run: DictConfig) -> bool:
+    """Whether the Hydra config ``run`` is that of a job of a sweep that runs in a process of its own
+    (``hydra/launcher=local`` or ``slurm``), not in the sweep's."""
+    return run.mode == RunMode.MULTIRUN and run.launcher._target_ != IN_PROCESS_LAUNCHER
 
 
 def cli() -> None:
