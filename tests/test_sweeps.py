@@ -1,10 +1,14 @@
 """Sweeps through Hydra's submitit launcher: ``hydra/launcher=local`` runs each job in a process of its own and
 leaves the same run folders a single run does; a job that fails is marked and the sweep ends with its error;
-``hydra/launcher=slurm`` asks SLURM for what the trainer will use."""
+``hydra/launcher=slurm`` asks SLURM for what the trainer will use, and its tasks are the trainer's DDP ranks (on
+this machine, SLURM's commands are ``fake_slurm.py``'s)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +36,9 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 # What a finished run leaves in its folder (besides its checkpoints and the CSV log).
 RUN_FILES = {".hydra", BUNDLE_NAME, CONFIG_FILE, CURVES_FILE, METRICS_FILE, SAMPLES_DIR, VAL_CAPTIONS_FILE, "train.log"}
+# After tiny_overrides: two training steps, then a validation of four images (in each process), no test.
+SHORT = ["trainer.max_epochs=1", "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1", "test=false"]
+SHORT += ["data.eval_batch_size=4"]
 
 
 def _sweep(logs: Path) -> Path:
@@ -47,10 +54,10 @@ def _job_logs(sweep: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_a_local_sweep_runs_each_job_in_a_process_of_its_own_into_a_complete_run_folder(
-    tiny_shapes: Path, tmp_path: Path
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    short = ["trainer.max_epochs=1", "+trainer.limit_train_batches=2", "test=false"]
-    proc = run_train(["-m", "hydra/launcher=local", "model=soft,hard", *tiny_overrides(tiny_shapes, tmp_path), *short])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the two jobs run at once on the tests' two cores
+    proc = run_train(["-m", "hydra/launcher=local", "model=soft,hard", *tiny_overrides(tiny_shapes, tmp_path), *SHORT])
     assert proc.stderr == ""
     sweep = _sweep(tmp_path)  # tiny_overrides' paths.log_dir
     assert sorted(p.name for p in sweep.iterdir()) == [".submitit", "0", "1", "multirun.yaml"]
@@ -104,3 +111,36 @@ def test_the_slurm_launcher_asks_for_the_trainers_nodes_and_one_task_per_gpu(
     assert (params["nodes"], params["gpus_per_node"], params["tasks_per_node"]) == (nodes, gpus, gpus)
     assert (params["partition"], params["timeout_min"]) == ("gpu", 2880)
     assert params["submitit_folder"] == f"{cfg.hydra.sweep.dir}/.submitit/%j"
+
+
+@pytest.mark.slow
+def test_a_slurm_sweeps_job_trains_with_the_tasks_slurm_started_as_its_ranks(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands, slurm = tmp_path / "bin", tmp_path / "slurm"
+    commands.mkdir()
+    slurm.mkdir()
+    fake = Path(__file__).parent / "fake_slurm.py"
+    for command in ("sbatch", "srun", "sacct"):
+        (commands / command).write_text(f'#!/bin/sh\nexec {sys.executable} {fake} {command} "$@"\n')
+        (commands / command).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{commands}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_LOG", str(slurm))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two processes on the tests' two cores
+    queue = ["hydra.launcher.partition=debug", "hydra.launcher.timeout_min=30", "hydra.launcher.gpus_per_node=null"]
+    args = ["-m", "hydra/launcher=slurm", *queue, "trainer=ddp_cpu", "trainer.devices=2", "callbacks.samples=null"]
+    proc = run_train([*args, *tiny_overrides(tiny_shapes, tmp_path), *SHORT])
+    assert proc.stderr == ""
+    (script,) = slurm.glob("sbatch_*.sh")  # one job: an sbatch script of its own, no array
+    flags = dict(re.findall(r"^#SBATCH --([\w-]+)=(.*)$", script.read_text(), re.M))
+    assert {"nodes": "1", "ntasks-per-node": "2", "partition": "debug", "time": "30"}.items() <= flags.items()
+    assert "gpus-per-node" not in flags and "array" not in flags
+    sweep = _sweep(tmp_path)
+    run = sweep / "0"
+    assert (run / BUNDLE_NAME).is_file() and (run / CHECKPOINT_DIR / LAST_CHECKPOINT).is_file()
+    assert "val/bleu4" in json.loads((run / METRICS_FILE).read_text()) and not (run / FAILED_FILE).exists()
+    (job,) = (p for p in (sweep / ".submitit").iterdir() if p.name.isdigit())
+    logs = [(job / f"{job.name}_{task}_log.out").read_text() for task in (0, 1)]
+    for rank, log in enumerate(logs):  # SLURM's two tasks are the two ranks: Lightning started no process
+        assert f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in log
+    assert f"inference bundle: {run / BUNDLE_NAME}\n" in logs[0] and "inference bundle" not in logs[1]
