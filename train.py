@@ -207,8 +207,9 @@ def main(cfg: DictConfig) -> float | None:
     Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only. A run
     that fails, whatever the reason, is marked so in its folder (``run_folder.mark_failed``). A job of a
     sweep is checked as a single run is before it starts (``validate.check_run``); when it fails the sweep
-    goes on (``sweep_goes_on``) and reports it at its end. Launchers that run a job in a process of its own
-    pickle this function: it, and what it calls, only take the config and return a number or None.
+    goes on (``sweep_goes_on``) and reports it at its end. A launcher that runs a job in a process of its own
+    (submitit's) pickles this function by value, with the functions of this file it calls; the job's process
+    imports the rest (captioner, Lightning) from the same installation.
     """
     from captioner.training.logs import finish_wandb
     from captioner.training.run_folder import mark_failed
@@ -216,6 +217,8 @@ def main(cfg: DictConfig) -> float | None:
     run = HydraConfig.get()
     failure: str | None = None
     status = 2
+    if own_process(run):
+        share_ranks()
     try:
         if run.mode == RunMode.MULTIRUN:
             check_run(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
@@ -236,16 +239,33 @@ def main(cfg: DictConfig) -> float | None:
     finally:
         finish_wandb(failed=failure is not None)
     mark_failed(run.runtime.output_dir, failure)
-    if sweep_goes_on(status):
+    if sweep_goes_on(run, status):
         return None
     fail(failure, status)
 
 
-def sweep_goes_on(status: int) -> bool:
-    """Whether the job that failed with exit ``status`` is one of a sweep whose other jobs go on: always, but
-    after a stop by a signal (Ctrl-C, SIGTERM) in the sweep's own process, which stops the sweep there."""
-    run = HydraConfig.get()
+def sweep_goes_on(run: DictConfig, status: int) -> bool:
+    """Whether the job (of Hydra config ``run``) that failed with exit ``status`` is one of a sweep whose other
+    jobs go on: always, but after a stop by a signal (Ctrl-C, SIGTERM) in the sweep's own process, which stops
+    the sweep there."""
     return run.mode == RunMode.MULTIRUN and (status == 2 or own_process(run))
+
+
+def share_ranks() -> None:
+    """Give each task of a job that submitit's local executor started as several (``hydra/launcher=local``: one
+    per device) its rank's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) as torchrun would,
+    before anything reads them: Lightning then takes the tasks as its DDP ranks instead of starting processes
+    of its own (which would run submitit's command again: facebookresearch/hydra#2231), and only rank 0 checks
+    files, prints and marks the folder. SLURM's tasks have their variables from SLURM."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local":
+        return
+    from submitit import JobEnvironment
+    from submitit.helpers import TorchDistributedEnvironment
+
+    if JobEnvironment().num_tasks > 1:
+        ranks = TorchDistributedEnvironment()
+        ranks.master_addr = "127.0.0.1"  # one machine, whatever its host name resolves to
+        ranks.export(set_cuda_visible_devices=False, overwrite=True)
 
 
 def own_process(run: DictConfig) -> bool:

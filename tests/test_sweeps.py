@@ -115,10 +115,8 @@ def test_the_slurm_launcher_asks_for_the_trainers_nodes_and_one_task_per_gpu(
     assert params["submitit_folder"] == f"{cfg.hydra.sweep.dir}/.submitit/%j"
 
 
-@pytest.mark.slow
-def test_a_slurm_sweeps_job_trains_with_the_tasks_slurm_started_as_its_ranks(
-    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Put fake_slurm.py's sbatch, srun and sacct first on the PATH; the folder where sbatch keeps its scripts."""
     commands, slurm = tmp_path / "bin", tmp_path / "slurm"
     commands.mkdir()
     slurm.mkdir()
@@ -128,21 +126,31 @@ def test_a_slurm_sweeps_job_trains_with_the_tasks_slurm_started_as_its_ranks(
         (commands / command).chmod(0o755)
     monkeypatch.setenv("PATH", f"{commands}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SLURM_LOG", str(slurm))
+    return slurm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_a_sweeps_job_trains_with_the_tasks_its_launcher_started_as_its_ranks(
+    launcher: str, tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two processes on the tests' two cores
     queue = ["hydra.launcher.partition=debug", "hydra.launcher.timeout_min=30", "hydra.launcher.gpus_per_node=null"]
-    args = ["-m", "hydra/launcher=slurm", *queue, "trainer=ddp_cpu", "trainer.devices=2", "callbacks.samples=null"]
-    proc = run_train([*args, *tiny_overrides(tiny_shapes, tmp_path), *SHORT])
+    args = ["-m", f"hydra/launcher={launcher}", "trainer=ddp_cpu", "trainer.devices=2", "callbacks.samples=null"]
+    slurm = _fake_slurm(tmp_path, monkeypatch) if launcher == "slurm" else None
+    proc = run_train([*args, *(queue if slurm else []), *tiny_overrides(tiny_shapes, tmp_path), *SHORT])
     assert proc.stderr == ""
-    (script,) = slurm.glob("sbatch_*.sh")  # one job: an sbatch script of its own, no array
-    flags = dict(re.findall(r"^#SBATCH --([\w-]+)=(.*)$", script.read_text(), re.M))
-    assert {"nodes": "1", "ntasks-per-node": "2", "partition": "debug", "time": "30"}.items() <= flags.items()
-    assert "gpus-per-node" not in flags and "array" not in flags
+    if slurm is not None:
+        (script,) = slurm.glob("sbatch_*.sh")  # one job: an sbatch script of its own, no array
+        flags = dict(re.findall(r"^#SBATCH --([\w-]+)=(.*)$", script.read_text(), re.M))
+        assert {"nodes": "1", "ntasks-per-node": "2", "partition": "debug", "time": "30"}.items() <= flags.items()
+        assert "gpus-per-node" not in flags and "array" not in flags
     sweep = _sweep(tmp_path)
     run = sweep / "0"
     assert (run / BUNDLE_NAME).is_file() and (run / CHECKPOINT_DIR / LAST_CHECKPOINT).is_file()
     assert "val/bleu4" in json.loads((run / METRICS_FILE).read_text()) and not (run / FAILED_FILE).exists()
     (job,) = (p for p in (sweep / ".submitit").iterdir() if p.name.isdigit())
     logs = [(job / f"{job.name}_{task}_log.out").read_text() for task in (0, 1)]
-    for rank, log in enumerate(logs):  # SLURM's two tasks are the two ranks: Lightning started no process
+    for rank, log in enumerate(logs):  # the launcher's two tasks are the two ranks: Lightning started no process
         assert f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/2" in log
     assert f"inference bundle: {run / BUNDLE_NAME}\n" in logs[0] and "inference bundle" not in logs[1]
