@@ -93,26 +93,37 @@ def test_failed_jobs_of_a_sweep_are_marked_and_the_sweep_ends_with_their_errors(
     assert (sweep / "0" / CONFIG_FILE).is_file() and not (sweep / "1" / CONFIG_FILE).exists()
 
 
+def _readme_sweep() -> list[str]:
+    """The overrides of the README's SLURM sweep, each swept key at its first value."""
+    readme = (CONF.parent / "README.md").read_text()
+    command = re.search(r"^python train\.py -m (hydra/launcher=slurm .*?)\n```", readme, re.M | re.S)[1]
+    return [override.split(",")[0] for override in command.replace("\\\n", " ").split()]
+
+
+QUEUE = ["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=2880"]
+
+
 @pytest.mark.parametrize(
     "overrides,nodes,gpus",
     [
-        (["trainer=multi_node"], 2, 8),
-        (["trainer=multi_node", "trainer.devices=4", "trainer.num_nodes=3"], 3, 4),
-        (["trainer=gpu"], 1, 1),
+        ([*QUEUE, "trainer=multi_node"], 2, 8),
+        ([*QUEUE, "trainer=multi_node", "trainer.devices=4", "trainer.num_nodes=3"], 3, 4),
+        ([*QUEUE, "trainer=gpu"], 1, 1),
+        (_readme_sweep(), 2, 8),
     ],
 )
 def test_the_slurm_launcher_asks_for_the_trainers_nodes_and_one_task_per_gpu(
     overrides: list[str], nodes: int, gpus: int
 ) -> None:
     register_schemas()
-    queue = ["hydra.launcher.partition=gpu", "hydra.launcher.timeout_min=2880"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("config", ["hydra/launcher=slurm", *overrides, *queue], return_hydra_config=True)
+        cfg = compose("config", overrides, return_hydra_config=True)
     HydraConfig.instance().set_config(cfg)
     params = instantiate(cfg.hydra.launcher).params
     assert (params["nodes"], params["gpus_per_node"], params["tasks_per_node"]) == (nodes, gpus, gpus)
     assert (params["partition"], params["timeout_min"]) == ("gpu", 2880)
     assert params["submitit_folder"] == f"{cfg.hydra.sweep.dir}/.submitit/%j"
+    assert (cfg.trainer.devices, cfg.trainer.get("num_nodes", 1)) == (gpus, nodes)  # what Lightning will check
 
 
 def _fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
