@@ -1,7 +1,7 @@
-"""Sweeps through Hydra's submitit launcher: ``hydra/launcher=local`` runs each job in a process of its own and
+"""Sweeps through Hydra's submitit launcher: ``hydra/launcher=local`` runs each job in processes of its own and
 leaves the same run folders a single run does; a job that fails is marked and the sweep ends with its error;
-``hydra/launcher=slurm`` asks SLURM for what the trainer will use, and its tasks are the trainer's DDP ranks (on
-this machine, SLURM's commands are ``fake_slurm.py``'s)."""
+``hydra/launcher=slurm`` asks SLURM for what the trainer will use; the tasks either launcher starts are the
+trainer's DDP ranks (on this machine, SLURM's commands are ``fake_slurm.py``'s)."""
 
 from __future__ import annotations
 
@@ -37,8 +37,13 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 # What a finished run leaves in its folder (besides its checkpoints and the CSV log).
 RUN_FILES = {".hydra", BUNDLE_NAME, CONFIG_FILE, CURVES_FILE, METRICS_FILE, SAMPLES_DIR, VAL_CAPTIONS_FILE, "train.log"}
 # After tiny_overrides: two training steps, then a validation of four images (in each process), no test.
-SHORT = ["trainer.max_epochs=1", "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1", "test=false"]
-SHORT += ["data.eval_batch_size=4"]
+SHORT = [
+    "trainer.max_epochs=1",
+    "+trainer.limit_train_batches=2",
+    "+trainer.limit_val_batches=1",
+    "data.eval_batch_size=4",
+    "test=false",
+]
 
 
 def _sweep(logs: Path) -> Path:
