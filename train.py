@@ -2,7 +2,9 @@
 
     python train.py                                   # built-in dataset: about 5 minutes on 2 CPU cores
     python train.py model=hard trainer.max_epochs=3 data.batch_size=64
-    python train.py -m model=soft,hard                # a sweep
+    python train.py -m model=soft,hard                # a sweep, one job after another
+    python train.py -m hydra/launcher=local model=soft,hard   # each job in a process of its own (submitit)
+    python train.py -m hydra/launcher=slurm hydra.launcher.partition=gpu model=soft,hard   # SLURM jobs
     python train.py experiment=coco_soft              # the paper's COCO recipe
     python train.py ckpt_path=outputs/train/runs/<run>  # resume a run from its last checkpoint
     python train.py experiment=demo_scst ckpt_path=outputs/train/runs/<run>  # SCST from that run's model
@@ -15,7 +17,8 @@ stderr and exits with status 2; a wrong value is found before the run's folder i
 (``training/validate.py``), and so is every missing file or device, all listed at once
 (``training/preflight.py``). A run that fails says so in its folder: the error in ``train.log`` and in a
 ``FAILED`` file. A run stopped by SIGTERM or Ctrl-C says how to resume it and exits with 128 + the signal's
-number (143, 130).
+number (143, 130). A job of a sweep that fails is marked so and the sweep goes on; the sweep then ends with
+every failed job's error (``training/run_folder.py``), status 2.
 """
 
 from __future__ import annotations
@@ -32,15 +35,19 @@ from typing import NoReturn
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, InstantiationException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
 from captioner.training.command_line import error_line, refused_override, section_error
+from captioner.training.run_folder import JobsFailed
 from captioner.training.schemas import register_schemas
-from captioner.training.validate import ConfigRefused
+from captioner.training.validate import ConfigRefused, check_run
 
 log = logging.getLogger("train")
+# The launcher of ``-m`` that runs each job in the sweep's own process, one after another (Hydra's default).
+IN_PROCESS_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 
 def train(cfg: DictConfig) -> float | None:
@@ -198,15 +205,23 @@ def main(cfg: DictConfig) -> float | None:
     line and 128 + its number.
 
     Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only. A run
-    that fails, whatever the reason, is marked so in its folder (``run_folder.mark_failed``).
+    that fails, whatever the reason, is marked so in its folder (``run_folder.mark_failed``). A job of a
+    sweep is checked as a single run is before it starts (``validate.check_run``); when it fails the sweep
+    goes on (``sweep_goes_on``) and reports it at its end. A launcher that runs a job in a process of its own
+    (submitit's) pickles this function by value, with the functions of this file it calls; the job's process
+    imports the rest (captioner, Lightning) from the same installation.
     """
     from captioner.training.logs import finish_wandb
     from captioner.training.run_folder import mark_failed
 
-    folder = HydraConfig.get().runtime.output_dir
+    run = HydraConfig.get()
     failure: str | None = None
     status = 2
+    if own_process(run):
+        share_ranks()
     try:
+        if run.mode == RunMode.MULTIRUN:
+            check_run(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
         return train(cfg)
     except CaptionerError as exc:
         failure = str(exc)
@@ -217,12 +232,46 @@ def main(cfg: DictConfig) -> float | None:
     except BaseException as exc:  # a crash: marked, then reported as Python reports it
         failure = stop_reason(exc)
         if failure is not None:
-            mark_failed(folder, failure)
+            mark_failed(run.runtime.output_dir, failure)
+            if own_process(run):  # the sweep's process gets the exception without its traceback
+                log.exception("the job crashed")
         raise
     finally:
         finish_wandb(failed=failure is not None)
-    mark_failed(folder, failure)
+    mark_failed(run.runtime.output_dir, failure)
+    if sweep_goes_on(run, status):
+        return None
     fail(failure, status)
+
+
+def sweep_goes_on(run: DictConfig, status: int) -> bool:
+    """Whether the job (of Hydra config ``run``) that failed with exit ``status`` is one of a sweep whose other
+    jobs go on: always, but after a stop by a signal (Ctrl-C, SIGTERM) in the sweep's own process, which stops
+    the sweep there."""
+    return run.mode == RunMode.MULTIRUN and (status == 2 or own_process(run))
+
+
+def share_ranks() -> None:
+    """Give each task of a job that submitit's local executor started as several (``hydra/launcher=local``: one
+    per device) its rank's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) as torchrun would,
+    before anything reads them: Lightning then takes the tasks as its DDP ranks instead of starting processes
+    of its own (which would run submitit's command again: facebookresearch/hydra#2231), and only rank 0 checks
+    files, prints and marks the folder. SLURM's tasks have their variables from SLURM."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "local":
+        return
+    from submitit import JobEnvironment
+    from submitit.helpers import TorchDistributedEnvironment
+
+    if JobEnvironment().num_tasks > 1:
+        ranks = TorchDistributedEnvironment()
+        ranks.master_addr = "127.0.0.1"  # one machine, whatever its host name resolves to
+        ranks.export(set_cuda_visible_devices=False, overwrite=True)
+
+
+def own_process(run: DictConfig) -> bool:
+    """Whether the Hydra config ``run`` is that of a job of a sweep that runs in a process of its own
+    (``hydra/launcher=local`` or ``slurm``), not in the sweep's."""
+    return run.mode == RunMode.MULTIRUN and run.launcher._target_ != IN_PROCESS_LAUNCHER
 
 
 def cli() -> None:
@@ -250,6 +299,8 @@ def cli() -> None:
         if full:
             raise exc.error from None
         fail(error_line(exc.error))
+    except JobsFailed as exc:  # a sweep whose jobs failed, each marked in its folder
+        fail(exc.message)
     except (CaptionerError, CompactHydraException, OmegaConfBaseException) as exc:
         if full:
             raise

@@ -141,6 +141,7 @@ USAGE = """usage: python train.py [GROUP=OPTION ...] [KEY=VALUE ...] [+KEY=VALUE
     python train.py experiment=coco_soft               the paper's COCO recipe (see docs/datasets.md)
     python train.py experiment=coco_soft --cfg job     print the composed config, run nothing
     python train.py model.decoder.dropout=0.2 -m model=soft,hard   a sweep
+    python train.py -m hydra/launcher=slurm hydra.launcher.partition=gpu model=soft,hard   a sweep of SLURM jobs
 
 Lightning's own settings (trainer.*, callbacks.*, logger.*) are those of conf/trainer, conf/callbacks and
 conf/logger; --hydra-help shows Hydra's own page."""

@@ -11,6 +11,11 @@ non-zero ranks of an external launcher reuse the folder of the process that star
 
 The run prints its composed config as a tree and saves it (resolved) as ``config.yaml``; a run that fails
 writes its one-line error into its log file and into ``FAILED``, so a failed run's folder says so.
+
+A sweep (``-m``) gets a folder of its own the same way, each job a numbered folder inside it
+(``conf/hydra/default.yaml``). A job that fails is marked so and the sweep goes on with the others, wherever
+the launcher runs them (``conf/hydra/launcher``: one after another in the sweep's process, or each in a
+process of its own); when the sweep ends, its process ends with every failed job's error (``JobsFailed``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,26 @@ class NewRunFolder(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Claim the sweep folder (each job gets a numbered subfolder inside it)."""
         _claim(config, "sweep")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Say which jobs of the sweep failed (their folders, on stdout) and raise JobsFailed with their errors."""
+        if not first_process():
+            return
+        markers = Path(config.hydra.sweep.dir).glob(f"*/{FAILED_FILE}")
+        failed = sorted(markers, key=lambda p: (len(p.parent.name), p.parent.name))  # by job number: 10 after 9
+        for marker in failed:
+            print(f"job {marker.parent.name} of the sweep failed: {marker}", flush=True)
+        if failed:
+            raise JobsFailed("".join(marker.read_text() for marker in failed))
+
+
+class JobsFailed(SystemExit):
+    """Jobs of a sweep failed: their errors (each job's ``FAILED``, in job order), carried past Hydra, which turns
+    a callback's Exception into a warning; ``train.py`` prints them. A SystemExit with status 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
 
 
 def _claim(config: DictConfig, mode: str) -> None:

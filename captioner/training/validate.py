@@ -8,10 +8,11 @@ Lightning accepts without a word (``max_epochs=0`` trains nothing).
 The files and devices the config needs are ``training/preflight.py``'s. Lightning checks the rest of the
 trainer's, callbacks' and loggers' arguments when ``train.py`` builds them.
 
-``ValidateConfig`` (a Hydra callback, listed first in ``conf/hydra/default.yaml``) runs ``validate_config`` as
-soon as Hydra has composed the config, then the preflight: a wrong value or a missing file stops the run before
+``ValidateConfig`` (a Hydra callback, listed first in ``conf/hydra/default.yaml``) runs ``check_run`` (the values,
+then the preflight) as soon as Hydra has composed the config: a wrong value or a missing file stops the run before
 its folder exists, a wrong value before the config is printed and before torch is imported. ``train.py`` says
-what stopped it (``training/command_line.py`` turns Hydra's and OmegaConf's errors into one line).
+what stopped it (``training/command_line.py`` turns Hydra's and OmegaConf's errors into one line), and runs
+``check_run`` itself first thing in each job of a sweep.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
@@ -78,25 +78,38 @@ def validate_config(cfg: dict[str, Any]) -> TrainConfig:
     return settings
 
 
-class ValidateConfig(Callback):
-    """Hydra callback: ``validate_config`` and ``preflight.check`` on the composed config before anything else
-    happens.
+def check_run(cfg: dict[str, Any]) -> None:
+    """``validate_config`` of a resolved training config, then (in the process that starts the run)
+    ``preflight.check``: ConfigError with the first invalid value, or preflight's error with every problem; a
+    check that fails in a way it does not expect is a ConfigError too, naming the error (as preflight's own checks
+    are), never a traceback."""
+    try:
+        validate_config(cfg)
+        if first_process():
+            from captioner.training import preflight  # reads datasets and imports torch: once the values are valid
 
-    A single run is checked in ``on_run_start``, before its folder is created (``NewRunFolder``, the next
-    callback) and before the config is printed; each job of a sweep (``-m``) is checked as it starts, since
-    its overrides are applied only then. Hydra turns a callback's exception into a warning and goes on, so
-    a wrong value (or an interpolation that cannot be resolved) is raised as ConfigRefused, which Hydra lets
-    through and ``train.py`` prints as ``error: ...`` on stderr, exit status 2.
+            preflight.check(cfg)
+    except (CaptionerError, OmegaConfBaseException):
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of a check stops the run with one line
+        raise ConfigError(f"the config could not be checked: {first_line(exc, with_type=True)}") from None
+
+
+class ValidateConfig(Callback):
+    """Hydra callback: ``check_run`` on the composed config of a single run before anything else happens.
+
+    The run is checked in ``on_run_start``, before its folder is created (``NewRunFolder``, the next callback)
+    and before the config is printed. Hydra turns a callback's exception into a warning and goes on, so a
+    wrong value (or an interpolation that cannot be resolved) is raised as ConfigRefused, which Hydra lets
+    through and ``train.py`` prints as ``error: ...`` on stderr, exit status 2. Each job of a sweep (``-m``)
+    gets its overrides, and its folder, only as it starts, maybe in a process of its own (``hydra/launcher=
+    local`` or ``slurm``) where an exit would lose the error: ``train.py`` checks it first thing, and a
+    refused job fails as a job that stops does (its folder marked, the sweep's process reporting it).
     """
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Check the config of a single run."""
         _validate_or_exit(config)
-
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Check the config of one job of a sweep."""
-        if config.hydra.mode == RunMode.MULTIRUN:
-            _validate_or_exit(config)
 
 
 class ConfigRefused(SystemExit):
@@ -111,23 +124,12 @@ class ConfigRefused(SystemExit):
 
 
 def _validate_or_exit(config: DictConfig) -> None:
-    """``validate_config`` of the job's config, then ``preflight.check`` (in the process that starts the run);
-    ConfigRefused with the first invalid value, or with every problem preflight found; a check that fails in a way
-    it does not expect is refused too, naming the error (as preflight's own checks are), never a traceback that
-    Hydra turns into a warning before the run's folder is made."""
+    """``check_run`` of the run's config; ConfigRefused with its error (never a traceback that Hydra turns into a
+    warning before the run's folder is made)."""
     try:
-        plain = _job_config(config)
-        validate_config(plain)
-        if first_process():
-            from captioner.training import preflight  # reads datasets and imports torch: once the values are valid
-
-            preflight.check(plain)
+        check_run(_job_config(config))
     except (CaptionerError, OmegaConfBaseException) as exc:
         raise ConfigRefused(exc) from None
-    except Exception as exc:  # noqa: BLE001 - any failure of a check stops the run with one line
-        raise ConfigRefused(
-            ConfigError(f"the config could not be checked: {first_line(exc, with_type=True)}")
-        ) from None
 
 
 def _job_config(config: DictConfig) -> dict[str, Any]:
