@@ -255,6 +255,19 @@ def test_two_ddp_processes_build_a_cache_between_them_as_one_process_does(tmp_pa
     )
 
 
+def test_batches_out_of_order_or_a_partial_file_of_another_shape_are_refused(tmp_path: Path) -> None:
+    cache = FeatureCache(tmp_path / "cache" / "train-key")
+
+    def reversed_batches(images: Dataset, batch_size: int) -> DataLoader:
+        return DataLoader(images, batch_size=batch_size, sampler=range(len(images) - 1, -1, -1), collate_fn=collate)
+
+    with pytest.raises(ValueError, match="the batch of rows 0..1 holds other rows: batches must keep the order"):
+        cache.build(Encoder(), _items(), reversed_batches, BATCH, "cpu")
+    cache.fill(Encoder(), _items()[:2], _batches, BATCH, "cpu")  # a partial file of 2 rows at this place
+    with pytest.raises(DataError, match=r"features.npy holds a float16 array of shape \(2, 64, 3\), not float16"):
+        _build(cache, Encoder())
+
+
 def test_a_cache_of_unreadable_images_only_holds_none(tmp_path: Path) -> None:
     cache = FeatureCache(tmp_path / "cache")
     cache.build(Encoder(), [Skipped("a.png", "not an image"), Skipped("b.png", "file not found")], _batches, 2, "cpu")

@@ -171,6 +171,10 @@ class FeatureCache:
         chunks = [(start, min(start + batch_size, rows)) for start in starts]
         return [(start, stop) for start, stop in chunks if not done[start:stop].all()]
 
+    def _record(self, start: int, stop: int) -> Path:
+        """The record of the chunk of rows ``start`` .. ``stop - 1``."""
+        return self.partial / CHUNKS / f"{start:0{ROW_DIGITS}d}-{stop:0{ROW_DIGITS}d}.json"
+
     def _recorded(self) -> list[tuple[int, int]]:
         """The rows of every chunk recorded as finished, by their records' names, in order."""
         names = sorted(path.stem for path in (self.partial / CHUNKS).glob(f"{'[0-9]' * ROW_DIGITS}-*.json"))
@@ -207,7 +211,7 @@ class FeatureCache:
             "grid": grid and list(grid),
             "skipped": [[s.path, s.reason] for s in batch["skipped"]],
         }
-        write_json(self.partial / CHUNKS / f"{start:0{ROW_DIGITS}d}-{stop:0{ROW_DIGITS}d}.json", record, indent=None)
+        write_json(self._record(start, stop), record, indent=None)
 
     def _write_rows(self, start: int, block: np.ndarray, rows: int) -> None:
         """Write ``block`` (n, L, C) into rows ``start`` .. ``start + n - 1`` of the partial ``features.npy``
@@ -237,7 +241,7 @@ class FeatureCache:
         done = np.zeros(plan["rows"], dtype=bool)  # (N,)
         grid, skipped = None, {}
         for start, stop in self._recorded():
-            record = read_json(self.partial / CHUNKS / f"{start:0{ROW_DIGITS}d}-{stop:0{ROW_DIGITS}d}.json")
+            record = read_json(self._record(start, stop), "feature cache record")
             ids[start:stop] = record["ids"]
             done[start:stop] = True
             grid = grid or record["grid"]
