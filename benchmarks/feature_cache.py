@@ -9,7 +9,7 @@ that grows), with random encoder weights, into a temporary folder. The peak is t
 (VmHWM, reset before each row; ``peak.PeakMemory``); "added" is its rise over the row's start.
 
     python benchmarks/feature_cache.py                                  # demo 2,000 and 20,000; COCO 500, 2,000
-    python benchmarks/feature_cache.py --demo-images 2000 20000 --coco-images 64 320 --coco-batch 8
+    python benchmarks/feature_cache.py --demo-images 2000 20000 --coco-images 64 256 --coco-batch 8   # as measured
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ COLUMNS = [
     "others %",
 ]
 
+TINY_DEMO = [3, 7]  # --tiny (smoke tests): the tiny demo's caches of a few images
+
 
 class RandomImages(Dataset):
     """``count`` items as ``CaptionDataset`` yields them: a (3, S, S) image of seeded noise (made when asked
@@ -67,7 +69,7 @@ def batches(images: Dataset, batch_size: int) -> DataLoader:
 
 
 def build_row(size: composed.Setup, count: int, batch: int, folder: Path, args: argparse.Namespace) -> list[object]:
-    """Build the cache of ``count`` random images of ``size`` in ``folder``: its table row."""
+    """Build the cache of ``count`` random images of ``size`` in ``folder``, ``batch`` at a time: its table row."""
     module = composed.build_module(size, args)
     module.cached_stages()  # the check training runs first: the experiment has frozen stages to cache
     images = RandomImages(count, size.data.image_size)
@@ -89,30 +91,50 @@ def build_row(size: composed.Setup, count: int, batch: int, folder: Path, args: 
 def main(argv: list[str] | None = None) -> None:
     """Print the peak memory of each build."""
     parser = options.make_parser(__doc__.split("\n")[0])
-    parser.add_argument("--demo-images", type=int, nargs="*", default=[2000, 20000], help="demo caches' sizes")
-    parser.add_argument("--coco-images", type=int, nargs="*", default=[500, 2000], help="coco_soft caches' sizes")
+    parser.add_argument(
+        "--demo-images",
+        type=int,
+        nargs="*",
+        default=None,
+        help="demo caches' sizes, none to leave it out (default: 2000 20000)",
+    )
+    parser.add_argument(
+        "--coco-images",
+        type=int,
+        nargs="*",
+        default=None,
+        help="coco_soft caches' sizes, none to leave it out (default: 500 2000)",
+    )
     parser.add_argument(
         "--coco-batch", type=int, default=None, help="coco_soft images per chunk (default: data.eval_batch_size)"
     )
     args = options.parse(parser, argv)
-    demo, coco = composed.setup("demo", args), composed.setup("coco_soft", args)
-    plan = [(demo, count, demo.data.eval_batch_size) for count in args.demo_images]
-    plan += [(coco, count, args.coco_batch or coco.data.eval_batch_size) for count in args.coco_images]
+    sizes = composed.setups(args)  # the COCO recipe and the demo, or only the tiny demo
+    demo = args.demo_images
+    counts = {
+        "coco_soft": [500, 2000] if args.coco_images is None else args.coco_images,
+        "demo": [2000, 20000] if demo is None else demo,
+        "tiny": TINY_DEMO if demo is None else demo,
+    }
+    plan = []
+    for size in reversed(sizes):  # the demo first
+        batch = args.coco_batch if size.name == "coco_soft" and args.coco_batch else size.data.eval_batch_size
+        plan += [(size, count, batch) for count in counts[size.name]]
     machine.print_environment(
         "Feature cache build",
         args,
         [
-            *(size.describe() for size in (demo, coco)),
+            *(size.describe() for size in sizes),
             "random images made in memory at the experiment's size, random encoder weights; the cache is "
             "built by CaptionerModule.fill_cache (FeatureCache.fill) then FeatureCache.finish, in this process, "
-            f"stored as {demo.data.feature_dtype.value}",
+            f"stored as {sizes[-1].data.feature_dtype.value}",
             peak.memory_method(torch.device("cpu")),
             "'former build held': what the build before features were written as computed kept in memory at its "
             "peak (every chunk, then their concatenation), on top of the same model",
         ],
     )
     with machine.timed_section(), tempfile.TemporaryDirectory(prefix="captioner-cache-bench-") as tmp:
-        rows = [build_row(size, count, batch, Path(tmp), args) for size, count, batch in plan]
+        rows = [build_row(*planned, Path(tmp), args) for planned in plan]
         tables.print_table("Peak memory of a feature cache build", COLUMNS, rows)
 
 
