@@ -103,7 +103,9 @@ def write_cache(folder: Path, dataset: Dataset, shape: torch.Size) -> FeatureCac
         return torch.rand(images.size(0), *shape), (1, shape[0])
 
     cache = FeatureCache(folder)
-    cache.build(encode, DataLoader(dataset, batch_size=32, collate_fn=collate), "cpu")
+    cache.build(
+        encode, dataset, lambda images, size: DataLoader(images, batch_size=size, collate_fn=collate), 32, "cpu"
+    )
     return cache
 
 

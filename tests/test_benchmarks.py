@@ -32,6 +32,7 @@ SCRIPTS = (
     "train_step",
     "captioning",
     "data_loading",
+    "feature_cache",
     "profile_ops",
     "attention_ablation",
     "attention_by_word",
@@ -126,6 +127,17 @@ def test_data_loading_runs(run_tiny: Callable[..., str]) -> None:
         ("fp16 cache 256x64", "0 (main process)"),
         ("fp16 cache 256x64", "1"),
     ]
+
+
+def test_feature_cache_runs_and_measures_each_build(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("feature_cache")
+    rows = table(stdout, "Peak memory of a feature cache build", 2)
+    assert [(row["experiment"], row["images"], row["chunk (images)"]) for row in rows] == [
+        ("tiny", "3", "125"),  # the demo's eval batch: one chunk
+        ("tiny", "7", "125"),
+    ]
+    assert rows[0]["cached per image"] == "256 x 64"  # layer1's 16x16x64 map at 64 px
+    assert all(float(row["peak RSS MiB"].replace(",", "")) > float(row["added MiB"]) > 0 for row in rows)
 
 
 def test_gallery_runs_every_stage_and_both_commands(run_tiny: Callable[..., str]) -> None:

@@ -164,9 +164,9 @@ def test_moving_a_batch_to_the_device_keeps_the_skipped_images(source: ListSourc
 
 
 def _attach(datamodule: CaptionDataModule, module: CaptionerModule) -> None:
-    """What Lightning's trainer gives the data module: the module, this process's rank, a barrier."""
+    """What Lightning's trainer gives the data module: the module, this process's rank on its node of one, a barrier."""
     datamodule.trainer = SimpleNamespace(
-        lightning_module=module, local_rank=0, strategy=SimpleNamespace(barrier=lambda name: None)
+        lightning_module=module, local_rank=0, num_devices=1, strategy=SimpleNamespace(barrier=lambda name: None)
     )
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from captioner.config import MAX_AUTO_WORKERS, DataConfig
 from captioner.data.dataset import CaptionDataset, build_transform, collate
-from captioner.data.features import FeatureCache, FeatureCaptionDataset, cache_key
+from captioner.data.features import Batches, FeatureCache, FeatureCaptionDataset, Share, cache_key
 from captioner.data.readers import SPLITS, Box, Record
 from captioner.data.sources import Source
 from captioner.data.vocab import Vocabulary, tokenize
@@ -30,8 +30,10 @@ class FeatureEncoder(Protocol):
         """What the cache holds the output of (the encoder's settings and its frozen weights' fingerprint): part
         of the cache's key. DataError when the encoder has no frozen stages to cache."""
 
-    def fill_cache(self, cache: FeatureCache, loader: DataLoader, dtype: str) -> None:
-        """Write the output of the frozen stages for every image of ``loader`` into ``cache``."""
+    def fill_cache(
+        self, cache: FeatureCache, images: Dataset, batches: Batches, batch_size: int, dtype: str, share: Share
+    ) -> None:
+        """Write the output of the frozen stages for the images of ``share`` into ``cache`` (``FeatureCache.fill``)."""
 
 
 class CaptionDataModule(L.LightningDataModule):
@@ -39,8 +41,8 @@ class CaptionDataModule(L.LightningDataModule):
 
     Training batches hold each image once with all its captions (``per_caption=False``), so the CNN runs
     once per image. With ``feature_cache`` set, the output of the encoder's frozen stages (all of a frozen
-    encoder: the grid features) is computed once by the model being trained (``FeatureEncoder``, in the
-    rank-0 process of each node) and the loaders yield ``features`` instead of ``images``; the model runs the
+    encoder: the grid features) is computed once by the model being trained (``FeatureEncoder``, the processes
+    of each node sharing the work) and the loaders yield ``features`` instead of ``images``; the model runs the
     stages it trains on them.
     """
 
@@ -107,17 +109,24 @@ class CaptionDataModule(L.LightningDataModule):
             encoder.cached_stages(), self.settings.image_size, self.splits[split], self.settings.feature_dtype.value
         )
         cache = FeatureCache(Path(self.settings.feature_cache) / f"{split}-{key}")
-        if self.trainer.local_rank == 0 and not cache.exists():
-            log.info("computing the %s feature cache in %s", split, cache.folder)
-            # Its own generator: building the cache (or not) leaves the global RNG, so training, as it was.
-            loader = self._loader(
-                self.image_dataset(split),
-                self.eval_batch_size,
-                shuffle=False,
-                generator=torch.Generator().manual_seed(0),
+        # The processes of a node build its cache together, each its share of the chunks, into one file.
+        share = Share(self.trainer.local_rank, self.trainer.num_devices)
+        if not cache.exists():
+            log.info(
+                "computing the %s feature cache in %s (share %d of %d)",
+                split,
+                cache.folder,
+                share.rank + 1,
+                share.ranks,
             )
-            encoder.fill_cache(cache, loader, self.settings.feature_dtype.value)
-        self.trainer.strategy.barrier("feature_cache")
+            # Its own generator: building the cache (or not) leaves the global RNG, so training, as it was.
+            batches = functools.partial(self._loader, shuffle=False, generator=torch.Generator().manual_seed(0))
+            dtype = self.settings.feature_dtype.value
+            encoder.fill_cache(cache, self.image_dataset(split), batches, self.eval_batch_size, dtype, share)
+        self.trainer.strategy.barrier("feature_cache")  # every share written
+        if share.rank == 0:
+            cache.finish()
+        self.trainer.strategy.barrier("feature_cache_in_place")
         return cache
 
     def _loader(

@@ -16,12 +16,12 @@ from typing import Any
 import lightning as L
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import Dataset
 
 from captioner.bundle import CHECKPOINT_KEY, bundle_metadata, save_bundle
 from captioner.config import Compile, ModelConfig, Objective, to_dict
 from captioner.data.dataset import SkipCounter
-from captioner.data.features import FeatureCache
+from captioner.data.features import Batches, FeatureCache, Share
 from captioner.data.vocab import PAD_ID, UNK_ID, Vocabulary
 from captioner.errors import ConfigError, DataError
 from captioner.evaluation.cider import CiderD
@@ -279,12 +279,15 @@ class CaptionerModule(L.LightningModule):
             self._frozen_fingerprint = encoder.frozen_fingerprint()
         return {**to_dict(self.net.encoder), "frozen_weights": self._frozen_fingerprint}
 
-    def fill_cache(self, cache: FeatureCache, loader: DataLoader, dtype: str) -> None:
-        """Write the output of the encoder's frozen stages (in eval mode) for every image of ``loader``."""
+    def fill_cache(
+        self, cache: FeatureCache, images: Dataset, batches: Batches, batch_size: int, dtype: str, share: Share
+    ) -> None:
+        """Write the output of the encoder's frozen stages (in eval mode) for the images of ``share`` into ``cache``
+        (``FeatureCache.fill``)."""
         encoder = self.model.encoder
         was_training = encoder.training
         encoder.eval()
-        cache.build(self.model.encode, loader, self.device, dtype)
+        cache.fill(self.model.encode, images, batches, batch_size, self.device, dtype, share)
         encoder.train(was_training)
 
     # ------------------------------------------------------------------ export
