@@ -4,6 +4,7 @@ image given in memory (a PIL image or an image tensor) to the same form."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,8 +32,12 @@ class ImageError(DataError):
         return f"{self.path}: {self.reason}"
 
 
-def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None = None) -> Image.Image:
+def load_rgb(
+    path: str | Path, max_pixels: int | None = None, size: int | None = None, data: bytes | None = None
+) -> Image.Image:
     """Decode ``path`` fully into an RGB image, upright according to its EXIF orientation.
+
+    ``data``: the file's bytes, read elsewhere (a member of a tar shard); ``path`` then only names it in errors.
 
     Every Pillow mode is handled: transparency is composited on white, 16-bit and 32-bit integer
     images are scaled (not clipped) to 8 bits, float images are mapped to [0, 255]. Multi-frame files
@@ -45,12 +50,18 @@ def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None =
     the smallest that keeps each side at least ``size`` (a 12000x9000 photo is read as 1500x1125 for 224), else
     the largest that brings it under the limit (6000x4500). Another format over the limit is refused.
     """
-    path = Path(path)
-    _check_file(path)
+    if data is None:
+        path = Path(path)
+        _check_file(path)
+    elif not data:
+        raise ImageError(path, "file is empty")
     limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
     check_range("max_pixels", limit, 1, kind=int)
     try:
-        with _pillow_limit(None), Image.open(path) as image:  # the limit is checked below, on what is decoded
+        with (
+            _pillow_limit(None),
+            Image.open(path if data is None else io.BytesIO(data)) as image,
+        ):  # the limit is checked below, on what is decoded
             full = image.size
             if full[0] * full[1] > limit:
                 image.draft("RGB", _draft_size(full, limit, size))  # JPEG only; other formats decode whole
