@@ -40,13 +40,14 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.module import CaptionerModule
-from conftest import ROOT, SMALL_NET, TINY, metrics_rows, run_train, subprocess_env, tiny_overrides
+from conftest import ROOT, SMALL_NET, TINY, logged, run_train, subprocess_env, tiny_overrides
 
 SIZES = (17, 9, 14, 5, 15)  # samples per shard: uneven, as img2dataset's are (its failures are left out)
 STATED = (0, 1, 2)  # the shards written with a _stats.json; the others are counted from their members
 CORRUPT = 7  # the sample whose jpg is truncated
 IMAGE_SIZE = 32
 BATCH = 4
+STEPS = 2  # training steps an epoch in the resume test
 
 
 def sample_captions(record_captions: tuple[str, ...], position: int) -> list[str]:
@@ -266,38 +267,23 @@ class Seen(L.Callback):
 
 
 def fit(built: WebDatasetSource, root: Path, epochs: int, ckpt_path: str | None = None) -> tuple[Seen, L.Trainer]:
-    """A tiny captioner fitted on the shards for ``epochs`` (from ``ckpt_path`` when given), a checkpoint each
-    epoch under ``root``."""
-    settings = from_dict(
-        DataConfig,
-        {
-            "image_size": IMAGE_SIZE,
-            "batch_size": 8,
-            "num_workers": 1,
-            "max_vocab": None,
-            "min_word_count": 1,
-            "max_len": 16,
-        },
-    )
-    datamodule = CaptionDataModule(built, settings)
+    """A tiny captioner (a frozen CNN) fitted on the shards' first ``STEPS`` batches of each of ``epochs`` epochs
+    (from ``ckpt_path`` when given), a checkpoint each epoch under ``root``."""
+    settings = {"image_size": IMAGE_SIZE, "batch_size": BATCH, "num_workers": 1, "max_vocab": None, "max_len": 16}
+    datamodule = CaptionDataModule(built, from_dict(DataConfig, {**settings, "min_word_count": 1}))
     datamodule.setup("fit")
     torch.manual_seed(0)
-    model = from_dict(
-        ModelConfig,
-        {
-            **SMALL_NET,
-            "encoder": {"name": "resnet18", "weights": None},
-            "objective": "cross_entropy",
-            "scheduler": {"name": "none"},
-        },
-    )
+    encoder = {"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2, "trainable_stages": 0}
+    net = {**SMALL_NET, "encoder": encoder, "feature_norm": False}
+    model = from_dict(ModelConfig, {**net, "objective": "cross_entropy", "scheduler": {"name": "none"}})
     seen = Seen()
     trainer = L.Trainer(
         max_epochs=epochs,
+        limit_train_batches=STEPS,
+        limit_val_batches=0,
         accelerator="cpu",
         logger=False,
         enable_progress_bar=False,
-        limit_val_batches=0,
         enable_model_summary=False,
         default_root_dir=root,
         callbacks=[seen, L.pytorch.callbacks.ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1)],
@@ -312,12 +298,12 @@ def test_a_resumed_run_reads_the_epoch_it_resumes_in_the_same_order(
 ) -> None:
     built = source(shards[0], tiny_shapes, shuffle_buffer=4)
     straight, trainer = fit(built, tmp_path / "straight", epochs=2)
-    assert trainer.num_training_batches == 8 and trainer.estimated_stepping_batches == 16  # 60 samples, 8 a batch
-    assert sorted(straight.epochs[0]) == sorted(straight.epochs[1]) and straight.epochs[0] != straight.epochs[1]
+    assert len(trainer.train_dataloader) == 15  # 60 samples, 4 a batch: the epoch's length as Lightning reads it
+    assert sorted(straight.epochs[0]) != sorted(straight.epochs[1])  # another shard order: other samples first
     (first,) = (tmp_path / "straight").glob("epoch=0-*.ckpt")
     resumed, trainer = fit(built, tmp_path / "resumed", epochs=2, ckpt_path=str(first))
     assert list(resumed.epochs) == [1] and resumed.epochs[1] == straight.epochs[1]
-    assert trainer.global_step == 16
+    assert trainer.global_step == 2 * STEPS
 
 
 @pytest.mark.slow
@@ -326,7 +312,7 @@ def test_train_py_trains_from_shards_with_the_built_in_set_for_validation(
 ) -> None:
     pattern, _ = shards
     base = [o for o in tiny_overrides(tiny_shapes, tmp_path) if not o.startswith("data.source.")]
-    run_train(
+    run = run_train(
         [
             *base,
             "data=webdataset",
@@ -340,16 +326,18 @@ def test_train_py_trains_from_shards_with_the_built_in_set_for_validation(
             "data.max_vocab=null",
             "data.max_len=16",
             "data.num_workers=1",
-            "experiment=demo",
+            "data.recipe=null",  # the demo's small model, on these shards
             "model.encoder.weights=null",
             "model.objective=cross_entropy",
             "trainer.max_epochs=1",
+            "trainer.log_every_n_steps=1",
             "test=false",
         ]
     )
-    rows = [row for row in metrics_rows(tmp_path / "run") if row.get("train/loss")]
-    assert rows and all(float(row["train/loss"]) > 0 for row in rows)
-    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["val/bleu4"] >= 0
+    losses = logged(tmp_path / "run", "train/loss")
+    assert sorted(losses) == [0, 1, 2, 3] and all(loss > 0 for loss in losses.values())  # 60 samples: 4 batches of 16
+    assert "skipped 1 unreadable image: " in run.stdout and f"#{CORRUPT:09d}.jpg" in run.stdout  # not the padding
+    assert "val/bleu4" in json.loads((tmp_path / "run" / "metrics.json").read_text())
 
 
 if __name__ == "__main__":
