@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import tempfile
 import time
@@ -115,6 +116,7 @@ def datamodule(size: composed.Setup, source: object, workers: int) -> CaptionDat
     rank and epoch from it)."""
     module = CaptionDataModule(source, dataclasses.replace(size.data, num_workers=workers, feature_cache=None))
     module.setup("fit")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no device banner a row
     module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     return module
 

@@ -40,7 +40,9 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.module import CaptionerModule
-from conftest import ROOT, SMALL_NET, TINY, logged, run_train, subprocess_env, tiny_overrides
+from captioner.training.preflight import problems
+from captioner.training.validate import validate_config
+from conftest import ROOT, SMALL_NET, TINY, compose_plain, logged, run_train, subprocess_env, tiny_overrides
 
 SIZES = (17, 9, 14, 5, 15)  # samples per shard: uneven, as img2dataset's are (its failures are left out)
 STATED = (0, 1, 2)  # the shards written with a _stats.json; the others are counted from their members
@@ -144,6 +146,38 @@ def test_too_few_shards_for_the_readers_is_one_config_error(shards: tuple[str, l
         built.stream(
             vocab, build_transform(IMAGE_SIZE, train=True), max_len=8, batch_size=2, rank=0, ranks=2, workers=3
         )
+
+
+def test_preflight_names_a_missing_shard_and_the_evaluation_source_s_files(
+    shards: tuple[str, list], tiny_shapes: Path, tmp_path: Path
+) -> None:
+    pattern = shards[0].replace("{00000..00004}", "{00000..00005}")  # one shard more than there are
+    found = [str(p) for p in problems(compose_plain(["data=webdataset", f"data.source.train='{pattern}'"], tmp_path))]
+    missing = pattern.replace("{00000..00005}", "00005")
+    assert any(line.startswith(f"data.source.train='{missing}': file not found") for line in found), found
+    assert any(line.startswith("data.source.eval_source.split_file=") for line in found), found
+    assert not any("00004.tar" in line for line in found)
+    with_shapes = [
+        "data=webdataset",
+        f"data.source.train='{shards[0]}'",
+        "~data.source.eval_source",
+        f"+data.source.eval_source={{_target_:captioner.data.sources.ShapesSource,root:'{tiny_shapes}'}}",
+    ]
+    assert not [str(p) for p in problems(compose_plain(with_shapes, tmp_path)) if "data.source" in str(p)]
+
+
+@pytest.mark.parametrize(
+    ("override", "refused"),
+    [
+        ("data.per_caption=true", "data=webdataset streams whole images"),
+        ("data.feature_cache=/tmp/cache", "data=webdataset streams whole images"),
+        ("model.objective=scst", "model.objective=scst needs every training caption as a reference"),
+    ],
+)
+def test_what_a_stream_cannot_do_is_refused_before_the_run(override: str, refused: str, tmp_path: Path) -> None:
+    cfg = compose_plain(["experiment=coco_soft", "data=webdataset", override], tmp_path)
+    with pytest.raises(ConfigError, match=refused):
+        validate_config(cfg)
 
 
 def test_vocabulary_streams_from_the_shards_captions(shards: tuple[str, list], tiny_shapes: Path) -> None:

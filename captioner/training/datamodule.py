@@ -19,7 +19,7 @@ from captioner.data.readers import SPLITS, Box, Record
 from captioner.data.sources import Source
 from captioner.data.stream import Padding, ShardStream
 from captioner.data.vocab import Vocabulary, tokenize
-from captioner.errors import ConfigError, DataError
+from captioner.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,6 @@ class CaptionDataModule(L.LightningDataModule):
         if self.vocab is not None:
             return
         self.source.prepare()
-        if self.streams and (self.settings.per_caption or self.settings.feature_cache is not None):
-            raise ConfigError(
-                "data=webdataset streams whole images: set data.per_caption=false data.feature_cache=null"
-            )
         for split in SPLITS:
             self.splits[split] = [] if self.streams and split == "train" else self.source.records(split)
         if not self.streams and not self.splits["train"]:
@@ -82,6 +78,13 @@ class CaptionDataModule(L.LightningDataModule):
             self.vocab = Vocabulary.build(
                 captions, min_count=self.settings.min_word_count, max_size=self.settings.max_vocab
             )
+
+    def train_items(self) -> int:
+        """Training items an epoch over all ranks: images (captions with ``per_caption``), a stream's samples."""
+        if self.streams:
+            return sum(shard.size for shard in self.source.shards)
+        records = self.splits["train"]
+        return sum(len(r.captions) for r in records) if self.settings.per_caption else len(records)
 
     def references(self, split: str) -> dict[int, list[list[str]]]:
         """Tokenised reference captions per image id, for BLEU."""
