@@ -200,14 +200,16 @@ def epoch_plan(shards: Sequence[Shard], epoch: int, seed: int, readers: int) -> 
     total = sum(shard.size for shard in shards)
     bounds = [reader * total // readers for reader in range(readers + 1)]
     plan: list[list[Piece]] = [[] for _ in range(readers)]
-    start = 0  # the position of the shard's first sample in the epoch's order
+    start, reader = 0, 0  # the position of the shard's first sample in the epoch's order; the reader it falls to
     for index in order:
         shard = shards[index]
-        end = start + shard.size
-        for reader in range(readers):
-            low, high = max(start, bounds[reader]), min(end, bounds[reader + 1])
-            if low < high:
-                plan[reader].append(Piece(shard, low - start, high - low))
+        low, end = start, start + shard.size
+        while low < end:
+            while bounds[reader + 1] <= low:  # that reader's run is full
+                reader += 1
+            high = min(end, bounds[reader + 1])
+            plan[reader].append(Piece(shard, low - start, high - low))
+            low = high
         start = end
     return plan
 
