@@ -1,9 +1,10 @@
 """Data loading throughput next to what the training step consumes, so a starved loader shows.
 
-Two sources, for the ``coco_soft`` experiment and the demo: JPEG files of COCO's typical size (640x480,
+Three sources, for the ``coco_soft`` experiment and the demo: JPEG files of COCO's typical size (640x480,
 generated into a temporary folder) through the experiment's data module (``CaptionDataModule``, built from
-its ``data`` section, as training reads images), and a fp16 feature cache of the model's frozen part read
-by ``FeatureCaptionDataset``. Each is read in the main process (workers 0: the rate of one
+its ``data`` section, as training reads images), the same JPEGs in WebDataset tar shards streamed through the
+same data module (``data=webdataset``: ``WebDatasetSource``, ``ShardStream``), and a fp16 feature cache of the
+model's frozen part read by ``FeatureCaptionDataset``. Each is read in the main process (workers 0: the rate of one
 worker) and by DataLoader worker processes; "step consumes" is the soft-attention training step's rate on
 the same input (images or cached features). A loader/step ratio below 1 starves the step; "workers
 needed" = step rate / rate of one worker, rounded up.
@@ -16,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import logging
 import math
 import tempfile
 import time
 from pathlib import Path
 
+import lightning as L
 import numpy as np
 import torch
+import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -34,6 +39,7 @@ import tables
 from captioner.data.dataset import collate
 from captioner.data.features import FeatureCache, FeatureCaptionDataset
 from captioner.data.readers import Record
+from captioner.data.shards import WebDatasetSource
 from captioner.training.datamodule import CaptionDataModule
 
 COLUMNS = [
@@ -87,11 +93,31 @@ class GeneratedSource:
         return self.train if split == "train" else []
 
 
-def datamodule(size: composed.Setup, source: GeneratedSource, workers: int) -> CaptionDataModule:
+def write_shards(folder: Path, records: list[Record], shards: int) -> str:
+    """``records``' JPEGs and captions in ``shards`` tar shards in img2dataset's layout (``key.jpg``, ``key.json``
+    with ``captions``, ``_stats.json``), written by ``webdataset.ShardWriter``; returns their brace pattern."""
+    folder.mkdir()
+    bounds = [shard * len(records) // shards for shard in range(shards + 1)]
+    with wds.ShardWriter(str(folder / "%05d.tar"), maxcount=len(records), verbose=0) as writer:
+        for shard in range(shards):
+            if shard:
+                writer.next_stream()
+            for record in records[bounds[shard] : bounds[shard + 1]]:
+                meta = {"captions": list(record.captions), "key": f"{record.image_id:09d}"}
+                writer.write({"__key__": meta["key"], "jpg": Path(record.image_path).read_bytes(), "json": meta})
+            stats = {"successes": bounds[shard + 1] - bounds[shard], "failures": 0}
+            (folder / f"{shard:05d}_stats.json").write_text(json.dumps(stats))
+    return f"{folder}/{{00000..{shards - 1:05d}}}.tar"
+
+
+def datamodule(size: composed.Setup, source: object, workers: int) -> CaptionDataModule:
     """The experiment's data module (its ``data`` section, as ``train.py`` builds it) over ``source``, with
-    ``workers`` loader processes and no feature cache."""
+    ``workers`` loader processes and no feature cache; a trainer of one CPU process attached (a stream reads its
+    rank and epoch from it)."""
     module = CaptionDataModule(source, dataclasses.replace(size.data, num_workers=workers, feature_cache=None))
     module.setup("fit")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no device banner a row
+    module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     return module
 
 
@@ -130,9 +156,10 @@ def step_rate(size: composed.Setup, source: str, args: argparse.Namespace) -> tu
 
 
 def size_rows(
-    size: composed.Setup, folder: Path, records: list[Record], args: argparse.Namespace
+    size: composed.Setup, folder: Path, records: list[Record], pattern: str, args: argparse.Namespace
 ) -> list[list[object]]:
-    """Loader rows of both sources for ``size``, each next to the step's consumption."""
+    """Loader rows of the three sources for ``size``, each next to the step's consumption (the shards of
+    ``pattern`` hold ``records``' JPEGs)."""
     source = GeneratedSource(records)
     images = datamodule(size, source, 0)
     consumes, flops, shape = step_rate(size, "images", args)
@@ -143,6 +170,12 @@ def size_rows(
         rows.append(
             loader_row(size, f"JPEG 640x480 -> {size.data.image_size} px", workers, rate, consumes, flops, others)
         )
+    streamed = WebDatasetSource(train=pattern, eval_source=GeneratedSource([]), shuffle_buffer=size.batch)
+    for workers in args.workers:
+        with machine.OtherLoad() as others:
+            rate = loader_rate(datamodule(size, streamed, workers).train_dataloader())
+        label = f"shards of the JPEGs -> {size.data.image_size} px"
+        rows.append(loader_row(size, label, workers, rate, consumes, flops, others))
     cache = write_cache(folder / f"cache-{size.name}", images.image_dataset("train"), shape)
     features = FeatureCaptionDataset(records, images.vocab, cache, max_len=size.data.max_len)
     consumes, flops, _ = step_rate(size, "features", args)
@@ -200,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="captioner-bench-") as tmp:
         folder = Path(tmp)
         records = write_jpegs(folder, count)
+        shards = max(4, 2 * max(args.workers))
+        pattern = write_shards(folder / "shards", records, shards)
         kib = sum(Path(record.image_path).stat().st_size for record in records) / count / 1024
         machine.print_environment(
             "Data loading",
@@ -208,14 +243,16 @@ def main(argv: list[str] | None = None) -> None:
             + [
                 f"{count} generated JPEGs, {JPEG_SIZE[0]}x{JPEG_SIZE[1]}, mean {kib:.0f} KiB; the training "
                 "transform (resize to the model's size, to tensor, normalise); 5 captions each",
-                "the training step consumes at its measured rate (soft attention, random weights); the JPEG rows "
-                "read through the experiment's data module (CaptionDataModule.train_dataloader, the training "
+                f"the same JPEGs in {shards} WebDataset tar shards (key.jpg + key.json, _stats.json beside), "
+                "streamed with a shuffle buffer of one batch",
+                "the training step consumes at its measured rate (soft attention, random weights); the JPEG and shard "
+                "rows read through the experiment's data module (CaptionDataModule.train_dataloader, the training "
                 "transform), the cache rows through FeatureCaptionDataset",
                 "'others %': share of the cores other processes kept busy while the loader row ran (/proc/stat)",
             ],
         )
         with machine.timed_section():
-            rows = [row for size in sizes for row in size_rows(size, folder, records, args)]
+            rows = [row for size in sizes for row in size_rows(size, folder, records, pattern, args)]
             tables.print_table("Data loading against the training step", COLUMNS, rows)
 
 

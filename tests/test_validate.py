@@ -190,7 +190,7 @@ def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups
     groups = proc.stdout.split("config groups")[1].split("settings")[0]
     names = {line.split(":")[0].strip(): line.split(": ")[1] for line in groups.splitlines() if ": " in line}
     assert list(names) == ["callbacks", "data", "debug", "experiment", "logger", "model", "paths", "trainer"]
-    assert names["data"] == "captions, coco, coco_karpathy, flickr30k, flickr8k, scenes, shapes"  # no base
+    assert names["data"] == "captions, coco, coco_karpathy, flickr30k, flickr8k, scenes, shapes, webdataset"  # no base
     assert names["trainer"] == "cpu, ddp, ddp_cpu, gpu, multi_node"  # no default
     lines = proc.stdout.splitlines()
     assert "  model.decoder.dropout=0.3  (in [0.0, 0.99]; before the output layer)" in lines

@@ -3,6 +3,7 @@ image given in memory (a PIL image or an image tensor) to the same form."""
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 from collections.abc import Sequence
@@ -31,8 +32,12 @@ class ImageError(DataError):
         return f"{self.path}: {self.reason}"
 
 
-def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None = None) -> Image.Image:
+def load_rgb(
+    path: str | Path, max_pixels: int | None = None, size: int | None = None, data: bytes | None = None
+) -> Image.Image:
     """Decode ``path`` fully into an RGB image, upright according to its EXIF orientation.
+
+    ``data``: the file's bytes, read elsewhere (a member of a tar shard); ``path`` then only names it in errors.
 
     Every Pillow mode is handled: transparency is composited on white, 16-bit and 32-bit integer
     images are scaled (not clipped) to 8 bits, float images are mapped to [0, 255]. Multi-frame files
@@ -47,12 +52,15 @@ def load_rgb(path: str | Path, max_pixels: int | None = None, size: int | None =
     Pillow's own limit is never changed (it is the process's, and threads decode at once); its TIFF, WebP and
     GIF decoders check it as well, so a ``max_pixels`` above it lets such a file through only up to twice it.
     """
-    path = Path(path)
-    _check_file(path)
+    if data is None:
+        path = Path(path)
+        _check_file(path)
+    elif not data:
+        raise ImageError(path, "file is empty")
     limit = Image.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
     check_range("max_pixels", limit, 1, kind=int)
     try:
-        with open_header(path) as image:  # the header read: the limit is checked below, on what is decoded
+        with open_header(path, data) as image:  # the header read: the limit is checked below, on what is decoded
             full = image.size
             if full[0] * full[1] > limit:
                 image.draft("RGB", _draft_size(full, limit, size))  # JPEG only; other formats decode whole
@@ -79,23 +87,27 @@ class ImageTooLarge(Exception):
     """An image over the pixel limit (inside ``load_rgb``, which names the file)."""
 
 
-def open_header(path: str | Path) -> ImageFile.ImageFile:
-    """``path`` opened as ``Image.open`` opens a file (its format found, its header read, nothing decoded) but
+def open_header(path: str | Path, data: bytes | None = None) -> ImageFile.ImageFile:
+    """``path`` (or its bytes ``data``, read elsewhere) opened as ``Image.open`` opens a file (its format found, its
+    header read, nothing decoded) but
     without ``Image.open``'s check of its size against Pillow's process-wide ``Image.MAX_IMAGE_PIXELS``:
     ``load_rgb`` checks its own limit, before decoding, and setting Pillow's for one call would race with other
     threads' calls (and change it for all the process's code meanwhile), and a gallery's or a folder listing's look
     at a very large photo would warn or raise. UnidentifiedImageError for no format, OSError for no file."""
     path = Path(path)
     Image.init()  # every format's opener registered
-    with path.open("rb") as file:
-        prefix = file.read(16)
+    if data is None:
+        with path.open("rb") as file:
+            prefix = file.read(16)
+    else:
+        prefix = data[:16]
     for name in Image.ID:
         opener, accept = Image.OPEN[name]
         claimed = accept is None or accept(prefix)
         if not claimed or isinstance(claimed, str):  # a string: why it may not be this format
             continue
         try:
-            return opener(os.fspath(path), os.fspath(path))
+            return opener(os.fspath(path) if data is None else io.BytesIO(data), os.fspath(path))
         except (SyntaxError, IndexError, TypeError, struct.error):  # not this format after all, as Image.open has it
             continue
     raise UnidentifiedImageError(f"cannot identify image file {os.fspath(path)!r}")

@@ -10,13 +10,14 @@ from typing import Any, Protocol
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from captioner.config import MAX_AUTO_WORKERS, DataConfig
 from captioner.data.dataset import CaptionDataset, build_transform, collate
 from captioner.data.features import Batches, FeatureCache, FeatureCaptionDataset, Share, cache_key
 from captioner.data.readers import SPLITS, Box, Record
 from captioner.data.sources import Source
+from captioner.data.stream import Padding, ShardStream
 from captioner.data.vocab import Vocabulary, tokenize
 from captioner.errors import DataError
 
@@ -44,6 +45,8 @@ class CaptionDataModule(L.LightningDataModule):
     encoder: the grid features) is computed once by the model being trained (``FeatureEncoder``, the processes
     of each node sharing the work) and the loaders yield ``features`` instead of ``images``; the model runs the
     stages it trains on them.
+    A source that ``streams`` (``data=webdataset``) gives the training split as a stream of shards instead of
+    records (``_train_stream``); its vocabulary is built in one pass over their captions.
     """
 
     def __init__(self, source: Source, settings: DataConfig) -> None:
@@ -55,6 +58,8 @@ class CaptionDataModule(L.LightningDataModule):
         self.eval_batch_size = self.settings.eval_batch_size or self.settings.batch_size
         self.vocab: Vocabulary | None = None
         self.splits: dict[str, list[Record]] = {}
+        self.streams: bool = getattr(source, "streams", False)  # the training split streams (data=webdataset)
+        self._stream: ShardStream | None = None
 
     def prepare_data(self) -> None:
         """Check the files exist, generating the built-in dataset on first use."""
@@ -66,16 +71,23 @@ class CaptionDataModule(L.LightningDataModule):
             return
         self.source.prepare()
         for split in SPLITS:
-            self.splits[split] = self.source.records(split)
-        if not self.splits["train"]:
+            self.splits[split] = [] if self.streams and split == "train" else self.source.records(split)
+        if not self.streams and not self.splits["train"]:
             raise DataError("the training split has no images")
         if self.settings.vocab_file:
             self.vocab = Vocabulary.load(self.settings.vocab_file)
         else:
-            captions = (c for r in self.splits["train"] for c in r.captions)
+            captions = self.source.captions() if self.streams else (c for r in self.splits["train"] for c in r.captions)
             self.vocab = Vocabulary.build(
                 captions, min_count=self.settings.min_word_count, max_size=self.settings.max_vocab
             )
+
+    def train_items(self) -> int:
+        """Training items an epoch over all ranks: images (captions with ``per_caption``), a stream's samples."""
+        if self.streams:
+            return sum(shard.size for shard in self.source.shards)
+        records = self.splits["train"]
+        return sum(len(r.captions) for r in records) if self.settings.per_caption else len(records)
 
     def references(self, split: str) -> dict[int, list[list[str]]]:
         """Tokenised reference captions per image id, for BLEU."""
@@ -145,8 +157,31 @@ class CaptionDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches (Lightning adds the distributed sampler under DDP)."""
+        """Shuffled training batches (Lightning adds the distributed sampler under DDP; a stream splits itself)."""
+        if self.streams:
+            return self._loader(self._train_stream(), self.settings.batch_size, shuffle=False)
         return self._loader(self._dataset("train", train=True), self.settings.batch_size, shuffle=True)
+
+    def _train_stream(self) -> IterableDataset:
+        """This rank's share of the training shards, at the trainer's epoch (``set_epoch`` moves it on); ConfigError
+        when there are fewer shards than ranks x loader workers."""
+        transform = build_transform(self.settings.image_size, train=True, augment=self.settings.augment)
+        self._stream = self.source.stream(
+            self.vocab,
+            transform,
+            max_len=self.settings.max_len,
+            batch_size=self.settings.batch_size,
+            rank=self.trainer.global_rank,
+            ranks=self.trainer.world_size,
+            workers=loader_workers(self.settings.num_workers),
+        )
+        self._stream.set_epoch(self.trainer.current_epoch)
+        return self._stream
+
+    def set_epoch(self, epoch: int) -> None:
+        """The streamed training split reads ``epoch``'s shard order from its next pass (records: nothing to do)."""
+        if self._stream is not None:
+            self._stream.set_epoch(epoch)
 
     def val_dataloader(self) -> DataLoader:
         """Validation images in order, each with all its captions."""
@@ -161,7 +196,7 @@ class CaptionDataModule(L.LightningDataModule):
 
         Lightning refuses to walk into the frozen ``Skipped`` records, so they are set aside meanwhile.
         """
-        skipped = batch.pop("skipped")
+        skipped = [item for item in batch.pop("skipped") if not isinstance(item, Padding)]  # padding is no image
         batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
         batch["skipped"] = skipped
         return batch

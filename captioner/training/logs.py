@@ -46,6 +46,8 @@ def route_lightning_logs() -> None:
         tips.addFilter(_NoTips())
     # A frozen encoder stays in eval mode on purpose (its BatchNorm statistics never move): not news.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+    # A streamed training split (data.stream.ShardStream) gives each loader worker its own samples and length.
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
     # Lightning's CombinedLoader builds torch's deprecated LeafSpec for every loader: its change to make.
     warnings.filterwarnings(
         "ignore",

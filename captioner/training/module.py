@@ -30,6 +30,7 @@ from captioner.model.decoding import Generation
 from captioner.model.losses import CaptionLoss, SelfCriticalLoss
 from captioner.training import objectives
 from captioner.training.callbacks import NonFiniteLossGuard
+from captioner.training.datamodule import CaptionDataModule
 from captioner.training.evaluation import EvaluationEpoch
 from captioner.training.graphed import GraphedSteps, training_graphs
 from captioner.training.metrics import LOSS, PROGRESS, TEST, TRAIN, VAL, metric
@@ -147,7 +148,10 @@ class CaptionerModule(L.LightningModule):
         return self.phase is not None and self.phase.selection_waits(self.settings, self.global_step)
 
     def on_train_epoch_start(self) -> None:
-        """Say when self-critical training takes over from cross-entropy in the run."""
+        """Move a streamed training split on to this epoch's shard order (before its loader is iterated); say when
+        self-critical training takes over from cross-entropy in the run."""
+        if isinstance(self.trainer.datamodule, CaptionDataModule):
+            self.trainer.datamodule.set_epoch(self.current_epoch)
         if self.scst_epoch and self.current_epoch == self.settings.scst.after_epochs > 0:
             log.info(
                 "epoch %d: self-critical training (CIDEr-D reward) takes over from cross-entropy", self.current_epoch

@@ -120,9 +120,13 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
         return found
     from captioner.data.sources import ShapesSource  # imported with the source above, not before a config error
 
+    streams = getattr(built, "streams", False)  # data=webdataset: the shards stream, val and test come from held_out
+    built = built.held_out if streams else built
     if isinstance(built, ShapesSource):
         return []  # generated on first use
-    needed = [split for split in SPLITS if split == "val" or cfg.get(split, True)]
+    needed = [
+        split for split in SPLITS if split == "val" or (cfg.get(split, True) and not (streams and split == "train"))
+    ]
     # a file's own problems come with every split read from it: listed once
     return list(dict.fromkeys(problem for split in needed for problem in _split_problems(built, split)))
 

@@ -28,9 +28,7 @@ def _batches(count: int, limit: int | float) -> int:
 
 def train_batches(trainer: L.Trainer, datamodule: Any) -> int:
     """Training batches per epoch, with the trainer's ``limit_train_batches``."""
-    records = datamodule.splits["train"]
-    items = sum(len(r.captions) for r in records) if datamodule.settings.per_caption else len(records)
-    return _batches(math.ceil(items / datamodule.settings.batch_size), trainer.limit_train_batches)
+    return _batches(math.ceil(datamodule.train_items() / datamodule.settings.batch_size), trainer.limit_train_batches)
 
 
 def val_batches(datamodule: Any) -> int:

@@ -26,10 +26,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from captioner.config import TrainConfig, from_dict
+from captioner.config import Objective, TrainConfig, from_dict
 from captioner.errors import CaptionerError, ConfigError, check_choice, check_range, first_line
 from captioner.training.metrics import MONITORS  # what CaptionerModule logs, so what a callback can monitor
 from captioner.training.run_folder import first_process
+
+STREAMED = "captioner.data.shards.WebDatasetSource"  # the source whose training split streams (data=webdataset)
 
 
 def _check_trainer(trainer: dict[str, Any]) -> None:
@@ -64,6 +66,21 @@ def _check_callbacks(callbacks: dict[str, Any] | None) -> None:
             check_choice(f"callbacks.{name}.monitor", node["monitor"], allowed)
 
 
+def _check_stream(settings: TrainConfig) -> None:
+    """A training split streamed from shards has no list of images: no item per caption, no feature cache, no
+    references for self-critical training."""
+    source = settings.data.source
+    if not isinstance(source, dict) or source.get("_target_") != STREAMED:
+        return
+    if settings.data.per_caption or settings.data.feature_cache is not None:
+        raise ConfigError("data=webdataset streams whole images: set data.per_caption=false data.feature_cache=null")
+    if settings.model.objective == Objective.scst:
+        raise ConfigError(
+            "model.objective=scst needs every training caption as a reference, which data=webdataset does not "
+            "hold: train with model.objective=cross_entropy"
+        )
+
+
 def validate_config(cfg: dict[str, Any]) -> TrainConfig:
     """The typed settings of a resolved training config (a plain dict); ConfigError for the first invalid value."""
     settings = from_dict(TrainConfig, cfg)
@@ -72,6 +89,7 @@ def validate_config(cfg: dict[str, Any]) -> TrainConfig:
     if (problem := settings.model.unscheduled(trainer.get("max_epochs"), trainer.get("max_steps"))) is not None:
         raise ConfigError(problem)
     _check_callbacks(cfg.get("callbacks"))
+    _check_stream(settings)
     cache = settings.data.feature_cache
     if cache and Path(cache).exists() and not Path(cache).is_dir():
         raise ConfigError(f"data.feature_cache={cache!r} is a file, not a folder")
