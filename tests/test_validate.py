@@ -171,7 +171,7 @@ def test_internal_options_are_refused_with_the_real_ones(tmp_path: Path) -> None
     line = error_line_of(run_train(["data=base", f"paths.log_dir={tmp_path}"], check=False))
     assert line == (
         "error: data=base is not an option of its own (the others start from it); choose one of: captions, coco, "
-        "coco_karpathy, flickr30k, flickr8k, scenes, shapes"
+        "coco_karpathy, flickr30k, flickr8k, scenes, shapes, webdataset"
     )
     assert not any(tmp_path.iterdir())
 
