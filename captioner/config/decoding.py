@@ -94,8 +94,8 @@ class DecodingConfig(Settings):
             )
         if self.method == DecodeMethod.diverse and self.beam_size % self.groups:
             raise ConfigError(
-                f"beam_size={self.beam_size} must be a multiple of groups={self.groups}: diverse beam search splits "
-                "the beams into groups of one width"
+                f"beam_size={self.beam_size} must be a multiple of groups={self.groups}: diverse beam search shares "
+                "the beams out evenly"
             )
 
 
