@@ -257,7 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("inputs", nargs="*", metavar="IMAGE", help=inputs_help)
     _common(caption, n_best=True)
     caption.add_argument("--null", dest="nul", action="store_true", help=NUL_HELP)
-    caption.add_argument("--json", action="store_true", help="JSON lines: path, caption, score, tokens (or error)")
+    caption.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON lines: path, caption, score, tokens (and n_best with --n-best; or error)",
+    )
     _server(caption, "folder of the --image-info images")
     caption.add_argument("--out", metavar="DIR", help="folder for the --image-info results file")
     caption.add_argument("--force", action="store_true", help="overwrite an existing results file")

@@ -80,7 +80,7 @@ class DecodingConfig(Settings):
         check_range("groups", self.groups, 1, MAX_GROUPS, kind=int)
         check_range("diversity", self.diversity, 0.0, MAX_DIVERSITY)
         check_range("temperature", self.temperature, 1e-6)
-        check_range("top_k", self.top_k, 0, kind=int)
+        check_range("top_k", self.top_k, 0, kind=int)  # allocates nothing: over the vocabulary's size, every word
         check_range("top_p", self.top_p, 1e-6, 1.0)
         check_range("min_len", self.min_len, 0, kind=int)
         check_range("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, kind=int)
