@@ -25,6 +25,7 @@ _LAZY = {
     "load_model": "captioner.inference",
     "LoadedModel": "captioner.inference",
     "Captioned": "captioner.inference",
+    "Hypothesis": "captioner.inference",
     "show_attention": "captioner.viz.notebook",
 }
 __all__ = ["__version__", *_LAZY]

@@ -33,6 +33,7 @@ from captioner.data.vocab import UNK_ID
 from captioner.errors import check_range
 from captioner.model.captioner import Captioner
 from captioner.model.decoding import seeded_generator
+from captioner.model.steps import Generation
 
 # a file, a PIL image, a tensor (3, H, W) or a numpy array (H, W, 3) of uint8 (as PIL and OpenCV give, in RGB)
 ImageLike = str | os.PathLike | Image.Image | torch.Tensor | np.ndarray
@@ -68,6 +69,19 @@ def _keep_list(items: list) -> list:
 
 
 @dataclass
+class Hypothesis:
+    """One of the n best captions of an image (``Captioned.n_best``)."""
+
+    words: list[str]
+    score: float  # as ``Captioned.score``: summed log-probability over the length penalty
+
+    @property
+    def caption(self) -> str:
+        """The caption as one string."""
+        return " ".join(self.words)
+
+
+@dataclass
 class Captioned:
     """One captioned image; or, with ``error`` set, an input of a list that could not be captioned (no words)."""
 
@@ -79,6 +93,9 @@ class Captioned:
     locations: list[int] | None = None  # hard attention decoded by argmax: the cell each word attended
     image: Image.Image | torch.Tensor | np.ndarray | None = None  # the image given in memory (files: see path)
     error: str | None = None  # why this input of a list could not be captioned (a file's path is ``path``)
+    # with ``n_best`` N > 1 (beam and diverse beam search): the N best captions, best first (the first is this one;
+    # fewer where the vocabulary and the constraints leave fewer with a finite score); None otherwise
+    n_best: list[Hypothesis] | None = None
 
     @property
     def caption(self) -> str:
@@ -194,8 +211,19 @@ def _caption_batch(
     for row in range(tokens.size(0)):
         words = vocab.decode(tokens[row].tolist())
         maps = alphas[row, : len(words)].float()  # (T, L)
-        results.append(Captioned(None, words, float(scores[row]), maps, grid, locations=attended_cells(model, maps)))
+        result = Captioned(None, words, float(scores[row]), maps, grid, locations=attended_cells(model, maps))
+        result.n_best = _n_best(generation, row, loaded)
+        results.append(result)
     return results
+
+
+def _n_best(generation: Generation, row: int, loaded: LoadedModel) -> list[Hypothesis] | None:
+    """The n best captions of image ``row`` of ``generation`` with a finite score, best first; None when it has
+    only its best (``DecodingConfig.n_best`` 1, or a method that finds one)."""
+    if generation.n_best_tokens is None:
+        return None
+    tokens, scores = generation.n_best_tokens[row].tolist(), generation.n_best_scores[row].tolist()
+    return [Hypothesis(loaded.vocab.decode(ids), score) for ids, score in zip(tokens, scores) if math.isfinite(score)]
 
 
 def attended_cells(model: Captioner, maps: torch.Tensor) -> list[int] | None:

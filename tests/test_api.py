@@ -113,7 +113,9 @@ def test_decoding_keywords_are_checked_as_the_command_line_checks_its_flags(mode
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'beamsize'; did you mean 'beam_size'\?"):
         model.caption(photos[0], beamsize=5)
     refused = {
-        "beam_size goes with method='beam'; this call decodes with method='greedy'": dict(method="greedy", beam_size=5),
+        "beam_size goes with method='beam' or method='diverse'; this call decodes with method='greedy'": dict(
+            method="greedy", beam_size=5
+        ),
         "seed goes with method='sample'; this call decodes with method='beam' (the default)": dict(seed=3),
         "temperature goes with method='sample'; this call decodes with method='greedy'": dict(
             method="greedy", temperature=0.5

@@ -11,6 +11,7 @@ import shutil
 import pytest
 from PIL import Image
 
+import captioner
 from captioner import cli
 from cli_helpers import MAX_LEN, QUICK, SHAPE_WORDS, before_summary, noise, one_error_line
 
@@ -197,3 +198,34 @@ def test_min_len_is_checked_against_the_model_s_own_max_len_and_before_loading_o
     ):
         assert cli.main(["caption", str(image), "--model", missing, *options]) == 2
         assert capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("method", ["beam", "diverse"])
+def test_n_best_captions_in_json_in_tsv_and_in_the_api(method, bundles, inputs, capsys):
+    good = inputs[1][:2]
+    common = ["caption", *good, "--model", bundles["soft"], *QUICK, "--method", method, "--beam-size", "4"]
+    common += ["--groups", "2", "--diversity", "2"] if method == "diverse" else []
+    assert cli.main([*common, "--json"]) == 0
+    one_best = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all("n_best" not in row for row in one_best)
+    assert cli.main([*common, "--json", "--n-best", "3"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["path"] for row in rows] == good
+    for row, alone in zip(rows, one_best):
+        listed = row["n_best"]
+        assert len(listed) == 3 and listed[0]["caption"] == row["caption"] == alone["caption"]
+        assert listed[0]["score"] == row["score"] and [one["score"] for one in listed] == sorted(
+            [one["score"] for one in listed], reverse=True
+        )
+        assert all(one["caption"] == " ".join(one["tokens"]) and len(one["tokens"]) == 3 for one in listed)
+        assert len({one["caption"] for one in listed}) == 3
+    assert cli.main([*common, "--n-best", "3"]) == 0
+    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
+    assert lines == [[row["path"], one["caption"]] for row in rows for one in row["n_best"]]  # best first
+    settings = dict(method=method, beam_size=4, max_len=3, n_best=3)
+    if method == "diverse":
+        settings.update(groups=2, diversity=2.0)
+    captioned = captioner.load_model(bundles["soft"]).caption(good, **settings)
+    for result, row in zip(captioned, rows):
+        assert [one.caption for one in result.n_best] == [one["caption"] for one in row["n_best"]]
+        assert [round(one.score, 4) for one in result.n_best] == [one["score"] for one in row["n_best"]]

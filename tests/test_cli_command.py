@@ -54,7 +54,13 @@ def test_version_and_help_show_every_default_in_plain_text(capsys):
                 assert shown in flat, (name, action.option_strings, shown)
     caption = " ".join(commands["caption"].format_help().split())
     # a decoding option's default is the model's own, and a zero is shown as one
-    assert "--length-penalty LENGTH_PENALTY GNMT alpha for beam search (default: the model's; 0.0 for an" in caption
+    assert (
+        "--length-penalty LENGTH_PENALTY GNMT alpha: captions compared on score / ((5 + length) / 6) ** alpha "
+        "(default: the model's; 0.0 for an" in caption
+    )
+    for group in ("decoding (every method):", "beam search (--method beam or diverse):",
+                  "diverse beam search (--method diverse):", "sampling (--method sample):"):  # fmt: skip
+        assert group in caption
     assert "--max-len MAX_LEN maximum words per caption (default: the model's; 20 for an older model file)" in caption
 
 

@@ -114,14 +114,24 @@ def test_a_bad_argument_is_one_line_and_exit_2(option, message, bundles, inputs,
 @pytest.mark.parametrize(
     "option, message",
     [
-        (["--method", "greedy", "--beam-size", "5"], "--beam-size goes with --method beam; this command decodes with "
-         "--method greedy"),
+        (["--method", "greedy", "--beam-size", "5"], "--beam-size goes with --method beam or --method diverse; this "
+         "command decodes with --method greedy"),
         (["--temperature", "0.5"], "--temperature goes with --method sample; this command decodes with --method beam "
          "(the default)"),
         (["--method", "beam", "--seed", "1"], "--seed goes with --method sample; this command decodes with --method "
          "beam (the default)"),
-        (["--method", "sample", "--length-penalty", "1"], "--length-penalty goes with --method beam; this command "
-         "decodes with --method sample"),
+        (["--method", "sample", "--length-penalty", "1"], "--length-penalty goes with --method beam or --method "
+         "diverse; this command decodes with --method sample"),
+        (["--groups", "3"], "--groups goes with --method diverse; this command decodes with --method beam (the "
+         "default)"),
+        (["--method", "greedy", "--n-best", "2"], "--n-best goes with --method beam or --method diverse; this command "
+         "decodes with --method greedy"),
+        (["--top-p", "0.9"], "--top-p goes with --method sample; this command decodes with --method beam (the "
+         "default)"),
+        (["--method", "sample", "--top-k", "-1"], "--top-k=-1 must be >= 0"),
+        (["--n-best", "4"], "--n-best=4 must be <= --beam-size=3: a beam search keeps --beam-size captions"),
+        (["--method", "diverse", "--beam-size", "4"], "--beam-size=4 must be a multiple of --groups=3: diverse beam "
+         "search shares the beams out evenly"),
     ],
 )  # fmt: skip
 def test_an_option_the_method_ignores_is_refused(option, message, bundles, inputs, capsys):

@@ -34,7 +34,19 @@ METHODS = {
         method="beam", beam_size=3, max_len=8, length_penalty=0.7, min_len=3, no_repeat_ngram_size=2
     ),
     "beam 5": DecodingConfig(method="beam", beam_size=5, max_len=8),
+    "beam 4, n-best 3": DecodingConfig(method="beam", beam_size=4, n_best=3, max_len=8, min_len=3),
+    "diverse 6 in 3 groups, n-best 6": DecodingConfig(
+        method="diverse", beam_size=6, groups=3, diversity=1.0, n_best=6, max_len=8, no_repeat_ngram_size=2
+    ),
 }
+
+
+def n_best_equal(mine, theirs) -> None:
+    for field in ("n_best_tokens", "n_best_lengths"):
+        assert (getattr(mine, field) is None) == (getattr(theirs, field) is None), field
+        assert getattr(mine, field) is None or torch.equal(getattr(mine, field), getattr(theirs, field)), field
+    if mine.n_best_scores is not None:
+        torch.testing.assert_close(mine.n_best_scores, theirs.n_best_scores, rtol=1e-4, atol=1e-4)
 
 
 def generations_equal(mine, theirs) -> None:
@@ -56,6 +68,7 @@ def test_a_replayed_decoding_call_equals_the_eager_one(name: str, attention: str
         eager = decode(decoder, features, settings)
         decoder.decoding_graphs = graphs
         generations_equal(graphed, eager)
+        n_best_equal(graphed, eager)
     assert graphs.captures == 2
 
 
@@ -91,8 +104,9 @@ def test_a_decoder_moved_cast_or_given_new_tensors_never_replays_the_old_ones(ch
 
 
 @needs_cuda
-def test_replayed_sampling_draws_fresh_words_as_eager_draws_them() -> None:
-    decoder, settings = make_decoder().to(CUDA), DecodingConfig(method="sample", max_len=8)
+@pytest.mark.parametrize("cuts", [{}, {"top_k": 4, "top_p": 0.9}])
+def test_replayed_sampling_draws_fresh_words_as_eager_draws_them(cuts: dict) -> None:
+    decoder, settings = make_decoder().to(CUDA), DecodingConfig(method="sample", max_len=8, **cuts)
     features = features_for(1024).to(CUDA)
     first, second = decode(decoder, features, settings), decode(decoder, features, settings)  # capture, replay
     assert not torch.equal(first.tokens, second.tokens)  # each replay draws its own words

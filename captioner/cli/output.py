@@ -22,8 +22,9 @@ def tsv_line(*fields: object) -> str:
 class Output:
     """The rows of a captioning command and the counts of its closing summary.
 
-    stdout gets one row per input: ``PATH<TAB>CAPTION[<TAB>more]`` (escaped by ``tsv_line``) or, with
-    ``as_json``, a JSON object per line, ``{"path", "error"}`` for an input that failed. Each failure is
+    stdout gets one row per input: ``PATH<TAB>CAPTION[<TAB>more]`` (escaped by ``tsv_line``; with n-best captions
+    one such row for each, best first) or, with ``as_json``, a JSON object per line (``n_best``: the list of
+    ``{"caption", "score", "tokens"}``), ``{"path", "error"}`` for an input that failed. Each failure is
     also one line ``error: PATH: REASON`` on stderr. ``rows=False`` only counts the captioned images.
     """
 
@@ -50,9 +51,14 @@ class Output:
         if self.as_json:
             row = {"image_id": image_id} if image_id is not None else {}
             row.update(path=result.path, caption=result.caption, score=round(result.score, 4), tokens=result.words)
+            if result.n_best is not None:
+                row["n_best"] = [
+                    {"caption": one.caption, "score": round(one.score, 4), "tokens": one.words} for one in result.n_best
+                ]
             print(json.dumps(row), flush=True)
         else:
-            print(tsv_line(result.path, result.caption, *more), flush=True)
+            for caption in [result.caption] if result.n_best is None else [one.caption for one in result.n_best]:
+                print(tsv_line(result.path, caption, *more), flush=True)
 
     def failure(self, failed: Skipped) -> None:
         """An input that could not be used: one line on stderr, and its JSON record with ``as_json``."""

@@ -48,7 +48,9 @@ DEFAULT_NAME = "captioner"  # the algorithm name in a results file for the COCO 
 CAPTION_OUTPUT = """output:
   stdout holds one line per captioned image, PATH<TAB>CAPTION; with --json one JSON object per line,
   {"path", "caption", "score", "tokens"} for a captioned image and {"path", "error"} for each input that
-  failed. Every failure is also one line on stderr, "error: PATH: REASON". In the tab-separated lines
+  failed. With --n-best N a captioned image's object also holds "n_best", its N best captions best first,
+  each {"caption", "score", "tokens"}, and without --json the image has N lines, best first. Every failure
+  is also one line on stderr, "error: PATH: REASON". In the tab-separated lines
   a backslash, tab, newline or carriage return inside a field is written as \\\\, \\t, \\n or \\r,
   so every line has exactly two fields.
   A folder is searched recursively for image files: files named like an image (.jpg, .png, ...) and files
@@ -78,6 +80,42 @@ SHAPES_OPTIONS = {
 SPLITS_EPILOG = """coco: val and test are Karpathy's 5,000 val2014 images each (their ids ship with captioner), train is
   all of train2014 plus the rest of val2014 (restval), 113,287 images; sentences are tokenised as Karpathy's
   (lower case, punctuation dropped). The file is what data=coco_karpathy reads (see docs/datasets.md)."""
+
+
+# The decoding options in their --help groups: flag -> (type, help, what a model file that does not keep its decoding
+# settings decodes with). Their bounds are DecodingConfig's; one that a method does not read is refused with it.
+DECODING_OPTIONS = {
+    "decoding (every method)": {
+        "--method": (None, "decoding method", CAPTIONING_METHOD.value),
+        "--max-len": (int, "maximum words per caption", DecodingConfig.max_len),
+        "--min-len": (int, "no <end> before this many words (0: off)", DecodingConfig.min_len),
+        "--no-repeat-ngram-size": (
+            int,
+            "no n-gram of this many words twice in a caption (0: off)",
+            DecodingConfig.no_repeat_ngram_size,
+        ),
+    },
+    "beam search (--method beam or diverse)": {
+        "--beam-size": (int, "captions kept per image (diverse: all groups' together)", DecodingConfig.beam_size),
+        "--length-penalty": (float, "GNMT alpha: captions compared on score / ((5 + length) / 6) ** alpha",
+                             DecodingConfig.length_penalty),
+        "--n-best": (int, "return the N best captions of each image with their scores (N <= --beam-size)",
+                     DecodingConfig.n_best),
+    },
+    "diverse beam search (--method diverse)": {
+        "--groups": (int, "groups of --beam-size / G beams; each group's words are penalised where earlier groups "
+                     "chose them at the same word", DecodingConfig.groups),
+        "--diversity": (float, "the log-prob taken off a word for each earlier group's beam that chose it",
+                        DecodingConfig.diversity),
+    },
+    "sampling (--method sample)": {
+        "--temperature": (float, "softmax(logits / temperature)", DecodingConfig.temperature),
+        "--top-k": (int, "draw among the K most likely words only (0: all)", DecodingConfig.top_k),
+        "--top-p": (float, "nucleus: draw among the fewest most likely words that hold P of the probability (1: all)",
+                    DecodingConfig.top_p),
+        "--seed": (int, "the same seed, the same captions", "none"),
+    },
+}  # fmt: skip
 
 
 class _Given(argparse.Action):
@@ -140,33 +178,27 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
-def _common(sub: argparse.ArgumentParser) -> None:
-    """The model, decoding, batching and device options every command takes."""
+def _common(sub: argparse.ArgumentParser, n_best: bool = False) -> None:
+    """The model, decoding, batching and device options every command takes (``n_best``: ``--n-best`` too), the
+    decoding options in a group per method."""
     sub.add_argument(
         "--model",
         required=True,
         help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint",
     )
     sub.set_defaults(given=set())
-    decoding = {  # flag: (type, help, what a model file that does not keep its decoding settings decodes with)
-        "--method": (None, "decoding method", CAPTIONING_METHOD.value),
-        "--beam-size": (int, "captions kept per image by beam search", DecodingConfig.beam_size),
-        "--max-len": (int, "maximum words per caption", DecodingConfig.max_len),
-        "--temperature": (float, "for --method sample", DecodingConfig.temperature),
-        "--seed": (int, "for --method sample: the same seed, the same captions", "none"),
-        "--length-penalty": (float, "GNMT alpha for beam search", DecodingConfig.length_penalty),
-        "--min-len": (int, "no <end> before this many words (0: off)", DecodingConfig.min_len),
-        "--no-repeat-ngram-size": (int, "no n-gram of this many words twice in a caption (0: off)",
-                                   DecodingConfig.no_repeat_ngram_size),
-    }  # fmt: skip
-    for name, (kind, text, fallback) in decoding.items():
-        sub.add_argument(
-            name,
-            type=kind,
-            choices=list(DecodeMethod) if name == "--method" else None,
-            action=_Given,
-            help=f"{text} (default: the model's; {fallback} for an older model file)",
-        )
+    for title, options in DECODING_OPTIONS.items():
+        group = sub.add_argument_group(title)
+        for name, (kind, text, fallback) in options.items():
+            if name == "--n-best" and not n_best:
+                continue
+            group.add_argument(
+                name,
+                type=kind,
+                choices=list(DecodeMethod) if name == "--method" else None,
+                action=_Given,
+                help=f"{text} (default: the model's; {fallback} for an older model file)",
+            )
     sub.add_argument(
         "--batch-size", type=int, default=CAPTIONING_BATCH_SIZE, help="images encoded and decoded together"
     )
@@ -224,9 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
         "caption", "caption image files, folders and globs, or the images of a COCO image list", CAPTION_OUTPUT
     )
     caption.add_argument("inputs", nargs="*", metavar="IMAGE", help=inputs_help)
-    _common(caption)
+    _common(caption, n_best=True)
     caption.add_argument("--null", dest="nul", action="store_true", help=NUL_HELP)
-    caption.add_argument("--json", action="store_true", help="JSON lines: path, caption, score, tokens (or error)")
+    caption.add_argument(
+        "--json",
+        action="store_true",
+        help="JSON lines: path, caption, score, tokens (and n_best with --n-best; or error)",
+    )
     _server(caption, "folder of the --image-info images")
     caption.add_argument("--out", metavar="DIR", help="folder for the --image-info results file")
     caption.add_argument("--force", action="store_true", help="overwrite an existing results file")

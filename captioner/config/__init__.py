@@ -14,7 +14,6 @@ The network's defaults are those of the built-in demo (``python train.py``); its
 from captioner.config.data import (
     MAX_AUTO_WORKERS,
     MAX_IMAGE_SIZE,
-    MAX_VOCAB_SIZE,
     MIN_IMAGE_SIZE,
     CaptionsSpec,
     DataConfig,
@@ -27,6 +26,7 @@ from captioner.config.decoding import (
     CAPTIONING_METHOD,
     CAPTIONING_WORKERS,
     MAX_LEN,
+    MAX_VOCAB_SIZE,
     MAX_WORDS,
     METHOD_SETTINGS,
     DecodeMethod,

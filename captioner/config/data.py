@@ -6,14 +6,13 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from captioner.config.decoding import MAX_LEN, MAX_WORDS
+from captioner.config.decoding import MAX_LEN, MAX_VOCAB_SIZE, MAX_WORDS
 from captioner.config.settings import Settings
 from captioner.data.splits import SPLITS
 from captioner.errors import ConfigError, check_choice, check_range
 
 MIN_IMAGE_SIZE = 32  # pixels per side at least: every image the model reads, generates or stores
 MAX_IMAGE_SIZE = 4096  # ... and at most (a bound on what a config or a bundle can make us allocate)
-MAX_VOCAB_SIZE = 1_000_000  # words a vocabulary (a bundle's too) holds at most besides the specials
 MAX_AUTO_WORKERS = 8  # DataConfig.num_workers=None uses at most this many loader workers
 
 

@@ -20,6 +20,9 @@ MAX_WORDS = 100  # max_len (decoding's and training's DataConfig.max_len), min_l
 MAX_BEAM_SIZE = 32
 MAX_LENGTH_PENALTY = 10.0  # GNMT's alpha; 0.6-1.0 are the usual values
 MAX_TEMPERATURE = 100.0  # softmax(logits / 100) is all but uniform already
+MAX_VOCAB_SIZE = 1_000_000  # words a vocabulary (a bundle's too) holds at most besides the specials
+MAX_GROUPS = 64  # diverse beam search's groups at most: each is one more pass over the vocabulary per word
+MAX_DIVERSITY = 100.0  # the largest diversity penalty: far beyond any log-prob gap, every earlier word barred
 
 
 class DecodeMethod(enum.StrEnum):
@@ -27,6 +30,7 @@ class DecodeMethod(enum.StrEnum):
 
     greedy = "greedy"
     beam = "beam"
+    diverse = "diverse"  # diverse beam search: the beams in groups, each kept from the words of the earlier ones
     sample = "sample"
 
 
@@ -39,10 +43,15 @@ class DecodingConfig(Settings):
 
     # greedy for validation and test (one decode per epoch, fast); captioning: CAPTIONING_METHOD
     method: DecodeMethod = DecodeMethod.greedy
-    beam_size: int = 3
+    beam_size: int = 3  # beam and diverse: beams per image (diverse: all groups' together)
     max_len: int = MAX_LEN  # words at most, <end> excluded; a training run's: its data.max_len (conf/model/base.yaml)
-    length_penalty: float = 0.0  # beam: score / length ** length_penalty
+    length_penalty: float = 0.0  # beam and diverse: score / ((5 + length) / 6) ** length_penalty (GNMT)
+    n_best: int = 1  # beam and diverse: captions returned per image, best first (<= beam_size)
+    groups: int = 3  # diverse: groups of beam_size / groups beams each (beam_size a multiple of it)
+    diversity: float = 0.5  # diverse: lambda, the log-prob taken off a word per earlier group's beam that chose it
     temperature: float = 1.0  # sample: softmax(logits / temperature)
+    top_k: int = 0  # sample: draw among the top_k most likely words only (0: off)
+    top_p: float = 1.0  # sample: draw among the fewest most likely words holding top_p of the mass (1: off)
     min_len: int = 0  # no <end> before this many words (0: off)
     no_repeat_ngram_size: int = 0  # no n-gram of this many words twice in a caption (0: off)
     seed: int | None = None  # sample: seeds its random draws, the same seed the same captions (None: torch's own)
@@ -60,22 +69,42 @@ class DecodingConfig(Settings):
         return dataclasses.replace(self, method=CAPTIONING_METHOD)
 
     def describe(self) -> str:
-        """The method in words: "beam search (beam 3)", "greedy", "sample"."""
+        """The method in words: "beam search (beam 3)", "diverse beam search (beam 6 in 3 groups, diversity 0.5)",
+        "greedy", "sample", "sample (top-k 10, top-p 0.9)"."""
         if self.method == DecodeMethod.beam:
             return f"beam search (beam {self.beam_size})"
+        if self.method == DecodeMethod.diverse:
+            return f"diverse beam search (beam {self.beam_size} in {self.groups} groups, diversity {self.diversity})"
+        cuts = [f"top-k {self.top_k}"] * bool(self.top_k) + [f"top-p {self.top_p}"] * (self.top_p < 1)
+        if self.method == DecodeMethod.sample and cuts:
+            return f"sample ({', '.join(cuts)})"
         return str(self.method)
 
     def check(self) -> None:
         check_range("beam_size", self.beam_size, 1, MAX_BEAM_SIZE, kind=int)
         check_range("max_len", self.max_len, 1, MAX_WORDS, kind=int)
         check_range("length_penalty", self.length_penalty, 0.0, MAX_LENGTH_PENALTY)
+        check_range("n_best", self.n_best, 1, kind=int)
+        check_range("groups", self.groups, 1, MAX_GROUPS, kind=int)
+        check_range("diversity", self.diversity, 0.0, MAX_DIVERSITY)
         check_range("temperature", self.temperature, 1e-6, MAX_TEMPERATURE)
+        check_range("top_k", self.top_k, 0, MAX_VOCAB_SIZE, kind=int)  # 0: off; past the vocabulary, every word
+        check_range("top_p", self.top_p, 1e-6, 1.0)
         check_range("min_len", self.min_len, 0, MAX_WORDS, kind=int)
         check_range("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, MAX_WORDS, kind=int)
         if self.seed is not None:
             check_range("seed", self.seed, 0, 2**64 - 1, kind=int)  # what torch.Generator.manual_seed takes
         if self.min_len >= self.max_len:
             raise ConfigError(f"min_len={self.min_len} must be < max_len={self.max_len}")
+        if self.n_best > self.beam_size:
+            raise ConfigError(
+                f"n_best={self.n_best} must be <= beam_size={self.beam_size}: a beam search keeps beam_size captions"
+            )
+        if self.method == DecodeMethod.diverse and self.beam_size % self.groups:
+            raise ConfigError(
+                f"beam_size={self.beam_size} must be a multiple of groups={self.groups}: diverse beam search shares "
+                "the beams out evenly"
+            )
 
 
 # How captioning decodes by default (validation and test: DecodingConfig.method): beam search finds better
@@ -86,11 +115,17 @@ CAPTIONING_WORKERS = 2  # processes decoding image files while the model caption
 
 # The captioning settings that only one method reads: given with another method they are refused, as keywords of
 # ``caption()`` and as the command line's flags (``--beam-size`` with ``--method greedy``).
+BEAMS = (DecodeMethod.beam, DecodeMethod.diverse)
 METHOD_SETTINGS = {
-    "beam_size": DecodeMethod.beam,
-    "length_penalty": DecodeMethod.beam,
-    "temperature": DecodeMethod.sample,
-    "seed": DecodeMethod.sample,
+    "beam_size": BEAMS,
+    "length_penalty": BEAMS,
+    "n_best": BEAMS,
+    "groups": (DecodeMethod.diverse,),
+    "diversity": (DecodeMethod.diverse,),
+    "temperature": (DecodeMethod.sample,),
+    "top_k": (DecodeMethod.sample,),
+    "top_p": (DecodeMethod.sample,),
+    "seed": (DecodeMethod.sample,),
 }
 
 
@@ -131,11 +166,11 @@ def captioning_settings(
                 message = message.replace(name, flag(name))
         raise ConfigError(message) from None
     for name in sorted(set(settings) & set(METHOD_SETTINGS)):
-        if config.method != METHOD_SETTINGS[name]:
+        if config.method not in METHOD_SETTINGS[name]:
             subject = "this command" if flags else "this call"
             default = " (the default)" if config.method == CAPTIONING_METHOD else ""
+            methods = " or ".join(spell("method", method) for method in METHOD_SETTINGS[name])
             raise ConfigError(
-                f"{spell(name)} goes with {spell('method', METHOD_SETTINGS[name])}; {subject} decodes with "
-                f"{spell('method', config.method)}{default}"
+                f"{spell(name)} goes with {methods}; {subject} decodes with {spell('method', config.method)}{default}"
             )
     return config

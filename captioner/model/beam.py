@@ -1,11 +1,13 @@
-"""Beam search over B images x K beams at once (``captioner.model.decoding.decode``'s "beam")."""
+"""Beam search over B images x K beams at once (``captioner.model.decoding.decode``'s "beam"), and diverse beam
+search (its "diverse"; Vijayakumar et al. 2016), whose K beams are G groups of K / G that advance one after the
+other at each word, each kept away from the words the earlier groups chose at that word."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from captioner.config import DecodingConfig, ModelConfig
+from captioner.config import DecodeMethod, DecodingConfig, ModelConfig
 from captioner.data.vocab import END_ID, PAD_ID, START_ID
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.steps import Constraints, Generation, run_steps, static_steps, trimmed, word_log_probs
@@ -20,20 +22,91 @@ def beam_search(
     static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
     """Beam search of ``settings.beam_size`` beams per image of the features (B, L, D), returning the best
-    caption of each image (``settings``: ``max_len``, ``length_penalty``, ``min_len``, ``no_repeat_ngram_size``).
+    caption of each image, and its ``settings.n_best`` best when that is over 1 (``settings``: ``max_len``,
+    ``length_penalty``, ``min_len``, ``no_repeat_ngram_size``; with ``method`` "diverse", ``groups`` and
+    ``diversity`` too).
 
     Each step ranks the 2K best extensions (summed log-probs, never raw logits): those of the top K
     that end with <end> become finished hypotheses, the K best others stay live. Hypotheses are
     compared on score / lp(length), lp = ((5 + length) / 6) ** length_penalty (GNMT; 0 compares
-    the sums). An image is done when its best finished hypothesis beats any score its live beams
+    the sums). An image is done when its n_best-th finished hypothesis beats any score its live beams
     could still reach (score / lp(max_len), as log-probs only fall); at ``max_len`` the live beams
     compete too, so a caption is returned even when <end> was never emitted. Words, backpointers
-    and alphas are kept per step and the chosen caption is traced back at the end. The features
+    and alphas are kept per step and the chosen captions are traced back at the end. The features
     (B, L, D) and keys (B, L, A) stay one copy per image: the decoder scores the K beams' states
     (B, K, H) against them. <unk> is never generated when ``unk_id`` is given; ``static_shapes`` as
     ``ModelConfig.static_shapes`` says.
+
+    Diverse beam search: the K beams are ``groups`` groups of W = K / G, each a beam search of width W as above.
+    At each word the groups choose in order, group g ranking its extensions by its summed log-probs less
+    ``diversity`` times the number of beams of groups 0 .. g - 1 that chose the same word at this word (Hamming
+    diversity; a group that is done no longer counts). With diversity 0 every group is the beam search of width W.
+    Each group keeps its min(n_best, W) best captions; the captions returned are the best of all groups' on the
+    log-probs summed without the penalty (over lp), which the scores are.
     """
     return trimmed(untrimmed_beam_search(decoder, features, settings, unk_id, static_shapes))
+
+
+class _Beams:
+    """One group of ``width`` beams of each of B images: its live beams and the best ``kept`` finished captions so
+    far; ``offset``: its first row among all the groups' K rows."""
+
+    def __init__(self, batch: int, width: int, kept: int, offset: int, device: torch.device) -> None:
+        self.offset = offset
+        self.scores = torch.full((batch, width), float("-inf"), device=device)  # (B, W) what the search ranks
+        self.scores[:, 0] = 0.0  # the W rows start identical: expand one of them
+        self.sums = self.scores.clone()  # (B, W) the log-probs summed (diverse: the scores without the penalty)
+        self.found = torch.full((batch, kept), float("-inf"), device=device)  # (B, P) finished: score / lp, best first
+        self.found_sums = self.found.clone()  # (B, P) their sums / lp
+        self.found_steps = torch.zeros(batch, kept, dtype=torch.long, device=device)  # (B, P) step of their <end>
+        self.found_rows = torch.zeros_like(self.found_steps)  # (B, P) the row (of all K) that emitted it
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
+
+    def advance(self, log_probs: Tensor, penalised: Tensor, t: int, settings: DecodingConfig) -> tuple[Tensor, Tensor]:
+        """Step ``t``: extend the beams by their words' ``log_probs`` (B, W, V) ranked by ``penalised`` (the same, or
+        less the diversity penalty); the parent (within the group) and the word (B, W) of each new beam."""
+        batch, width, vocab = log_probs.shape
+        alpha = settings.length_penalty
+        candidates = (self.scores.unsqueeze(-1) + penalised).view(batch, width * vocab)  # (B, W*V)
+        top, index = candidates.topk(2 * width, dim=1)  # (B, 2W): at most W of them end with <end>
+        sums = (self.sums.unsqueeze(-1) + log_probs).view(batch, width * vocab).gather(1, index)  # (B, 2W)
+        parent, word = index // vocab, index % vocab  # (B, 2W)
+        ends = (word[:, :width] == END_ID) & top[:, :width].isfinite() & ~self.done.unsqueeze(1)  # (B, W)
+        lp = _penalty(t + 1, alpha)
+        ended = (top[:, :width] / lp).masked_fill(~ends, float("-inf"))  # (B, W)
+        self._keep_found(ended, sums[:, :width] / lp, torch.full_like(word[:, :width], t), parent[:, :width])
+        self.scores, keep = top.masked_fill(word == END_ID, float("-inf")).topk(width, dim=1)  # (B, W)
+        self.sums = sums.gather(1, keep)
+        self.done = self.found[:, -1] >= self.scores.max(dim=1).values / _penalty(settings.max_len, alpha)
+        return parent.gather(1, keep), word.gather(1, keep)
+
+    def _keep_found(self, values: Tensor, sums: Tensor, steps: Tensor, parents: Tensor) -> None:
+        """Merge the hypotheses that ended at this step (B, W) (-inf: none) into the ``kept`` best finished; on a
+        tie the earlier one stays ahead."""
+        merged = torch.cat([self.found, values], dim=1)  # (B, P + W)
+        order = merged.sort(dim=1, descending=True, stable=True).indices[:, : self.found.size(1)]  # (B, P)
+        self.found = merged.gather(1, order)
+        self.found_sums = torch.cat([self.found_sums, sums], dim=1).gather(1, order)
+        self.found_steps = torch.cat([self.found_steps, steps], dim=1).gather(1, order)
+        self.found_rows = torch.cat([self.found_rows, parents + self.offset], dim=1).gather(1, order)
+
+    def best(self, steps: int, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+        """After ``steps`` steps, the group's ``kept`` best captions, finished or live: their sums / lp, <end> steps
+        (``steps`` for a live beam, which ends there without <end>) and rows (B, P). A finished caption goes before
+        a live beam of the same score, a live beam before an empty slot of the finished ones."""
+        batch, width = self.scores.shape
+        lp = _penalty(steps, alpha)
+        values = torch.cat([self.found, self.scores / lp], dim=1)  # (B, P + W)
+        slot = torch.cat([torch.where(self.found.isfinite(), 0, 2), torch.ones_like(self.scores, dtype=torch.long)], 1)
+        first = slot.sort(dim=1, stable=True).indices  # (B, P + W) finished, live, empty
+        order = first.gather(1, values.gather(1, first).sort(dim=1, descending=True, stable=True).indices)
+        order = order[:, : self.found.size(1)]  # (B, P)
+        live_steps = torch.full_like(self.found_steps[:, :1], steps).expand(batch, width)
+        live_rows = torch.arange(width, device=order.device).expand(batch, width) + self.offset
+        sums = torch.cat([self.found_sums, self.sums / lp], dim=1).gather(1, order)
+        end_steps = torch.cat([self.found_steps, live_steps], dim=1).gather(1, order)
+        rows = torch.cat([self.found_rows, live_rows], dim=1).gather(1, order)
+        return sums, end_steps, rows
 
 
 @torch.no_grad()
@@ -46,53 +119,53 @@ def untrimmed_beam_search(
 ) -> Generation:
     """``beam_search`` without its final trimming (one host read): T = the steps run, all ``max_len`` with
     static shapes."""
-    constraints, alpha_lp, max_len = Constraints.of(settings), settings.length_penalty, settings.max_len
+    constraints, max_len = Constraints.of(settings), settings.max_len
     batch, beams, device = features.size(0), settings.beam_size, features.device
+    groups = settings.groups if settings.method == DecodeMethod.diverse else 1
+    width = beams // groups
+    kept = settings.n_best if groups == 1 else min(settings.n_best, width)  # finished captions each group keeps
     keys = decoder.attention.keys(features)  # (B, L, A), once per image
     # (B, K, H) x 2, contiguous as every later step's state (one compiled step serves them all)
     state = tuple(s.unsqueeze(1).expand(-1, beams, -1).contiguous() for s in decoder.init_state(features))
     tokens = torch.full((batch, beams), START_ID, dtype=torch.long, device=device)  # (B, K)
-    scores = torch.full((batch, beams), float("-inf"), device=device)  # (B, K) live beams' log-probs
-    scores[:, 0] = 0.0  # the K rows start identical: expand one of them
-    best = torch.full((batch,), float("-inf"), device=device)  # (B,) best finished score / lp
-    best_step = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) step of its <end>
-    best_row = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) beam that emitted it
-    done = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
+    searches = [_Beams(batch, width, kept, group * width, device) for group in range(groups)]
     words, parents, alphas = [], [], []  # per step: (B, K), (B, K), (B, K, L)
     history = tokens.new_empty(batch, beams, 0) if constraints.no_repeat_ngram_size else None  # (B, K, t)
 
     def advance(t: int) -> Tensor:
-        nonlocal state, tokens, scores, best, best_step, best_row, done, history
+        nonlocal state, tokens, history
         logits, state, alpha, _, _ = decoder.step(tokens, state, features, keys)  # (B, K, V), (B, K, L)
-        vocab = logits.size(-1)
         log_probs = constraints.apply(word_log_probs(logits, unk_id), history, t)  # (B, K, V)
-        candidates = (scores.unsqueeze(-1) + log_probs).view(batch, beams * vocab)  # (B, K*V)
-        top, index = candidates.topk(2 * beams, dim=1)  # (B, 2K): at most K of them end with <end>
-        parent, word = index // vocab, index % vocab  # (B, 2K)
-        ends = (word[:, :beams] == END_ID) & top[:, :beams].isfinite() & ~done.unsqueeze(1)  # (B, K)
-        value, pick = (top[:, :beams] / _penalty(t + 1, alpha_lp)).masked_fill(~ends, float("-inf")).max(1)
-        better = value > best  # (B,)
-        best = torch.where(better, value, best)
-        best_step = best_step.masked_fill(better, t)
-        best_row = torch.where(better, parent.gather(1, pick.unsqueeze(1)).squeeze(1), best_row)
-        scores, keep = top.masked_fill(word == END_ID, float("-inf")).topk(beams, dim=1)  # (B, K)
-        parent, word = parent.gather(1, keep), word.gather(1, keep)  # (B, K)
+        chosen = log_probs.new_zeros(batch, log_probs.size(-1))  # (B, V) earlier groups' beams choosing each word
+        parent, word = [], []
+        for search in searches:
+            own = log_probs[:, search.offset : search.offset + width]  # (B, W, V)
+            penalised = own if groups == 1 else own - settings.diversity * chosen.unsqueeze(1)
+            group_parent, group_word = search.advance(own, penalised, t, settings)  # (B, W) x 2
+            if groups > 1:
+                counted = (~search.done).unsqueeze(1).expand_as(group_word).to(chosen.dtype)  # (B, W)
+                chosen.scatter_add_(1, group_word, counted)
+            parent.append(group_parent + search.offset)
+            word.append(group_word)
+        parent, tokens = torch.cat(parent, dim=1), torch.cat(word, dim=1)  # (B, K)
         state = tuple(_rows(s, parent) for s in state)  # follow the parents
         if history is not None:
-            history = torch.cat([_rows(history, parent), word.unsqueeze(-1)], dim=-1)  # (B, K, t + 1)
-        tokens = word  # (B, K)
-        words.append(word)
+            history = torch.cat([_rows(history, parent), tokens.unsqueeze(-1)], dim=-1)  # (B, K, t + 1)
+        words.append(tokens)
         parents.append(parent)
         alphas.append(alpha)
-        done = best >= scores.max(dim=1).values / _penalty(max_len, alpha_lp)
-        return done
+        return torch.stack([search.done for search in searches], dim=1)  # (B, G)
 
     steps = run_steps(max_len, static_steps(static_shapes, features), advance)
-    live, live_row = (scores / _penalty(steps, alpha_lp)).max(dim=1)  # (B,)
-    use_live = (live > best) | best.isneginf()  # nothing finished, or a live beam is better
-    end_step = torch.where(use_live, steps, best_step)  # (B,) the words before it are traced back
-    row = torch.where(use_live, live_row, best_row)
-    return _trace(words, parents, alphas, end_step, row, torch.where(use_live, live, best))
+    found = [search.best(steps, settings.length_penalty) for search in searches]  # G x (B, P) x 3
+    sums, end_steps, rows = (torch.cat(part, dim=1) for part in zip(*found))  # (B, G * P)
+    order = sums.sort(dim=1, descending=True, stable=True).indices[:, : settings.n_best]  # (B, N)
+    scores, end_steps, rows = sums.gather(1, order), end_steps.gather(1, order), rows.gather(1, order)
+    tokens, attention, lengths = _trace(words, parents, alphas, end_steps, rows)  # (B, N, T), (B, N, T, L), (B, N)
+    generation = Generation(tokens[:, 0], scores[:, 0], attention[:, 0], lengths[:, 0])
+    if settings.n_best > 1:
+        generation.n_best_tokens, generation.n_best_scores, generation.n_best_lengths = tokens, scores, lengths
+    return generation
 
 
 def _rows(values: Tensor, parent: Tensor) -> Tensor:
@@ -106,23 +179,25 @@ def _penalty(length: int, alpha: float) -> float:
 
 
 def _trace(
-    words: list[Tensor], parents: list[Tensor], alphas: list[Tensor], end_step: Tensor, row: Tensor, scores: Tensor
-) -> Generation:
-    """Follow the backpointers from beam ``row`` at ``end_step`` (B,): <end> there when it lies before
-    the last step (a finished hypothesis), the words of the beams it came from before it."""
+    words: list[Tensor], parents: list[Tensor], alphas: list[Tensor], end_step: Tensor, row: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Follow the backpointers of N captions per image from beam ``row`` at ``end_step`` (B, N): <end> there when it
+    lies before the last step (a finished hypothesis), the words of the beams it came from before it. Their tokens
+    (B, N, T), alphas (B, N, T, L) and lengths (B, N)."""
     history = torch.stack(alphas, dim=1)  # (B, steps, K, L)
     batch, steps, _, locations = history.shape
-    images = torch.arange(batch, device=row.device)
-    ended = end_step < steps  # (B,)
+    images = torch.arange(batch, device=row.device).unsqueeze(1)  # (B, 1)
+    captions = torch.arange(row.size(1), device=row.device).unsqueeze(0)  # (1, N)
+    ended = end_step < steps  # (B, N)
     last = end_step.clamp(max=steps - 1)
-    tokens = torch.full((batch, steps), PAD_ID, dtype=torch.long, device=row.device)
-    tokens[images, last] = torch.where(ended, END_ID, PAD_ID)
-    attention = history.new_zeros(batch, steps, locations)
-    attention[images, last] = history[images, last, row] * ended.unsqueeze(1)
+    tokens = torch.full((*row.shape, steps), PAD_ID, dtype=torch.long, device=row.device)  # (B, N, T)
+    tokens[images, captions, last] = torch.where(ended, END_ID, PAD_ID)
+    attention = history.new_zeros(*row.shape, steps, locations)  # (B, N, T, L)
+    attention[images, captions, last] = history[images, last, row] * ended.unsqueeze(-1)
     for t in reversed(range(steps)):
-        before = t < end_step  # (B,)
-        parent = parents[t][images, row]  # (B,)
-        tokens[:, t] = torch.where(before, words[t][images, row], tokens[:, t])
-        attention[:, t] = torch.where(before.unsqueeze(1), history[images, t, parent], attention[:, t])
+        before = t < end_step  # (B, N)
+        parent = parents[t].gather(1, row)  # (B, N)
+        tokens[:, :, t] = torch.where(before, words[t].gather(1, row), tokens[:, :, t])
+        attention[:, :, t] = torch.where(before.unsqueeze(-1), history[images, t, parent], attention[:, :, t])
         row = torch.where(before, parent, row)
-    return Generation(tokens, scores, attention, end_step + ended)
+    return tokens, attention, end_step + ended

@@ -1,5 +1,5 @@
-"""Caption generation from image features: greedy, sampling, beam search and SCST's rollouts, batched over
-images, each taking one checked ``DecodingConfig``.
+"""Caption generation from image features: greedy, sampling (top-k, nucleus), beam search, diverse beam search
+and SCST's rollouts, batched over images, each taking one checked ``DecodingConfig``.
 
 Each method computes the attention keys once per image, then advances every caption a word at a time in
 ``steps.run_steps``, the one step loop (finished rows masked, early exit only with dynamic shapes).
@@ -59,19 +59,39 @@ def sample(
     unk_id: int | None = None,
     static_shapes: bool | None = ModelConfig.static_shapes,
 ) -> Generation:
-    """Sample each word from softmax(logits / ``settings.temperature``) over the allowed words; scores use
-    the untempered log-probs."""
+    """Sample each word from softmax(logits / ``settings.temperature``) over the allowed words, among the
+    ``settings.top_k`` most likely (0: all) and the nucleus of ``settings.top_p`` (1: all); scores use the
+    untempered, uncut log-probs."""
     return trimmed(_one_caption_each(decoder, features, settings, _sampler(settings, generator), unk_id, static_shapes))
 
 
 def _sampler(settings: DecodingConfig, generator: torch.Generator | None) -> Callable[[Tensor], Tensor]:
-    """Sampling's choice: a word (B,) drawn from softmax(log-probs / ``settings.temperature``) of each row."""
+    """Sampling's choice: a word (B,) drawn from softmax(log-probs / ``settings.temperature``) of each row, cut to
+    its top-k and nucleus (``truncated``)."""
 
     def choose(log_probs: Tensor) -> Tensor:
-        probs = (log_probs / settings.temperature).softmax(dim=-1)  # (B, V)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+        tempered = truncated(log_probs / settings.temperature, settings.top_k, settings.top_p)  # (B, V)
+        return torch.multinomial(tempered.softmax(dim=-1), 1, generator=generator).squeeze(1)  # (B,)
 
     return choose
+
+
+def truncated(log_probs: Tensor, top_k: int, top_p: float) -> Tensor:
+    """The log-probs (B, V) with -inf outside each row's ``top_k`` most likely words (0: no cut; more than V: all)
+    and outside its nucleus, the fewest most likely words whose probabilities sum to ``top_p`` or more (1: no cut;
+    the most likely word always stays). Ties rank the lower id first, as argmax does. Fixed shapes (a sort, a
+    cumulative sum and a scatter): no host read, what a captured graph needs."""
+    if not top_k and top_p >= 1.0:
+        return log_probs
+    ordered, order = log_probs.sort(dim=-1, descending=True, stable=True)  # (B, V)
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    if top_k:
+        keep[..., top_k:] = False
+    if top_p < 1.0:
+        probs = ordered.softmax(dim=-1)
+        keep &= probs.cumsum(dim=-1) - probs < top_p  # the mass before a word is short of top_p
+    keep[..., 0] = True
+    return torch.full_like(log_probs, float("-inf")).scatter(-1, order, ordered.masked_fill(~keep, float("-inf")))
 
 
 def _one_caption_each(
@@ -205,7 +225,8 @@ def decode(
     with graphs.lock:  # one caller at a time copies its features in and its captions out (threads, one model)
         call = graphs.get(key, lambda: CapturedCall(run, [features], decoder, graphs.capture), tensors_at(decoder))
         replayed = call(features)
-        outputs = Generation(*(getattr(replayed, field.name).clone() for field in dataclasses.fields(Generation)))
+        copied = (getattr(replayed, field.name) for field in dataclasses.fields(Generation))
+        outputs = Generation(*(None if value is None else value.clone() for value in copied))
         return trimmed(outputs)  # its host read waits for the copies, before the next caller's replay
 
 
@@ -222,4 +243,4 @@ def _untrimmed(
         return _one_caption_each(decoder, features, settings, _most_likely, unk_id, static)
     if settings.method == DecodeMethod.sample:
         return _one_caption_each(decoder, features, settings, _sampler(settings, generator), unk_id, static)
-    return untrimmed_beam_search(decoder, features, settings, unk_id, static)
+    return untrimmed_beam_search(decoder, features, settings, unk_id, static)  # beam, diverse

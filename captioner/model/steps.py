@@ -25,12 +25,16 @@ EXIT_CHECK_INTERVAL = 4  # steps between the host checks for "every row is done"
 
 @dataclass
 class Generation:
-    """Generated captions, T = the longest of them."""
+    """Generated captions, T = the longest of them; with ``DecodingConfig.n_best`` N > 1 (beam and diverse beam
+    search), the N best of each image as well, best first (the first is the one caption above)."""
 
     tokens: Tensor  # (B, T) long: no <start>, <end> where emitted, <pad> after it
     scores: Tensor  # (B,) sum of the tokens' log-probabilities (beam: over the length penalty)
     alphas: Tensor  # (B, T, L) attention of each returned token, 0 after the end
     lengths: Tensor  # (B,) long, the <end> token included
+    n_best_tokens: Tensor | None = None  # (B, N, T) as tokens, the N best captions of each image
+    n_best_scores: Tensor | None = None  # (B, N) their scores, as scores, descending
+    n_best_lengths: Tensor | None = None  # (B, N) long, as lengths
 
 
 @dataclass(frozen=True)
@@ -98,5 +102,15 @@ def run_steps(max_len: int, static: bool, step: Callable[[int], Tensor]) -> int:
 
 def trimmed(generation: Generation) -> Generation:
     """Drop the trailing steps where every caption has ended (one host sync, after decoding)."""
-    steps = int(generation.lengths.max()) if generation.lengths.numel() else 0
-    return Generation(generation.tokens[:, :steps], generation.scores, generation.alphas[:, :steps], generation.lengths)
+    lengths = generation.lengths if generation.n_best_lengths is None else generation.n_best_lengths
+    steps = int(lengths.max()) if lengths.numel() else 0
+    n_best = generation.n_best_tokens
+    return Generation(
+        generation.tokens[:, :steps],
+        generation.scores,
+        generation.alphas[:, :steps],
+        generation.lengths,
+        None if n_best is None else n_best[..., :steps],
+        generation.n_best_scores,
+        generation.n_best_lengths,
+    )
