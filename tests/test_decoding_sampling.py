@@ -74,7 +74,7 @@ def test_the_same_seed_draws_the_same_captions():
 @pytest.mark.parametrize(
     "settings, message",
     [
-        (dict(top_k=-1), "top_k=-1 must be >= 0"),
+        (dict(top_k=-1), "top_k=-1 must be in \\[0, 1000000\\]"),
         (dict(top_p=0.0), r"top_p=0.0 must be in \[1e-06, 1.0\]"),
         (dict(top_p=1.5), r"top_p=1.5 must be in \[1e-06, 1.0\]"),
         (dict(top_k=2.5), "top_k=2.5 must be an int"),
