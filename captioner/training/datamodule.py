@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,11 +38,11 @@ class FeatureEncoder(Protocol):
 class CaptionDataModule(L.LightningDataModule):
     """Train/val/test loaders over one ``Source``.
 
-    Training batches hold each image once with all its captions (``per_caption=False``), so the CNN runs
-    once per image. With ``feature_cache`` set, the output of the encoder's frozen stages (all of a frozen
-    encoder: the grid features) is computed once by the model being trained (``FeatureEncoder``, in the
-    rank-0 process of each node) and the loaders yield ``features`` instead of ``images``; the model runs the
-    stages it trains on them.
+    Training batches hold each image once with K of its captions (``per_caption=False``;
+    ``training_captions_per_image``), so the CNN runs once per image and every batch has the same shapes. With
+    ``feature_cache`` set, the output of the encoder's frozen stages (all of a frozen encoder: the grid features)
+    is computed once by the model being trained (``FeatureEncoder``, in the rank-0 process of each node) and the
+    loaders yield ``features`` instead of ``images``; the model runs the stages it trains on them.
     """
 
     def __init__(self, source: Source, settings: DataConfig) -> None:
@@ -121,14 +122,25 @@ class CaptionDataModule(L.LightningDataModule):
         return cache
 
     def _loader(
-        self, dataset: Dataset, batch_size: int, shuffle: bool, generator: torch.Generator | None = None
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool,
+        generator: torch.Generator | None = None,
+        train: bool = False,
     ) -> DataLoader:
+        """Batches of ``dataset``; ``train``: static ones (K captions per image, masked rows for unreadable images
+        and, with ``pad_to``, for an epoch's last, smaller batch: ``collate``)."""
         workers = loader_workers(self.settings.num_workers)
+        static = {}
+        if train:
+            rows = batch_size if self.settings.pad_to is not None else None
+            static = {"captions_per_image": self.training_captions_per_image(), "rows": rows}
         return DataLoader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
-            collate_fn=functools.partial(collate, pad_to=self.settings.pad_to),
+            collate_fn=functools.partial(collate, pad_to=self.settings.pad_to, **static),
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
@@ -137,7 +149,26 @@ class CaptionDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches (Lightning adds the distributed sampler under DDP)."""
-        return self._loader(self._dataset("train", train=True), self.settings.batch_size, shuffle=True)
+        return self._loader(self._dataset("train", train=True), self.settings.batch_size, shuffle=True, train=True)
+
+    def training_captions_per_image(self) -> int:
+        """K, the captions each training image takes per step: ``data.captions_per_image``, 1 with
+        ``per_caption``, else when None the most common caption count of the training split (logged)."""
+        if self.settings.per_caption:
+            return 1
+        if self.settings.captions_per_image is not None:
+            return self.settings.captions_per_image
+        counts = Counter(len(r.captions) for r in self.splits["train"])
+        k = max(counts, key=lambda n: (counts[n], n))
+        log.info(
+            "data.captions_per_image=%d, the most common caption count of the training images (%d of %d): "
+            "images with more take %d drawn afresh each epoch, those with fewer repeat theirs with weight 0",
+            k,
+            counts[k],
+            len(self.splits["train"]),
+            k,
+        )
+        return k
 
     def val_dataloader(self) -> DataLoader:
         """Validation images in order, each with all its captions."""
