@@ -79,3 +79,17 @@ def test_graphs_need_a_cuda_device_and_never_nest_with_per_word_graphs() -> None
         module.setup("validate")
     with pytest.raises(ConfigError, match="model.compile=reduce-overhead graphs each word inside them"):
         from_dict(ModelConfig, {"graphs": True, "compile": "reduce-overhead"})
+
+
+def test_under_bf16_autocast_the_ranks_agreement_and_the_capture_share_one_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    module = tiny_module(EagerReplays)
+    data = [one_batch(module.model.encoder.out_channels) for _ in range(3)]
+    trainer = steps_trainer(len(data), L.Callback(), precision="bf16-mixed")
+    with caplog.at_level(logging.INFO, logger="captioner.training.module"):
+        trainer.fit(module, DataLoader(data, batch_size=None, collate_fn=lambda batch: batch))
+    # agreed on in on_train_batch_start, captured in the step: both under the step's autocast
+    assert module.graphed_steps.key[-1] == (True, torch.bfloat16, False)
+    assert trainer.callback_metrics["train/graph_replays"].item() == 1.0
+    assert "3 of 3 training steps (100%) replayed the CUDA graph" in caplog.text
