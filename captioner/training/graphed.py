@@ -12,10 +12,9 @@ still runs eagerly; the share of steps that replayed is logged and reported at e
 replayed step's gradients are all-reduced beside the graph, as one flat buffer the graph fills: before each step
 the ranks agree whether it replays (``agree``: one all-reduce on the host, so no rank replays while another runs
 eagerly, whose gradients DDP's reducer all-reduces), the module asks DDP not to synchronise a replayed step, and
-the reduction is never skipped. Captured too: hard
-attention's sampling (each replay draws fresh locations and a fresh expected-context share, whose schedule is a
-buffer), dropout, the REINFORCE baseline's update. SCST steps run eagerly: CIDEr-D counts n-grams of sampled
-captions, shapes a graph cannot hold.
+the reduction is never skipped. Captured too: hard attention's sampling (each replay draws fresh locations and a
+fresh expected-context share, whose schedule is a buffer), dropout, the REINFORCE baseline's update. SCST steps run
+eagerly: CIDEr-D counts n-grams of sampled captions, shapes a graph cannot hold.
 """
 
 from __future__ import annotations
