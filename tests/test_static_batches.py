@@ -32,6 +32,7 @@ from captioner.config import DataConfig, ModelConfig, from_dict
 from captioner.data.dataset import CaptionDataset, Skipped, build_transform, collate, fixed_captions
 from captioner.data.readers import Record
 from captioner.data.vocab import PAD_ID, Vocabulary
+from captioner.model.losses import SelfCriticalLoss
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.module import CaptionerModule
 from conftest import ROOT, make_loss, subprocess_env
@@ -248,6 +249,18 @@ def test_a_repeated_caption_weighted_zero_changes_no_loss_term() -> None:
     alone = loss(output, tokens[:2])
     for name in ("ce", "ds", "loss"):
         torch.testing.assert_close(weighted[name], alone[name])
+
+
+@pytest.mark.parametrize("baseline", ["mean", "greedy"])
+def test_scst_counts_no_sample_of_a_masked_row(baseline: str) -> None:
+    loss = SelfCriticalLoss(baseline)
+    log_probs, lengths = -torch.rand(6, 4), torch.tensor([4, 2, 3, 1, 4, 4])  # 3 images x 2 samples
+    rewards, greedy = torch.tensor([[0.5, 0.1], [9.0, 7.0], [0.2, 0.4]]), torch.tensor([0.3, 8.0, 0.1])
+    masked = loss(log_probs, lengths, rewards, greedy, real=torch.tensor([True, False, True]))
+    kept = torch.tensor([0, 1, 4, 5])
+    alone = loss(log_probs[kept], lengths[kept], rewards[[0, 2]], greedy[[0, 2]])
+    for name in alone:
+        torch.testing.assert_close(masked[name], alone[name])
 
 
 # ------------------------------------------------------------------------------------ training, 1 and 2 ranks
