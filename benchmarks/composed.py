@@ -255,7 +255,8 @@ def model_train_step(
     module = build_module(size, args)
     model = module.model
     captions, index = random_captions(size, size.batch, args.device)
-    batch: dict[str, Any] = {"captions": captions, "captions_per_image": index}
+    weights = torch.ones(captions.size(0), device=args.device)  # collate's caption_weights: every caption counts
+    batch: dict[str, Any] = {"captions": captions, "captions_per_image": index, "caption_weights": weights}
     if source == "features":
         batch["features"] = random_features(model, size, size.batch, args.device)
     elif source == "images":
@@ -303,7 +304,7 @@ def make_train_step(
 
     def terms(given: dict[str, Any]) -> dict[str, Tensor]:
         with autocast(args):
-            return module.criterion(forward(given), given["captions"])
+            return module.criterion(forward(given), given["captions"], given.get("caption_weights"))
 
     if graphs:
         graphed = GraphedSteps(nn.ModuleList([trained, module.criterion]), terms)

@@ -106,13 +106,17 @@ def test_the_vocabulary_travels_in_checkpoints_and_must_match(source: ListSource
         datamodule.load_state_dict({"vocab": other.to_dict()})
 
 
-def test_loaders_hold_each_image_once_with_all_its_captions(source: ListSource) -> None:
-    datamodule = _datamodule(source, eval_batch_size=4)
+def test_loaders_hold_each_image_once_with_k_training_captions(source: ListSource) -> None:
+    datamodule = _datamodule(source, eval_batch_size=4, captions_per_image=2)
     datamodule.setup("fit")
     batches = list(datamodule.train_dataloader())
     assert [b["images"].shape[0] for b in batches] == [2, 1] and batches[0]["images"].shape[1:] == (3, SIZE, SIZE)
     assert sorted(i for b in batches for i in b["image_ids"].tolist()) == [1, 2, 3]
-    assert sum(b["captions"].shape[0] for b in batches) == 4  # image 1's two captions in its batch
+    assert all(b["captions_per_image"] == 2 and b["captions"].shape[0] == 2 * b["images"].shape[0] for b in batches)
+    assert sum(b["caption_weights"].sum() for b in batches) == 4  # every caption once: the repeats weigh 0
+    most_common = _datamodule(source)  # K: the most common count, 1 caption; image 1's drawn each epoch
+    most_common.setup("fit")
+    assert sum(b["captions"].shape[0] for b in most_common.train_dataloader()) == 3
     (val,) = list(datamodule.val_dataloader())  # in order, in one batch of 4
     assert val["image_ids"].tolist() == [4] and val["captions"].shape[0] == 2
     assert val["skipped"] == [Skipped(str(Path(source.splits["val"][1].image_path)), "file not found")]
@@ -144,6 +148,8 @@ def test_pad_to_gives_every_batch_the_same_caption_length(source: ListSource) ->
         for b in loader
     }
     assert widths == {10}
+    # static training batches: the last one's missing image is a masked row
+    assert [b["real"].tolist() for b in datamodule.train_dataloader()] == [[True, True], [True, False]]
     with pytest.raises(ConfigError, match=r"data.pad_to=9 must be >= 10"):
         _datamodule(source, pad_to=9, max_len=8)
 

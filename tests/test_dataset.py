@@ -176,7 +176,9 @@ def test_collate_shapes_and_values(files, vocab):
     assert torch.allclose(batch["images"][1, :, 0, 0], normalised((0, 0, 255)), atol=1e-5)
     assert [s.path for s in batch["skipped"]] == [str(files["missing"]), str(files["folder"])]
     assert batch["captions_per_image"] is None  # 2 and 3 captions: read gathered
-    assert all(t.dtype == torch.long for k, t in batch.items() if k not in ("images", "skipped", "captions_per_image"))
+    assert batch["caption_weights"].equal(torch.ones(5)) and batch["real"].equal(torch.tensor([True, True]))
+    integers = {k: t for k, t in batch.items() if k not in ("images", "skipped", "captions_per_image")}
+    assert all(t.dtype == torch.long for k, t in integers.items() if k not in ("caption_weights", "real"))
 
 
 def test_collate_pads_to_a_fixed_length_when_asked(files, vocab):

@@ -2,19 +2,24 @@
 ``python benchmarks/gpu_check.py``): a replayed decoding call equals the eager one for every method, and still
 after the decoder is moved, cast or given new tensors (never replaying freed memory), a replayed
 training step equals the eager step over 20 steps in bf16, hard attention's replays draw fresh locations with
-eager's statistics and follow the expected-context schedule, and Lightning trains with the graphs as without.
+eager's statistics and follow the expected-context schedule, and Lightning trains with the graphs as without, on
+a COCO-shaped set too (every step replayed).
 tests/test_graphed.py checks on the CPU what runs there of the same path."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import logging
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from captioner.config import DecodingConfig
+from captioner.data.dataset import CaptionDataset, build_transform, collate
 from captioner.model.decoding import decode
 from captioner.model.graphs import CapturedCall, tensors_at
 from captioner.training.graphed import GraphedSteps
@@ -23,6 +28,7 @@ from captioner.training.optimization import build_optimizer
 from conftest import V, features_for, make_decoder
 from test_gpu import fit_on_gpu
 from test_precision import one_batch, tiny_module
+from test_static_batches import MAX_LEN, SIZE, coco_shaped
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -215,4 +221,26 @@ def test_lightning_trains_with_graphed_steps_as_without() -> None:
         weights.append(torch.cat([p.detach().float().flatten() for p in module.parameters()]))
     logger.removeHandler(lines)
     torch.testing.assert_close(weights[1], weights[0], rtol=1e-3, atol=1e-4)
-    assert any(line.startswith("1 training step(s) ran eagerly, outside the CUDA graph") for line in lines.lines)
+    assert "5 of 6 training steps (83%) replayed the CUDA graph; 1 ran eagerly: their batch had other shapes" in (
+        " ".join(lines.lines)
+    )
+
+
+@needs_cuda
+def test_the_coco_shaped_set_replays_every_step_and_trains_as_eager_steps(tmp_path: Path) -> None:
+    """tests/test_static_batches.py's COCO-shaped set (5 to 7 captions per image, a corrupt and a missing image) in
+    static batches of K = 5 captions per image: every step replays, and trains as the eager steps do."""
+    module = tiny_module()
+    dataset = CaptionDataset(coco_shaped(tmp_path), module.vocab, build_transform(SIZE, train=False), max_len=MAX_LEN)
+    static = functools.partial(collate, pad_to=MAX_LEN + 2, captions_per_image=5, rows=3)  # 16 = 5 x 3 + 1
+    torch.manual_seed(0)  # the draws of the images with more than five captions
+    batches = [{**b, "skipped": []} for b in DataLoader(dataset, batch_size=3, shuffle=True, collate_fn=static)]
+    assert len(batches) == 6 and {tuple(b["captions"].shape) for b in batches} == {(15, MAX_LEN + 2)}
+    weights, replays = [], []
+    for graphs in (False, True):
+        module = tiny_module(graphs=graphs)
+        trainer = fit_on_gpu(module, batches, "bf16-mixed", clip=1.0)
+        weights.append(torch.cat([p.detach().float().flatten() for p in module.parameters()]))
+        replays.append(trainer.callback_metrics.get("train/graph_replays"))
+    torch.testing.assert_close(weights[1], weights[0], rtol=1e-3, atol=1e-4)
+    assert replays[0] is None and replays[1].item() == 1.0  # the last, short batch padded with masked rows

@@ -68,7 +68,7 @@ def test_replayed_steps_train_as_eager_steps(settings: dict, caplog: pytest.LogC
         torch.testing.assert_close(replays.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
         moved += not torch.equal(value, start[name])
     assert moved > 10  # Adam moved the weights: the gradients reached it
-    assert "1 training step(s) ran eagerly, outside the CUDA graph: their batches have other shapes than the 4" in (
+    assert "4 of 5 training steps (80%) replayed the CUDA graph; 1 ran eagerly: their batch had other shapes" in (
         caplog.text
     )
 
@@ -81,3 +81,17 @@ def test_graphs_need_a_cuda_device_and_never_nest_with_per_word_graphs() -> None
         module.setup("validate")
     with pytest.raises(ConfigError, match="model.compile=reduce-overhead graphs each word inside them"):
         from_dict(ModelConfig, {"graphs": True, "compile": "reduce-overhead"})
+
+
+def test_under_bf16_autocast_the_ranks_agreement_and_the_capture_share_one_key(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    module = tiny_module(EagerReplays)
+    data = [one_batch(module.model.encoder.out_channels) for _ in range(3)]
+    trainer = steps_trainer(len(data), L.Callback(), precision="bf16-mixed")
+    with caplog.at_level(logging.INFO, logger="captioner.training.module"):
+        trainer.fit(module, DataLoader(data, batch_size=None, collate_fn=lambda batch: batch))
+    # agreed on in on_train_batch_start, captured in the step: both under the step's autocast
+    assert module.graphed_steps.key[-1] == (True, torch.bfloat16, False)
+    assert trainer.callback_metrics["train/graph_replays"].item() == 1.0
+    assert "3 of 3 training steps (100%) replayed the CUDA graph" in caplog.text

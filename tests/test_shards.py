@@ -183,11 +183,11 @@ def test_what_a_stream_cannot_do_is_refused_before_the_run(override: str, refuse
 def test_vocabulary_streams_from_the_shards_captions(shards: tuple[str, list], tiny_shapes: Path) -> None:
     pattern, captions = shards
     built = source(pattern, tiny_shapes)
-    assert list(built.captions()) == [c for sample in captions for c in sample]
+    assert list(built.captions()) == captions
     # the same through pipe: commands, which webdataset opens
     piped = source(f"pipe:cat {pattern}", tiny_shapes)
     assert [shard.size for shard in piped.shards] == list(SIZES)
-    assert list(piped.captions()) == [c for sample in captions for c in sample]
+    assert list(piped.captions()) == captions
     settings = from_dict(DataConfig, {"image_size": IMAGE_SIZE, "min_word_count": 2, "max_vocab": None})
     datamodule = CaptionDataModule(built, settings)
     datamodule.setup("fit")
@@ -237,7 +237,7 @@ def read_ranks(pattern: str, out: Path) -> None:
 def _rank(rank: int, pattern: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
     built = WebDatasetSource(train=pattern, eval_source=ShapesSource(out), shuffle_buffer=4)
-    vocab = Vocabulary.build(built.captions())
+    vocab = Vocabulary.build(c for sample in built.captions() for c in sample)
     stream = built.stream(
         vocab, build_transform(IMAGE_SIZE, train=True), max_len=16, batch_size=BATCH, rank=rank, ranks=2, workers=2
     )

@@ -39,6 +39,11 @@ class DataConfig(Settings):
     max_vocab: int | None = 10000  # keep at most this many words (most frequent first); None: all
     max_len: int = MAX_LEN  # longer training captions are cut to this many words
     per_caption: bool = False  # one item per (image, caption); the CNN then runs once per caption
+    # K: every training image takes exactly K captions per step (``captioner.data.dataset.collate``), so a batch's
+    # shapes never depend on the data: an image with more has K drawn afresh each epoch, one with fewer has its
+    # captions repeated up to K with weight 0 (every caption counts once in the loss). None: the most common
+    # caption count of the training split (the larger on a tie; logged when training starts). 1 with per_caption.
+    captions_per_image: int | None = None
     augment: bool = False  # mild colour jitter / crop; never flips (captions say left and right)
     feature_cache: str | None = None  # a folder: cache the encoder's frozen stages' output there
     feature_dtype: FeatureDtype = FeatureDtype.float16  # the cache's dtype
@@ -63,6 +68,8 @@ class DataConfig(Settings):
         if self.max_vocab is not None:
             check_range("max_vocab", self.max_vocab, 4, MAX_VOCAB_SIZE, kind=int)
         check_range("max_len", self.max_len, 1, MAX_WORDS, kind=int)
+        if self.captions_per_image is not None:
+            check_range("captions_per_image", self.captions_per_image, 1, kind=int)
         if self.pad_to is not None:
             check_range("pad_to", self.pad_to, self.caption_tokens, kind=int)
 

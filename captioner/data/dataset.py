@@ -1,7 +1,8 @@
 """Image-caption dataset, transforms and batching: each image decoded once with all its captions.
 
 An unreadable image never stops training: the dataset returns ``Skipped(path, reason)`` in its
-place, ``collate`` moves it into ``batch["skipped"]`` and a ``SkipCounter`` reports them.
+place, ``collate`` lists it in ``batch["skipped"]`` (a training batch keeps a masked row in its place, so its
+shapes never change) and a ``SkipCounter`` reports them.
 Everything here is picklable (no lambdas), so DataLoader workers can be used.
 """
 
@@ -105,20 +106,37 @@ class CaptionDataset(Dataset):
         }
 
 
-def collate(items: list[dict | Skipped], pad_to: int | None = None) -> dict:
-    """Batch dataset items: images stacked, every caption of every image flattened and padded.
+def collate(
+    items: list[dict | Skipped],
+    pad_to: int | None = None,
+    captions_per_image: int | None = None,
+    rows: int | None = None,
+) -> dict:
+    """Batch dataset items: images stacked, their captions flattened and padded.
 
     Returns ``images`` (B, 3, H, W) (or ``features`` (B, L, C) for items that carry cached features),
     ``captions`` (N, T) padded with ``<pad>`` to the longest caption, or to T = ``pad_to`` when given (the
     same T for every batch: ``DataConfig.pad_to``), ``lengths`` (N,) including ``<start>``/``<end>``,
-    ``image_index`` (N,) the image of each caption, ``captions_per_image`` (K when every image has K
-    captions, which are then rows bK .. bK + K - 1 for image b; else None), ``image_ids`` (B,), ``indices``
-    (B,) and ``skipped`` (the Skipped items, dropped from the batch). B may be 0 when every image was skipped.
+    ``caption_weights`` (N,) what each caption counts in the loss (1 or 0), ``image_index`` (N,) the image of
+    each caption, ``captions_per_image`` (K when every image has K captions, which are then rows bK .. bK + K - 1
+    for image b; else None), ``real`` (B,) whether a row is an image (not a masked one), ``image_ids`` (B,),
+    ``indices`` (B,) and ``skipped`` (the Skipped items).
+
+    Without ``captions_per_image`` (validation and test: the captions are references) every caption of every
+    image is kept and the Skipped items are dropped from the batch. With it (training: static shapes), each
+    image has exactly K = ``captions_per_image`` captions (``fixed_captions``) and a Skipped item becomes a
+    masked row (zero image, K empty captions of weight 0, image id -1, index 0) in its place; ``rows`` pads the
+    batch with masked rows to that many (an epoch's last, smaller batch). B may be 0 when every image was
+    skipped (no image gives the masked rows their shape).
     """
     skipped = [item for item in items if isinstance(item, Skipped)]
     kept = [item for item in items if not isinstance(item, Skipped)]
     if not kept:
         return _empty_batch(skipped)
+    if captions_per_image is None:
+        weights = [torch.ones(len(item["captions"])) for item in kept]
+    else:
+        kept, weights = _static_rows(items, kept[0], captions_per_image, rows)
     captions = [c for item in kept for c in item["captions"]]
     counts = torch.tensor([len(item["captions"]) for item in kept])
     key = "features" if "features" in kept[0] else "image"
@@ -127,16 +145,60 @@ def collate(items: list[dict | Skipped], pad_to: int | None = None) -> dict:
         if padded.size(1) > pad_to:
             raise ValueError(f"a caption of {padded.size(1)} tokens does not fit pad_to={pad_to}")
         padded = F.pad(padded, (0, pad_to - padded.size(1)), value=PAD_ID)  # (N, pad_to)
+    caption_weights = torch.cat(weights)  # (N,)
     return {
         "images" if key == "image" else "features": torch.stack([item[key] for item in kept]),
         "captions": padded,  # (N, T)
         "lengths": torch.tensor([len(c) for c in captions], dtype=torch.long),  # (N,)
+        "caption_weights": caption_weights,  # (N,)
         "image_index": torch.repeat_interleave(torch.arange(len(kept)), counts),  # (N,)
         "captions_per_image": int(counts[0]) if bool((counts == counts[0]).all()) else None,
+        "real": torch.tensor([not item.get("masked", False) for item in kept]),  # (B,)
         "image_ids": torch.tensor([item["image_id"] for item in kept], dtype=torch.long),  # (B,)
         "indices": torch.tensor([item["index"] for item in kept], dtype=torch.long),  # (B,)
         "skipped": skipped,
     }
+
+
+def fixed_captions(captions: Sequence[torch.Tensor], k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Exactly ``k`` of an image's ``captions`` and their loss weights (k,).
+
+    Exactly k: all of them, in order, weights 1, and no random number drawn. More: k of them drawn without
+    replacement by torch's generator (in a loader worker, the worker's: a seeded run draws the same, each epoch
+    afresh), weights 1. Fewer: all of them, then repeated in turn up to k with weight 0, so every caption counts
+    once and a repeat never does.
+    """
+    n = len(captions)
+    if n >= k:
+        chosen = range(k) if n == k else torch.randperm(n)[:k].tolist()
+        return [captions[i] for i in chosen], torch.ones(k)
+    weights = torch.cat([torch.ones(n), torch.zeros(k - n)])  # (k,)
+    return [captions[i % n] for i in range(k)], weights
+
+
+def _static_rows(
+    items: list[dict | Skipped], like: dict, k: int, rows: int | None
+) -> tuple[list[dict], list[torch.Tensor]]:
+    """``items`` as rows of K captions each (``fixed_captions``), a Skipped item and the padding up to ``rows`` as
+    masked rows shaped as ``like``, with their caption weights."""
+    key = "features" if "features" in like else "image"
+    masked = {
+        key: torch.zeros_like(like[key]),
+        "captions": [torch.zeros(0, dtype=torch.long)] * k,  # all <pad> once padded
+        "image_id": -1,
+        "index": 0,
+        "masked": True,
+    }
+    out, weights = [], []
+    for item in [*items, *[None] * max(0, (rows or 0) - len(items))]:
+        if item is None or isinstance(item, Skipped):
+            out.append(masked)
+            weights.append(torch.zeros(k))
+            continue
+        captions, weight = fixed_captions(item["captions"], k)
+        out.append({**item, "captions": captions})
+        weights.append(weight)
+    return out, weights
 
 
 def _empty_batch(skipped: list[Skipped]) -> dict:
@@ -146,8 +208,10 @@ def _empty_batch(skipped: list[Skipped]) -> dict:
         "images": torch.zeros(0, 3, 0, 0),
         "captions": torch.zeros(0, 0, dtype=torch.long),
         "lengths": empty,
+        "caption_weights": torch.zeros(0),
         "image_index": empty,
         "captions_per_image": None,
+        "real": torch.zeros(0, dtype=torch.bool),
         "image_ids": empty,
         "indices": empty,
         "skipped": skipped,

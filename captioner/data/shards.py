@@ -170,13 +170,13 @@ def _json(data: bytes | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def stream_captions(shards: Sequence[Shard], captions_field: str) -> Iterator[str]:
-    """Every caption of ``shards``, in order: one pass that reads their txt and json members only."""
+def stream_captions(shards: Sequence[Shard], captions_field: str) -> Iterator[list[str]]:
+    """Each sample's captions of ``shards``, in order: one pass that reads their txt and json members only."""
     wds = _webdataset()
     select = re.compile(r".*\.(txt|json)$", re.IGNORECASE).match
     for shard in shards:
         for sample in wds.tariterators.tarfile_samples([{"url": shard.url}], select_files=select):
-            yield from sample_captions(sample, captions_field)
+            yield list(sample_captions(sample, captions_field))
 
 
 def readers_needed(shards: Sequence[Shard], readers: int, ranks: int, workers: int) -> None:
@@ -282,8 +282,9 @@ class WebDatasetSource:
         """The source of val and test."""
         return self._built
 
-    def captions(self) -> Iterator[str]:
-        """Every training caption, in one pass over the shards that decodes no image (for the vocabulary)."""
+    def captions(self) -> Iterator[list[str]]:
+        """Each training sample's captions, in one pass over the shards that decodes no image (for the vocabulary
+        and the samples' caption counts)."""
         return stream_captions(self.shards, self.captions_field)
 
     def stream(

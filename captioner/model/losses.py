@@ -49,8 +49,15 @@ class CaptionLoss(nn.Module):
         self.register_buffer("baseline", torch.zeros(BASELINE_SLOTS))
         self.register_buffer("baseline_seen", torch.zeros(BASELINE_SLOTS, dtype=torch.bool))
 
-    def forward(self, output: DecoderOutput, captions: Tensor) -> dict[str, Tensor]:
+    def forward(
+        self, output: DecoderOutput, captions: Tensor, weights: Tensor | None = None, tokens: Tensor | None = None
+    ) -> dict[str, Tensor]:
         """Loss terms for ``output`` of teacher forcing on ``captions`` (N, T+1).
+
+        ``weights`` (N,): what each caption counts (``collate``'s ``caption_weights``: 0 for a repeated caption
+        or a masked row; None: 1 each). ``tokens``: the number every term is divided by; None: this batch's
+        weighted real target tokens (``target_mask``); under DDP the module passes the whole global batch's
+        divided by the ranks, so that DDP's mean of the ranks' gradients is the global batch's.
 
         Keys: "ce" (mean cross-entropy per real token), "ds" (doubly stochastic penalty, eq. 14),
         "loss" (the total to minimise) and, for hard attention in training, "entropy" (the bonus,
@@ -58,15 +65,15 @@ class CaptionLoss(nn.Module):
         surrogate whose gradient is the REINFORCE term of eq. 12; "loss" carries its gradient only).
         """
         targets = captions[:, 1:]  # (N, T)
-        real = targets != self.pad_id
-        if self.unk_id is not None:
-            real = real & (targets != self.unk_id)
-        mask = real.to(output.alphas.dtype)  # (N, T)
-        tokens = mask.sum().clamp_min(1.0)
+        mask = self.target_mask(captions, weights).to(output.alphas.dtype)  # (N, T)
+        tokens = mask.sum().clamp_min(1.0) if tokens is None else tokens
         nll = F.cross_entropy(output.logits.transpose(1, 2), targets, reduction="none") * mask  # (N, T)
         ce = nll.sum() / tokens
         coverage = (output.alphas * mask.unsqueeze(-1)).sum(dim=1)  # (N, L): sum_t alpha_ti over real steps
-        ds = self.ds_lambda * (1.0 - coverage).square().sum() / tokens  # eq. 14, same normaliser as ce
+        penalty = (1.0 - coverage).square()  # (N, L)
+        if weights is not None:
+            penalty = penalty * weights.to(penalty.dtype).unsqueeze(1)  # a caption of weight 0 pays none
+        ds = self.ds_lambda * penalty.sum() / tokens  # eq. 14, same normaliser as ce
         terms = {"ce": ce, "ds": ds}
         loss = ce + ds
         if output.entropy is not None:
@@ -79,6 +86,17 @@ class CaptionLoss(nn.Module):
             # the surrogate adds its gradient, not its value: "loss" stays comparable with soft attention
             loss = loss + (reinforce - reinforce.detach())
         return {"loss": loss, **terms}
+
+    def target_mask(self, captions: Tensor, weights: Tensor | None = None) -> Tensor:
+        """(N, T) float: each target token's weight in the loss, its caption's weight (``forward``'s
+        ``weights``) where it is a real word or <end>, 0 on <pad> and <unk>."""
+        targets = captions[:, 1:]  # (N, T)
+        real = targets != self.pad_id
+        if self.unk_id is not None:
+            real = real & (targets != self.unk_id)
+        if weights is None:
+            return real.float()
+        return real.float() * weights.unsqueeze(1)
 
     def step_rewards(self, nll: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """Per-step rewards r (N, T) (0 on pad steps) and the baseline slot (N, T) of each step."""
@@ -130,15 +148,22 @@ class SelfCriticalLoss(nn.Module):
         self.baseline = ScstBaseline(baseline)
 
     def forward(
-        self, log_probs: Tensor, lengths: Tensor, rewards: Tensor, greedy_rewards: Tensor | None = None
+        self,
+        log_probs: Tensor,
+        lengths: Tensor,
+        rewards: Tensor,
+        greedy_rewards: Tensor | None = None,
+        real: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """Loss terms for B images x k samples.
 
         ``log_probs`` (B*k, T) holds the log-probability of each sampled token (0 after the end; the
         samples of image b are rows b*k .. b*k + k - 1), ``lengths`` (B*k,) the number of sampled
         tokens, ``rewards`` (B, k) the samples' rewards, ``greedy_rewards`` (B,) those of the greedy
-        captions (needed by the greedy baseline). Returns "loss" (the surrogate to minimise), "reward"
-        (the samples' mean reward) and, for the greedy baseline, "greedy_reward" (the greedy captions').
+        captions (needed by the greedy baseline), ``real`` (B,) bool whether an image is one (``collate``'s
+        masked rows are not: their samples count nowhere; None: all are). Returns "loss" (the surrogate to
+        minimise), "reward" (the samples' mean reward) and, for the greedy baseline, "greedy_reward" (the greedy
+        captions').
         """
         batch, samples = rewards.shape
         if self.baseline == ScstBaseline.greedy:
@@ -151,8 +176,19 @@ class SelfCriticalLoss(nn.Module):
             baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (samples - 1)  # (B, k): the others' mean
         advantage = (rewards - baseline).reshape(-1, 1).detach().to(log_probs.dtype)  # (B*k, 1)
         mask = torch.arange(log_probs.size(1), device=log_probs.device) < lengths.unsqueeze(1)  # (B*k, T)
+        if real is not None:
+            mask = mask & real.repeat_interleave(samples).unsqueeze(1)
         loss = -(advantage * log_probs * mask).sum() / mask.sum().clamp_min(1)
-        terms = {"loss": loss, "reward": rewards.mean()}
+        terms = {"loss": loss, "reward": _mean_over(rewards, real)}
         if self.baseline == ScstBaseline.greedy:
-            terms["greedy_reward"] = greedy_rewards.mean()
+            terms["greedy_reward"] = _mean_over(greedy_rewards, real)
         return terms
+
+
+def _mean_over(values: Tensor, real: Tensor | None) -> Tensor:
+    """The mean of ``values`` (B, ...) over the real images' rows (``real`` (B,) bool; None: all rows), with no
+    host synchronisation."""
+    if real is None:
+        return values.mean()
+    weights = real.to(values.dtype).view(-1, *[1] * (values.dim() - 1)).expand_as(values)  # (B, ...)
+    return (values * weights).sum() / weights.sum().clamp_min(1)

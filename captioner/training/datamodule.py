@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,13 +42,13 @@ class FeatureEncoder(Protocol):
 class CaptionDataModule(L.LightningDataModule):
     """Train/val/test loaders over one ``Source``.
 
-    Training batches hold each image once with all its captions (``per_caption=False``), so the CNN runs
-    once per image. With ``feature_cache`` set, the output of the encoder's frozen stages (all of a frozen
-    encoder: the grid features) is computed once by the model being trained (``FeatureEncoder``, the processes
-    of each node sharing the work) and the loaders yield ``features`` instead of ``images``; the model runs the
-    stages it trains on them.
-    A source that ``streams`` (``data=webdataset``) gives the training split as a stream of shards instead of
-    records (``_train_stream``); its vocabulary is built in one pass over their captions.
+    Training batches hold each image once with K of its captions (``per_caption=False``;
+    ``training_captions_per_image``), so the CNN runs once per image and every batch has the same shapes. With
+    ``feature_cache`` set, the output of the encoder's frozen stages (all of a frozen encoder: the grid features)
+    is computed once by the model being trained (``FeatureEncoder``, the processes of each node sharing the work)
+    and the loaders yield ``features`` instead of ``images``; the model runs the stages it trains on them. A source
+    that ``streams`` (``data=webdataset``) gives the training split as a stream of shards instead of records
+    (``_train_stream``); its vocabulary and its images' caption counts come from one pass over their captions.
     """
 
     def __init__(self, source: Source, settings: DataConfig) -> None:
@@ -58,6 +60,7 @@ class CaptionDataModule(L.LightningDataModule):
         self.eval_batch_size = self.settings.eval_batch_size or self.settings.batch_size
         self.vocab: Vocabulary | None = None
         self.splits: dict[str, list[Record]] = {}
+        self.caption_counts: Counter[int] = Counter()  # training images by their number of captions
         self.streams: bool = getattr(source, "streams", False)  # the training split streams (data=webdataset)
         self._stream: ShardStream | None = None
 
@@ -77,10 +80,22 @@ class CaptionDataModule(L.LightningDataModule):
         if self.settings.vocab_file:
             self.vocab = Vocabulary.load(self.settings.vocab_file)
         else:
-            captions = self.source.captions() if self.streams else (c for r in self.splits["train"] for c in r.captions)
             self.vocab = Vocabulary.build(
-                captions, min_count=self.settings.min_word_count, max_size=self.settings.max_vocab
+                self._counted_captions(), min_count=self.settings.min_word_count, max_size=self.settings.max_vocab
             )
+
+    def _training_captions(self) -> Iterator[Sequence[str]]:
+        """Each training image's captions: its record's, or a stream's in one pass over the shards."""
+        if self.streams:
+            return self.source.captions()
+        return (r.captions for r in self.splits["train"])
+
+    def _counted_captions(self) -> Iterator[str]:
+        """Every training caption, counting each image's in ``caption_counts`` on the way (one pass)."""
+        for captions in self._training_captions():
+            if captions:  # a sample without one is skipped in training
+                self.caption_counts[len(captions)] += 1
+            yield from captions
 
     def train_items(self) -> int:
         """Training items an epoch over all ranks: images (captions with ``per_caption``), a stream's samples."""
@@ -142,14 +157,25 @@ class CaptionDataModule(L.LightningDataModule):
         return cache
 
     def _loader(
-        self, dataset: Dataset, batch_size: int, shuffle: bool, generator: torch.Generator | None = None
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool,
+        generator: torch.Generator | None = None,
+        train: bool = False,
     ) -> DataLoader:
+        """Batches of ``dataset``; ``train``: static ones (K captions per image, masked rows for unreadable images
+        and, with ``pad_to``, for an epoch's last, smaller batch: ``collate``)."""
         workers = loader_workers(self.settings.num_workers)
+        static = {}
+        if train:
+            rows = batch_size if self.settings.pad_to is not None else None
+            static = {"captions_per_image": self.training_captions_per_image(), "rows": rows}
         return DataLoader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
-            collate_fn=functools.partial(collate, pad_to=self.settings.pad_to),
+            collate_fn=functools.partial(collate, pad_to=self.settings.pad_to, **static),
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
@@ -159,8 +185,29 @@ class CaptionDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches (Lightning adds the distributed sampler under DDP; a stream splits itself)."""
         if self.streams:
-            return self._loader(self._train_stream(), self.settings.batch_size, shuffle=False)
-        return self._loader(self._dataset("train", train=True), self.settings.batch_size, shuffle=True)
+            return self._loader(self._train_stream(), self.settings.batch_size, shuffle=False, train=True)
+        return self._loader(self._dataset("train", train=True), self.settings.batch_size, shuffle=True, train=True)
+
+    def training_captions_per_image(self) -> int:
+        """K, the captions each training image takes per step: ``data.captions_per_image``, 1 with
+        ``per_caption``, else when None the most common caption count of the training images (logged)."""
+        if self.settings.per_caption:
+            return 1
+        if self.settings.captions_per_image is not None:
+            return self.settings.captions_per_image
+        if not self.caption_counts:  # the vocabulary came from a file: the counts need a pass of their own
+            self.caption_counts.update(len(captions) for captions in self._training_captions() if captions)
+        counts = self.caption_counts
+        k = max(counts, key=lambda n: (counts[n], n))
+        log.info(
+            "data.captions_per_image=%d, the most common caption count of the training images (%d of %d): "
+            "images with more take %d drawn afresh each epoch, those with fewer repeat theirs with weight 0",
+            k,
+            counts[k],
+            counts.total(),
+            k,
+        )
+        return k
 
     def _train_stream(self) -> IterableDataset:
         """This rank's share of the training shards, at the trainer's epoch (``set_epoch`` moves it on); ConfigError

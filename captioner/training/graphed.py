@@ -6,13 +6,15 @@ optimiser's step (fused Adam: a few kernels for all the parameters), on the grad
 returns the replay's loss, and its ``backward`` hook, after Lightning's ``zero_grad``, hands the replay's gradients
 to the optimiser instead of back-propagating.
 
-A batch of other shapes (an epoch's last, smaller one) runs eagerly, counted and reported at the epoch's end;
-captions are padded to one width (``DataConfig.pad_to``) so that only the batch size varies. Under DDP a replayed
-step's gradients are all-reduced beside the graph, as one flat buffer the graph fills: the module asks DDP not
-to synchronise such a step (``synchronises``), and the reduction is never skipped. Captured too: hard
-attention's sampling (each replay draws fresh locations and a fresh expected-context share, whose schedule is a
-buffer), dropout, the REINFORCE baseline's update. SCST steps run eagerly: CIDEr-D counts n-grams of sampled
-captions, shapes a graph cannot hold.
+Training batches have one shape whatever the data (``collate``: K captions per image, masked rows for unreadable
+images and an epoch's last, smaller batch; captions padded to ``DataConfig.pad_to``). A batch of other shapes
+still runs eagerly; the share of steps that replayed is logged and reported at each epoch's end. Under DDP a
+replayed step's gradients are all-reduced beside the graph, as one flat buffer the graph fills: before each step
+the ranks agree whether it replays (``agree``: one all-reduce on the host, so no rank replays while another runs
+eagerly, whose gradients DDP's reducer all-reduces), the module asks DDP not to synchronise a replayed step, and
+the reduction is never skipped. Captured too: hard attention's sampling (each replay draws fresh locations and a
+fresh expected-context share, whose schedule is a buffer), dropout, the REINFORCE baseline's update. SCST steps run
+eagerly: CIDEr-D counts n-grams of sampled captions, shapes a graph cannot hold.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from captioner.training.objectives import cross_entropy_terms
 
 log = logging.getLogger(__name__)
 
-INPUTS = ("images", "features", "captions", "image_index")  # the batch's tensors a cross-entropy step reads
+# the batch's tensors a cross-entropy step reads; "tokens", the loss's normaliser under DDP (a scalar, in every step
+# of a run or in none), leaves the capture's key alone
+INPUTS = ("images", "features", "captions", "image_index", "caption_weights", "tokens")
 Terms = dict[str, Tensor]
 
 
@@ -54,20 +58,28 @@ class GraphedSteps:
         self.call: CapturedCall | Callable[..., tuple[Terms, list, Tensor | None]] | None = None
         self.gradients: list[Tensor | None] = []  # the last replay's, one per parameter (None: not used)
         self.counts = {"replayed": 0, "eager": 0}  # steps since the last ``report``
+        self._agreed: bool | None = None  # ``agree``'s answer for the batch whose step comes next
+        self._group: dist.ProcessGroup | None = None  # ``_host_group``'s
 
-    def takes(self, batch: dict) -> bool:
-        """Whether ``step`` replays ``batch`` (the captured shapes, or the first batch: captured now)."""
-        return self.key is None or _key(batch) == self.key
-
-    def synchronises(self, batch: dict) -> bool:
-        """Whether DDP's reducer must all-reduce this batch's backward: only an eager one's."""
-        return not self.takes(batch)
+    def agree(self, batch: dict) -> bool:
+        """Whether ``step`` replays ``batch`` (the captured shapes, or the first batch: captured now), on every rank:
+        under DDP the ranks take the least of their answers in one all-reduce on the host, so that all replay or
+        all run eagerly. Once per batch, before its step, under the step's autocast (the capture's key holds it)."""
+        takes = self.key is None or _key(batch) == self.key
+        if dist.is_available() and dist.is_initialized():
+            flag = torch.tensor([int(takes)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._host_group())
+            takes = bool(flag)
+        self._agreed = takes
+        return takes
 
     def step(self, batch: dict) -> Terms | None:
         """The loss terms of ``batch`` after a replay that also computed its gradients (all-reduced across ranks
-        when distributed: ``attach_gradients`` hands them over); None when the batch must run eagerly (its shapes
-        were not captured)."""
-        if not self.takes(batch):
+        when distributed: ``attach_gradients`` hands them over); None when the batch must run eagerly (``agree``,
+        asked here unless it was for this batch)."""
+        replays = self.agree(batch) if self._agreed is None else self._agreed
+        self._agreed = None
+        if not replays:
             self.counts["eager"] += 1
             return None
         inputs = [batch[name] for name in INPUTS if name in batch]
@@ -90,15 +102,28 @@ class GraphedSteps:
         for param, grad in zip(self.params, self.gradients):
             param.grad = grad
 
-    def report(self) -> str | None:
-        """One line on the steps since the last report that ran eagerly, if any; the counts restart."""
+    def report(self) -> tuple[float, str] | None:
+        """The share of the training steps since the last report that replayed the graph, and one line on them
+        (None when there were none: an SCST epoch); the counts restart."""
         counts, self.counts = self.counts, {"replayed": 0, "eager": 0}
-        if not counts["eager"]:
+        total = counts["replayed"] + counts["eager"]
+        if not total:
             return None
-        return (
-            f"{counts['eager']} training step(s) ran eagerly, outside the CUDA graph: their batches have other shapes "
-            f"than the {counts['replayed']} replayed (an epoch's last, smaller batch)"
-        )
+        share = counts["replayed"] / total
+        line = f"{counts['replayed']} of {total} training steps ({share:.0%}) replayed the CUDA graph"
+        if counts["eager"]:
+            line += (
+                f"; {counts['eager']} ran eagerly: their batch had other shapes than the captured one, on this rank "
+                "or another"
+            )
+        return share, line
+
+    def _host_group(self) -> dist.ProcessGroup | None:
+        """The process group ``agree`` all-reduces its CPU flag in: the default one when it is gloo's, else a gloo
+        group of all ranks made on first use (a flag on the host never waits for the device)."""
+        if self._group is None and dist.get_backend() != dist.Backend.GLOO:
+            self._group = dist.new_group(backend=dist.Backend.GLOO)
+        return self._group
 
     def _capture(self, batch: dict, inputs: list[Tensor]) -> CapturedCall:
         names = [name for name in INPUTS if name in batch]
@@ -140,5 +165,6 @@ def training_graphs(
 def _key(batch: dict) -> Hashable:
     """What a captured step depends on in ``batch``: its tensors' shapes and dtypes, the captions' layout, the
     autocast state."""
-    tensors = tuple((name, tuple(batch[name].shape), batch[name].dtype) for name in INPUTS if name in batch)
+    shaped = (name for name in INPUTS if name in batch and name != "tokens")
+    tensors = tuple((name, tuple(batch[name].shape), batch[name].dtype) for name in shaped)
     return tensors, batch.get("captions_per_image"), capture_state(batch["captions"].device)

@@ -14,6 +14,7 @@ LOSS = "loss"  # the training objective's loss; on val and test the teacher-forc
 BLEU = ("bleu1", "bleu2", "bleu3", "bleu4")  # captioner.evaluation.bleu.corpus_bleu_scores's keys
 CIDER = "cider"  # CIDEr-D of the decoded captions
 CORRECTNESS = "attention_correctness"  # mean attention mass inside the named object's box
+GRAPH_REPLAYS = "graph_replays"  # the share of an epoch's training steps that replayed the CUDA graph (model.graphs)
 PROGRESS = "bleu4"  # the evaluation metric shown in the progress bar
 EVALUATION = (*BLEU, CIDER, LOSS, CORRECTNESS)  # what a validation or test epoch logs (when it can)
 

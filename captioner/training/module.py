@@ -33,7 +33,7 @@ from captioner.training.callbacks import NonFiniteLossGuard
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.evaluation import EvaluationEpoch
 from captioner.training.graphed import GraphedSteps, training_graphs
-from captioner.training.metrics import LOSS, PROGRESS, TEST, TRAIN, VAL, metric
+from captioner.training.metrics import GRAPH_REPLAYS, LOSS, PROGRESS, TEST, TRAIN, VAL, metric
 from captioner.training.optimization import build_optimizer, clip_gradients
 from captioner.training.schedule import CrossEntropyPhase, LearningRatePlan, build_scheduler, self_critical_epoch
 
@@ -96,14 +96,21 @@ class CaptionerModule(L.LightningModule):
         return [NonFiniteLossGuard(self.settings.nonfinite, self.settings.nonfinite_check_interval)]
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
-        """Under DDP with graphed steps: a replayed step's gradients are all-reduced beside the graph
-        (``GraphedSteps.step``), so DDP's reducer synchronises only the backward of an eager step."""
+        """With graphed steps: the ranks agree whether this batch replays (``GraphedSteps.agree``, under the
+        step's autocast, which the capture's key holds); under DDP a replayed step's gradients are all-reduced
+        beside the graph (``GraphedSteps.step``), so DDP's reducer synchronises only the backward of an eager step."""
+        if self.graphed_steps is None:
+            return
+        replays = False
+        if not self.scst_epoch:
+            with self.trainer.precision_plugin.train_step_context():
+                replays = self.graphed_steps.agree(batch)
         model = self.trainer.strategy.model
-        if self.graphed_steps is not None and isinstance(model, DistributedDataParallel):
-            model.require_backward_grad_sync = self.scst_epoch or self.graphed_steps.synchronises(batch)
+        if isinstance(model, DistributedDataParallel):
+            model.require_backward_grad_sync = not replays
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
-        """One step over a batch of images with all their captions."""
+        """One step over a batch of images with their captions (K per image: ``collate``)."""
         self.skips.add(batch["skipped"])
         self._replayed = False
         if batch["captions"].numel() == 0:
@@ -112,6 +119,8 @@ class CaptionerModule(L.LightningModule):
         if self.scst_epoch:
             terms = self.self_critical_terms(batch)
         else:
+            if self.trainer.world_size > 1:  # each rank's loss over the global batch's tokens: as one process
+                batch = {**batch, "tokens": objectives.token_share(self.criterion, batch)}
             terms = None if self.graphed_steps is None else self.graphed_steps.step(batch)
             self._replayed = terms is not None
             if terms is None:
@@ -181,10 +190,13 @@ class CaptionerModule(L.LightningModule):
         )
 
     def on_train_epoch_end(self) -> None:
-        """Report unreadable training images once, with the first few names, and steps that ran outside the graph."""
+        """Report unreadable training images once, with the first few names, and the share of the epoch's steps
+        that replayed the CUDA graph (logged as ``train/graph_replays`` too)."""
         self._report_skips()
-        if self.graphed_steps is not None and (note := self.graphed_steps.report()) is not None:
-            log.info(note)
+        if self.graphed_steps is not None and (report := self.graphed_steps.report()) is not None:
+            share, line = report
+            self.log(metric(TRAIN, GRAPH_REPLAYS), share)
+            log.info(line)
 
     def _report_skips(self) -> None:
         """Log one line for images that could not be read since the last report (count and first names)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from captioner.config import DecodingConfig, ScstBaseline, ScstConfig
 from captioner.data.vocab import END_ID, UNK_ID, Vocabulary
@@ -38,8 +39,20 @@ def teacher_forced(model: Captioner, batch: dict, dtype: torch.dtype) -> Any:
 def cross_entropy_terms(
     model: Captioner, criterion: CaptionLoss, batch: dict, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The cross-entropy loss terms of a batch (``"loss"`` and its parts)."""
-    return criterion(teacher_forced(model, batch, dtype), batch["captions"])
+    """The cross-entropy loss terms of a batch (``"loss"`` and its parts): each caption weighted by its
+    ``caption_weights`` (``collate``'s), every term divided by the batch's ``tokens`` when it carries them (under
+    DDP: ``token_share``), else by its own weighted tokens."""
+    output = teacher_forced(model, batch, dtype)
+    return criterion(output, batch["captions"], batch.get("caption_weights"), batch.get("tokens"))
+
+
+def token_share(criterion: CaptionLoss, batch: dict) -> torch.Tensor:
+    """The weighted target tokens of the global batch (every rank's ``batch``) divided by the ranks: the
+    normaliser under which DDP's mean of the ranks' gradients is the global batch's, as one process would take
+    it (``CaptionLoss.forward``'s ``tokens``). One all-reduce of a scalar."""
+    tokens = criterion.target_mask(batch["captions"], batch.get("caption_weights")).sum()  # ()
+    dist.all_reduce(tokens)
+    return (tokens / dist.get_world_size()).clamp_min(1.0 / dist.get_world_size())
 
 
 def self_critical_terms(
@@ -69,7 +82,7 @@ def self_critical_terms(
         finally:
             model.decoder.train()
         greedy_rewards = caption_rewards(cider, best.tokens, best.lengths, images, END_ID)
-    return criterion(drawn.log_probs, drawn.lengths, rewards.view(-1, samples), greedy_rewards)
+    return criterion(drawn.log_probs, drawn.lengths, rewards.view(-1, samples), greedy_rewards, batch.get("real"))
 
 
 def caption_rewards(
