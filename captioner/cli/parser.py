@@ -32,7 +32,8 @@ DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a 
     captioner shapes --out data/shapes_small --train 300 --val 50 --test 50
 
 --model takes a training run's folder, the bundle.pt that training exports there, or one of its Lightning
-checkpoints. Images are decoded in worker processes and captioned a batch at a time; a progress bar
+checkpoints; --model a --model b ... decodes with their ensemble (the mean of the models' log-probabilities at
+every word; one vocabulary). Images are decoded in worker processes and captioned a batch at a time; a progress bar
 shows on stderr for many. A bad input file gets one line on stderr naming it and the reason; the other
 images are still captioned and the exit status is 1. A bad argument, model file or dataset gets one line
 and exit status 2. No traceback. caption and attend end with a summary line on stderr (images captioned,
@@ -144,7 +145,10 @@ def _common(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--model",
         required=True,
-        help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint",
+        action="append",
+        help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint; given several times, "
+        "their ensemble: the mean of the models' log-probabilities at every word, each model reading the image at "
+        "its own input size; one vocabulary; the first model's decoding settings",
     )
     sub.set_defaults(given=set())
     decoding = {  # flag: (type, help, what a model file that does not keep its decoding settings decodes with)
