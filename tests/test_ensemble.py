@@ -165,3 +165,14 @@ def test_the_commands_decode_with_the_ensemble(bundles, photos, tmp_path, capsys
     assert [row["caption"] for row in rows] == [result.caption for result in expected]
     assert cli.main(["attend", photos[0], *models, *QUICK, "--out", str(tmp_path / "overlay.png")]) == 0
     assert Image.open(tmp_path / "overlay.png").size[0] > 0
+
+
+def test_evaluate_with_two_copies_of_a_model_scores_as_the_model_and_names_them(bundles, shapes, tmp_path) -> None:
+    common = ["evaluate", "--shapes", str(shapes), "--split", "test", "--no-coco", "--method", "greedy", *QUICK]
+    assert cli.main([*common, "--model", str(bundles["a"]), "--out", str(tmp_path / "one")]) == 0
+    models = ["--model", str(bundles["a"]), "--model", str(bundles["a"])]
+    assert cli.main([*common, *models, "--out", str(tmp_path / "two")]) == 0
+    one, two = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("one", "two"))
+    assert two["ensemble"] == [str(bundles["a"])] * 2 and "ensemble" not in one
+    assert two["bleu"] == one["bleu"]
+    assert (tmp_path / "one" / "results.json").read_text() == (tmp_path / "two" / "results.json").read_text()
