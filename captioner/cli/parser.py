@@ -234,7 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--out", metavar="DIR", help="folder for the --image-info results file")
     caption.add_argument("--force", action="store_true", help="overwrite an existing results file")
 
-    attend = command("attend", "draw the attention map of every generated word")
+    attend = command(
+        "attend",
+        "draw the attention map of every generated word",
+        "an ensemble (--model given several times) draws the mean of its models' maps, on the first model's\n"
+        "grid (a map on another grid resampled onto it)",
+    )
     attend.add_argument("inputs", nargs="+", metavar="IMAGE", help=inputs_help)
     _common(attend)
     attend.add_argument("--null", dest="nul", action="store_true", help=NUL_HELP)
