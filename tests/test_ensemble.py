@@ -176,3 +176,18 @@ def test_evaluate_with_two_copies_of_a_model_scores_as_the_model_and_names_them(
     assert two["ensemble"] == [str(bundles["a"])] * 2 and "ensemble" not in one
     assert two["bleu"] == one["bleu"]
     assert (tmp_path / "one" / "results.json").read_text() == (tmp_path / "two" / "results.json").read_text()
+
+
+def test_hard_inference_is_read_by_each_hard_attention_member_and_refused_without_one(bundles, tmp_path) -> None:
+    import argparse
+
+    from captioner.cli.options import load
+
+    hard = write_bundle(tmp_path / "hard.pt", WORDS, mode="hard")
+    args = argparse.Namespace(model=[str(bundles["a"]), str(hard)], hard_inference="expectation", given=set())
+    loaded = load(args, torch.device("cpu"))
+    assert [member.model.decoder.hard_read for member in loaded.members] == [None, "expectation"]
+    assert loaded.model.decoder.hard_read is None  # the members read differently
+    args.model = [str(bundles["a"])] * 2
+    with pytest.raises(ConfigError, match=r"a\.pt uses soft attention, .*a\.pt uses soft attention; the option"):
+        load(args, torch.device("cpu"))
