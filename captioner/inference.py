@@ -8,7 +8,7 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -30,32 +30,42 @@ from captioner.config import (
 from captioner.data.dataset import Skipped, build_transform
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.data.vocab import UNK_ID
-from captioner.errors import check_range
+from captioner.errors import ConfigError, check_range
 from captioner.model.captioner import Captioner
 from captioner.model.decoding import seeded_generator
+from captioner.model.ensemble import EnsembleCaptioner
 from captioner.model.steps import Generation
 
 # a file, a PIL image, a tensor (3, H, W) or a numpy array (H, W, 3) of uint8 (as PIL and OpenCV give, in RGB)
 ImageLike = str | os.PathLike | Image.Image | torch.Tensor | np.ndarray
 # one image, a list, a batch tensor (B, 3, H, W) or a batch array (B, H, W, 3)
 Images = ImageLike | Sequence[ImageLike] | torch.Tensor | np.ndarray
+# what a model reads of one image: (3, S, S); an ensemble, one per member (3, S_m, S_m)
+Pixels = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 class ImageFiles(Dataset):
     """Decodes image files for batched captioning; an unreadable file becomes a ``Skipped``. ``max_pixels``: the
-    pixel limit of ``load_rgb`` (None: Pillow's)."""
+    pixel limit of ``load_rgb`` (None: Pillow's). ``transform``: what the model reads of the RGB image (None: it
+    resized to ``image_size`` and normalised, ``build_transform``'s; an ensemble's: ``LoadedEnsemble.transform``)."""
 
-    def __init__(self, paths: Sequence[str], image_size: int, max_pixels: int | None = None) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str],
+        image_size: int,
+        max_pixels: int | None = None,
+        transform: Callable[[Image.Image], Pixels] | None = None,
+    ) -> None:
         self.paths = list(paths)
         self.image_size = image_size
         self.max_pixels = max_pixels
-        self.transform = build_transform(image_size, train=False)
+        self.transform = transform or build_transform(image_size, train=False)
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> torch.Tensor | Skipped:
-        """The image as a normalised tensor (3, S, S), or ``Skipped(path as given, reason)``."""
+    def __getitem__(self, index: int) -> Pixels | Skipped:
+        """The image as a normalised tensor (3, S, S) (``transform``'s), or ``Skipped(path as given, reason)``."""
         path = self.paths[index]
         try:
             return self.transform(load_rgb(path, self.max_pixels, self.image_size))
@@ -151,6 +161,16 @@ class LoadedModel(TrainedModel):
         decoding = captioning_settings(settings, base=self.decoding)
         return caption_images(self, images, batch_size, raise_errors, decoding, max_pixels)
 
+    @property
+    def read_size(self) -> int:
+        """The side a large JPEG is decoded to at least (``load_rgb``'s ``size``): the model's input side."""
+        return self.image_size
+
+    @property
+    def transform(self) -> Callable[[Image.Image], Pixels]:
+        """What the model reads of an RGB image: it resized to ``image_size`` and normalised, (3, S, S)."""
+        return build_transform(self.image_size, train=False)
+
     @cached_property
     def grid(self) -> tuple[int, int]:
         """The (H, W) grid of attention locations at the model's image size."""
@@ -175,12 +195,92 @@ class LoadedModel(TrainedModel):
         )
 
 
-def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedModel:
+class MemberTransforms:
+    """An ensemble's preprocessing: an RGB image resized and normalised for each member, (3, S_m, S_m) in turn
+    (one transform per distinct size)."""
+
+    def __init__(self, image_sizes: Sequence[int]) -> None:
+        self.image_sizes = tuple(image_sizes)
+        self.transforms = {size: build_transform(size, train=False) for size in self.image_sizes}
+
+    def __call__(self, picture: Image.Image) -> tuple[torch.Tensor, ...]:
+        done = {size: transform(picture) for size, transform in self.transforms.items()}
+        return tuple(done[size] for size in self.image_sizes)
+
+
+@dataclass(frozen=True)
+class LoadedEnsemble(LoadedModel):
+    """Several trained captioners decoding together (``load_model`` of a list): at every word the mean of their
+    log-probabilities (``captioner.model.ensemble``), each model reading the image at its own input size.
+
+    ``members`` are the models as loaded; ``model`` is their ``EnsembleCaptioner``; ``vocab``, ``config``,
+    ``image_size`` and ``decoding`` are the first member's (the ensemble decodes with the first model's settings
+    unless a call gives others); the attention maps lie on the first member's grid (the mean of the members'
+    maps, each resampled onto that grid when theirs differs)."""
+
+    members: tuple[LoadedModel, ...] = ()
+
+    @property
+    def read_size(self) -> int:
+        """The largest of the members' input sides."""
+        return max(member.image_size for member in self.members)
+
+    @property
+    def transform(self) -> Callable[[Image.Image], Pixels]:
+        """Each member's input of an RGB image, in turn (``MemberTransforms``)."""
+        return MemberTransforms([member.image_size for member in self.members])
+
+    @cached_property
+    def grid(self) -> tuple[int, int]:
+        """The first member's grid, where the ensemble's attention maps lie."""
+        return self.members[0].grid
+
+    def __repr__(self) -> str:
+        lines = "\n".join(f"  {number}. {member!r}" for number, member in enumerate(self.members, 1))
+        return (
+            f"LoadedEnsemble of {len(self.members)} models decoding with the mean of their log-probabilities "
+            f"(the first's decoding settings; attention on its {self.grid[0]}x{self.grid[1]} grid):\n{lines}"
+        )
+
+
+def load_model(
+    path: str | os.PathLike | Sequence[str | os.PathLike], map_location: str | torch.device = "cpu"
+) -> LoadedModel:
     """Load a model to caption with: an inference bundle, a Lightning checkpoint written by training, or a
-    training run's folder (its bundle); ``captioner.bundle.load_trained`` says what is read and refused."""
+    training run's folder (its bundle); ``captioner.bundle.load_trained`` says what is read and refused.
+
+    A list of them loads an ensemble (``LoadedEnsemble``, even of one model): the models must share one
+    vocabulary (ConfigError otherwise)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return load_ensemble(path, map_location)
     trained = load_trained(path, map_location)
     fields = {field.name: getattr(trained, field.name) for field in dataclasses.fields(trained)}
     return LoadedModel(**fields, source=os.fspath(path))
+
+
+def load_ensemble(paths: Sequence[str | os.PathLike], map_location: str | torch.device = "cpu") -> LoadedEnsemble:
+    """The models of ``paths`` (``load_model``'s files) as one ensemble; ConfigError for no path or for models
+    whose vocabularies differ."""
+    if not paths:
+        raise ConfigError("an ensemble needs at least one model")
+    members = tuple(load_model(path, map_location) for path in paths)
+    first = members[0]
+    for member in members[1:]:
+        if member.vocab.fingerprint() != first.vocab.fingerprint():
+            raise ConfigError(
+                f"{member.source} and {first.source} have different vocabularies ({len(member.vocab):,} and "
+                f"{len(first.vocab):,} words): an ensemble's models must share one vocabulary"
+            )
+    model = EnsembleCaptioner([member.model for member in members], [member.image_size for member in members])
+    return LoadedEnsemble(
+        model.eval(),
+        first.vocab,
+        first.config,
+        first.image_size,
+        first.decoding,
+        source=", ".join(str(member.source) for member in members),
+        members=members,
+    )
 
 
 def _call_decoding(
@@ -199,13 +299,22 @@ def _check_max_pixels(max_pixels: int | None) -> None:
         check_range("max_pixels", max_pixels, 1, kind=int)
 
 
+def _stacked(items: Sequence[Pixels]) -> Pixels:
+    """A batch of preprocessed images: (B, 3, S, S), or for an ensemble's one per member."""
+    if isinstance(items[0], torch.Tensor):
+        return torch.stack(items)
+    return tuple(torch.stack(column) for column in zip(*items))
+
+
 def _caption_batch(
-    loaded: LoadedModel, pixels: torch.Tensor, decoding: DecodingConfig, generator: torch.Generator | None
+    loaded: LoadedModel, pixels: Pixels, decoding: DecodingConfig, generator: torch.Generator | None
 ) -> list[Captioned]:
-    """Caption preprocessed images (B, 3, S, S) in one encoder and decoder call; ``path`` left None."""
+    """Caption preprocessed images (B, 3, S, S) (an ensemble: one batch per member) in one encoder and decoder
+    call; ``path`` left None."""
     model, vocab = loaded.model, loaded.vocab
     device = next(model.parameters()).device
-    generation, grid = model.generate(pixels.to(device), decoding, generator, unk_id=UNK_ID)
+    inputs = pixels.to(device) if isinstance(pixels, torch.Tensor) else [batch.to(device) for batch in pixels]
+    generation, grid = model.generate(inputs, decoding, generator, unk_id=UNK_ID)
     tokens, scores, alphas = generation.tokens.cpu(), generation.scores.cpu(), generation.alphas.cpu()
     results = []
     for row in range(tokens.size(0)):
@@ -226,9 +335,10 @@ def _n_best(generation: Generation, row: int, loaded: LoadedModel) -> list[Hypot
     return [Hypothesis(loaded.vocab.decode(ids), score) for ids, score in zip(tokens, scores) if math.isfinite(score)]
 
 
-def attended_cells(model: Captioner, maps: torch.Tensor) -> list[int] | None:
+def attended_cells(model: Captioner | EnsembleCaptioner, maps: torch.Tensor) -> list[int] | None:
     """The cell each word read, for hard attention decoded by argmax (one cell per word: its one-hot map's
-    argmax), from the attention ``maps`` (T, L) of one caption; None for every other attention."""
+    argmax), from the attention ``maps`` (T, L) of one caption; None for every other attention. An ensemble of
+    such models: the cell of the mean map's largest weight (the cell most members read)."""
     argmax = model.decoder.hard_read == HardInference.argmax
     return maps.argmax(dim=1).tolist() if argmax else None
 
@@ -253,7 +363,7 @@ def caption_files(
     _check_max_pixels(max_pixels)
     batches = math.ceil(len(paths) / batch_size)
     loader = DataLoader(
-        ImageFiles(paths, loaded.image_size, max_pixels),
+        ImageFiles(paths, loaded.read_size, max_pixels, loaded.transform),
         batch_size=batch_size,
         num_workers=min(workers, batches),
         collate_fn=_keep_list,
@@ -265,7 +375,7 @@ def caption_files(
             good = [i for i, item in enumerate(items) if not isinstance(item, Skipped)]
             captioned: dict[int, Captioned] = {}
             if good:
-                pixels = torch.stack([items[i] for i in good])  # (B, 3, S, S)
+                pixels = _stacked([items[i] for i in good])  # (B, 3, S, S)
                 for i, result in zip(good, _caption_batch(loaded, pixels, decoding, generator)):
                     result.path = paths[first + i]
                     captioned[i] = result
@@ -328,7 +438,7 @@ def caption_images(
     _check_max_pixels(max_pixels)
     single = _one_image(images)
     items = [images] if single else list(images)
-    transform = build_transform(loaded.image_size, train=False)
+    transform = loaded.transform
     decoding, generator = _call_decoding(loaded, decoding)
     results: list[Captioned] = []
     for start in range(0, len(items), batch_size):
@@ -337,13 +447,13 @@ def caption_images(
         failed: dict[int, Captioned] = {}
         for index, item in enumerate(chunk):
             try:
-                pixels.append(transform(to_picture(item, max_pixels, loaded.image_size)))
+                pixels.append(transform(to_picture(item, max_pixels, loaded.read_size)))
                 good.append(index)
             except (ImageError, TypeError, ValueError) as exc:
                 if single or raise_errors:
                     raise
                 failed[index] = _failed(item, exc.reason if isinstance(exc, ImageError) else str(exc))
-        captioned = dict(zip(good, _caption_batch(loaded, torch.stack(pixels), decoding, generator))) if pixels else {}
+        captioned = dict(zip(good, _caption_batch(loaded, _stacked(pixels), decoding, generator))) if pixels else {}
         for index, item in enumerate(chunk):
             result = failed.get(index) or captioned[index]
             if result.error is None and isinstance(item, (str, os.PathLike)):

@@ -43,6 +43,7 @@ SCRIPTS = (
     "gpu_check",
     "validation_agreement",
     "hard_attention_gradient",
+    "ensemble",
 )
 
 
@@ -381,3 +382,22 @@ def test_gpu_check_lists_its_parts_and_refuses_a_machine_without_cuda(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main([]) == 2
     assert capsys.readouterr().err == "error: gpu_check needs a CUDA device and torch sees none on this machine\n"
+
+
+def test_ensemble_scores_each_run_alone_and_their_ensemble(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from omegaconf import OmegaConf
+
+    from captioner.run_files import CONFIG_FILE
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    runs = [write_run(tmp_path / name, None) for name in ("one", "two")]  # untrained models of one vocabulary
+    for run in runs:
+        OmegaConf.save(compose_cfg(tiny_overrides(tiny_shapes, tmp_path), tmp_path), run / CONFIG_FILE, resolve=True)
+    importlib.import_module("ensemble").main([*map(str, runs), "--method", "greedy", "--no-coco"])
+    stdout = capsys.readouterr().out
+    assert stdout.startswith("24 val and 24 test images; decoding DecodingConfig(method=<DecodeMethod.greedy")
+    rows = table(stdout, "models alone and as an ensemble", 4)
+    assert [row["model"] for row in rows] == ["one", "two", "mean of the 2 alone", "ensemble of the 2"]
+    assert all(0.0 <= float(row["val BLEU-4"]) <= 1.0 and row["test CIDEr-D"] == "n/a" for row in rows)

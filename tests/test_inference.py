@@ -94,8 +94,8 @@ def test_hard_inference_option_sets_what_the_loaded_model_reads_and_says(tmp_pat
     from conftest import write_bundle
 
     bundle = write_bundle(tmp_path / "hard.pt", ["a", "red", "circle"], mode="hard")
-    args = argparse.Namespace(model=str(bundle), hard_inference="expectation", given=set())
+    args = argparse.Namespace(model=[str(bundle)], hard_inference="expectation", given=set())
     loaded = load(args, torch.device("cpu"))
     assert loaded.config.decoder.hard_inference == "expectation" and loaded.model.decoder.hard_read == "expectation"
-    default = load(argparse.Namespace(model=str(bundle), hard_inference=None, given=set()), torch.device("cpu"))
+    default = load(argparse.Namespace(model=[str(bundle)], hard_inference=None, given=set()), torch.device("cpu"))
     assert default.config.decoder.hard_inference == "argmax" and default.model.decoder.hard_read == "argmax"

@@ -60,17 +60,23 @@ def decoding(args: argparse.Namespace, base: DecodingConfig | None = None) -> De
 def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
     """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``, decoding as its run did with
     the decoding options given over that (:func:`decoding`); a hard attention model reading what
-    ``--hard-inference`` asks."""
-    loaded = load_model(args.model, map_location="cpu")
+    ``--hard-inference`` asks. Several ``--model``: their ensemble (``load_model`` of the list), decoding as the
+    first one's run did, ``--hard-inference`` read by each hard attention member."""
+    from captioner.inference import LoadedEnsemble
+
+    loaded = load_model(args.model[0] if len(args.model) == 1 else args.model, map_location="cpu")
     loaded = dataclasses.replace(loaded, decoding=decoding(args, loaded.decoding))
     loaded.model.to(on)
     if getattr(args, "hard_inference", None) is not None:
-        if loaded.model.decoder.hard_read is None:
+        members = loaded.members if isinstance(loaded, LoadedEnsemble) else (loaded,)
+        hard = [member for member in members if member.model.decoder.hard_read is not None]
+        if not hard:
+            modes = ", ".join(f"{member.source} uses {member.model.decoder.mode} attention" for member in members)
             raise ConfigError(
-                f"--hard-inference {args.hard_inference}: {args.model} uses {loaded.model.decoder.mode} attention; "
-                "the option chooses what a hard attention model reads"
+                f"--hard-inference {args.hard_inference}: {modes}; the option chooses what a hard attention model reads"
             )
-        loaded.config.decoder.hard_inference = HardInference(args.hard_inference)  # what the decoder reads
+        for member in hard:
+            member.config.decoder.hard_inference = HardInference(args.hard_inference)  # what the decoder reads
     return loaded
 
 

@@ -33,7 +33,8 @@ DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a 
     captioner shapes --out data/shapes_small --train 300 --val 50 --test 50
 
 --model takes a training run's folder, the bundle.pt that training exports there, or one of its Lightning
-checkpoints. Images are decoded in worker processes and captioned a batch at a time; a progress bar
+checkpoints; --model a --model b ... decodes with their ensemble (the mean of the models' log-probabilities at
+every word; one vocabulary). Images are decoded in worker processes and captioned a batch at a time; a progress bar
 shows on stderr for many. A bad input file gets one line on stderr naming it and the reason; the other
 images are still captioned and the exit status is 1. A bad argument, model file or dataset gets one line
 and exit status 2. No traceback. caption and attend end with a summary line on stderr (images captioned,
@@ -184,7 +185,10 @@ def _common(sub: argparse.ArgumentParser, n_best: bool = False) -> None:
     sub.add_argument(
         "--model",
         required=True,
-        help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint",
+        action="append",
+        help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint; given several times, "
+        "their ensemble: the mean of the models' log-probabilities at every word, each model reading the image at "
+        "its own input size; one vocabulary; the first model's decoding settings",
     )
     sub.set_defaults(given=set())
     for title, options in DECODING_OPTIONS.items():
@@ -267,7 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--out", metavar="DIR", help="folder for the --image-info results file")
     caption.add_argument("--force", action="store_true", help="overwrite an existing results file")
 
-    attend = command("attend", "draw the attention map of every generated word")
+    attend = command(
+        "attend",
+        "draw the attention map of every generated word",
+        "an ensemble (--model given several times) draws the mean of its models' maps, on the first model's\n"
+        "grid (a map on another grid resampled onto it)",
+    )
     attend.add_argument("inputs", nargs="+", metavar="IMAGE", help=inputs_help)
     _common(attend)
     attend.add_argument("--null", dest="nul", action="store_true", help=NUL_HELP)

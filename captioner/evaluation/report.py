@@ -22,7 +22,7 @@ from captioner.evaluation.cococaption import SPICE_NOTE, coco_caption_scores, ja
 from captioner.evaluation.correctness import AttentionCorrectness
 from captioner.evaluation.results import SCALE, write_metrics, write_results
 from captioner.fileio import write_json
-from captioner.inference import LoadedModel, caption_files
+from captioner.inference import LoadedEnsemble, LoadedModel, caption_files
 from captioner.run_files import METRICS_FILE
 
 RESULTS_FILE = "results.json"
@@ -49,8 +49,9 @@ def evaluate_split(
     its file, caption, references and the same scores for it alone (``COCOEvalCap.imgToEval``'s), to sort
     and read the worst captions. Unreadable images are left out (counted in ``skipped_images``). Returns the
     metrics, with a printable ``table`` (scores are fractions in [0, 1]), and the unreadable images.
-    ``decoding``: how (None: the model's, ``loaded.decoding``); ``max_pixels``: the pixel limit of an
-    image file (``load_rgb``; None: Pillow's). Raises DataError when there are no records or none could be decoded.
+    An ensemble's metrics name its models (``ensemble``). ``decoding``: how (None: the model's,
+    ``loaded.decoding``); ``max_pixels``: the pixel limit of an image file (``load_rgb``; None: Pillow's). Raises
+    DataError when there are no records or none could be decoded.
     """
     decoding = loaded.decoding if decoding is None else decoding
     if not records:
@@ -75,6 +76,8 @@ def evaluate_split(
     references = {r.image_id: [tokenize(c) for c in r.captions] for r in scored}
     metrics: dict = {"scale": SCALE, "images": len(scored), "skipped_images": len(skipped)}
     metrics["decoding"] = to_dict(decoding)
+    if isinstance(loaded, LoadedEnsemble):  # the models whose log-probabilities were averaged
+        metrics["ensemble"] = [str(member.source) for member in loaded.members]
     if (read := loaded.model.decoder.hard_read) is not None:
         metrics["hard_inference"] = str(read)
     metrics["bleu"] = corpus_bleu_scores(references, captions)
@@ -112,6 +115,10 @@ def format_table(metrics: dict, out_dir: Path) -> str:
         f"{scored} ({metrics['skipped_images']} skipped: missing or unreadable); "
         f"scores on the 0-1 scale (x100 for the paper's tables; CIDEr may exceed 1)"
     ]
+    if "ensemble" in metrics:
+        lines.append(
+            f"  decoded by the ensemble of {len(metrics['ensemble'])} models: {', '.join(metrics['ensemble'])}"
+        )
     if "hard_inference" in metrics:
         lines.append(f"  decoded with {HardInference(metrics['hard_inference']).describe()}")
     lines += [f"  nltk {name.upper():<10} {value:.4f}" for name, value in metrics["bleu"].items()]

@@ -96,6 +96,14 @@ class Captioner(nn.Module):
         features, grid = self.finish_encoding(features, grid)  # (B, L, C)
         return self.decoder(self.attend_grid(features, grid), captions, image_index)
 
+    def grid_features(self, features: Tensor, grid: Grid | None = None) -> tuple[Tensor, Grid]:
+        """What the decoder reads at inference of ``encode``'s output (B, L', C') on its grid (default square): the
+        encoder's trained stages, feature normalisation and self-attention; grid features (B, L, C), contiguous
+        (one layout for every caller: an ensemble's members read theirs so, and a matrix product's rounding
+        depends on it), and their grid."""
+        features, grid = self.finish_encoding(features, grid)  # (B, L, C)
+        return self.attend_grid(features, grid).contiguous(), grid
+
     @torch.no_grad()
     def generate(
         self,
@@ -130,8 +138,7 @@ class Captioner(nn.Module):
         ``static_shapes``: see ``ModelConfig.static_shapes``. Returns the Generation and the grid the
         attention weights lie on.
         """
-        features, grid = self.finish_encoding(features, grid)  # (B, L, C)
-        features = self.attend_grid(features, grid)  # (B, L, C)
+        features, grid = self.grid_features(features, grid)  # (B, L, C)
         settings = DecodingConfig.captioning() if decoding is None else decoding
         return decode(self.decoder, features, settings, generator, unk_id, static_shapes), grid
 
