@@ -225,10 +225,13 @@ class CaptionDataModule(L.LightningDataModule):
         self._stream.set_epoch(self.trainer.current_epoch)
         return self._stream
 
-    def set_epoch(self, epoch: int) -> None:
-        """The streamed training split reads ``epoch``'s shard order from its next pass (records: nothing to do)."""
-        if self._stream is not None:
-            self._stream.set_epoch(epoch)
+    def set_epoch(self, epoch: int) -> bool:
+        """The streamed training split reads ``epoch``'s shard order from its next pass (records: nothing to do);
+        whether that changed the epoch it was set to read."""
+        if self._stream is None or self._stream.epoch == epoch:
+            return False
+        self._stream.set_epoch(epoch)
+        return True
 
     def val_dataloader(self) -> DataLoader:
         """Validation images in order, each with all its captions."""

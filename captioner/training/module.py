@@ -159,8 +159,13 @@ class CaptionerModule(L.LightningModule):
     def on_train_epoch_start(self) -> None:
         """Move a streamed training split on to this epoch's shard order (before its loader is iterated); say when
         self-critical training takes over from cross-entropy in the run."""
-        if isinstance(self.trainer.datamodule, CaptionDataModule):
-            self.trainer.datamodule.set_epoch(self.current_epoch)
+        datamodule, fetcher = self.trainer.datamodule, self.trainer.fit_loop._data_fetcher
+        moved = isinstance(datamodule, CaptionDataModule) and datamodule.set_epoch(self.current_epoch)
+        if moved and fetcher is not None:
+            # The loader was iterated before this epoch was known (a resumed run's first epoch: Lightning sets the
+            # train loader up in configure_optimizers, before the loops' state is restored, and does not iterate it
+            # again): its workers may already read another epoch's order. Iterated again, they start this one's.
+            iter(fetcher)
         if self.scst_epoch and self.current_epoch == self.settings.scst.after_epochs > 0:
             log.info(
                 "epoch %d: self-critical training (CIDEr-D reward) takes over from cross-entropy", self.current_epoch
