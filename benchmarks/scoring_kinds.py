@@ -6,9 +6,9 @@ coco-caption's BLEU-4 and CIDEr, greedy against beam search, the val split again
     python benchmarks/scoring_kinds.py outputs/scenes/runs/<run> experiment=scenes
 
 The dataset: with Hydra overrides, the one ``python train.py <overrides>`` trains on (``data.source``); without,
-the run folder's own (its config.yaml). Every row decodes the split once, through ``captioner evaluate``'s code
-(``evaluation.report.evaluate_split``, the model's own decoding settings with the row's method), and reads all its
-scores from that one decoding:
+that of the model's run (the config.yaml of its folder). Every row decodes the split once, through ``captioner
+evaluate``'s code (``evaluation.report.evaluate_split``, the model's own decoding settings with the row's method),
+and reads all its scores from that one decoding:
 
 - nltk BLEU-4: ``evaluation.bleu``, what training validates with: corpus BLEU of the project's tokens (lower case,
   punctuation dropped), n-gram matches and lengths pooled over the split, no smoothing;
@@ -31,13 +31,14 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import composed
-from captioner.config import captioning_settings
+from captioner.config import DecodingConfig, captioning_settings
 from captioner.data.readers import Record
+from captioner.data.sources import Source
 from captioner.data.vocab import tokenize
 from captioner.evaluation.cider import corpus_cider_d
 from captioner.evaluation.report import PER_IMAGE_FILE, evaluate_split
 from captioner.fileio import read_json
-from captioner.inference import load_model
+from captioner.inference import LoadedModel, load_model
 from captioner.run_files import CONFIG_FILE
 from tables import print_table
 
@@ -48,20 +49,23 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def dataset_source(model: Path, overrides: list[str]) -> object:
-    """The dataset's source: ``python train.py <overrides>``'s, or with no overrides the run folder's own."""
+def dataset_source(model: Path, overrides: list[str]) -> Source:
+    """The dataset's source: ``python train.py <overrides>``'s, or with no overrides that of the run ``model`` is
+    (its folder, or its bundle.pt or a checkpoint in its checkpoints/: the config.yaml beside them)."""
     if overrides:
         data = composed.compose_config(None, overrides)["data"]
-    elif model.is_dir() and (model / CONFIG_FILE).is_file():
-        data = OmegaConf.to_container(OmegaConf.load(model / CONFIG_FILE).data, resolve=True)
     else:
-        raise SystemExit(f"{model}: no {CONFIG_FILE} beside it; name its dataset with train.py's overrides")
+        folders = [model] if model.is_dir() else [model.parent, model.parent.parent]
+        config = next((folder / CONFIG_FILE for folder in folders if (folder / CONFIG_FILE).is_file()), None)
+        if config is None:
+            raise SystemExit(f"{model}: no {CONFIG_FILE} of its run; name its dataset with train.py's overrides")
+        data = OmegaConf.to_container(OmegaConf.load(config).data, resolve=True)
     source = instantiate(data["source"], _convert_="all")
     source.prepare()
     return source
 
 
-def score_row(loaded: object, records: list[Record], decoding: object) -> list[object]:
+def score_row(loaded: LoadedModel, records: list[Record], decoding: DecodingConfig) -> list[object]:
     """The scores of one decoding of ``records`` (the columns after split and decoding; scores to 4 decimals)."""
     with tempfile.TemporaryDirectory() as out:
         metrics, skipped = evaluate_split(loaded, records, Path(out), decoding=decoding)

@@ -310,13 +310,13 @@ def test_scoring_kinds_scores_one_model_every_way(
     tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One bundle, the dataset named by train.py's overrides: val and test, greedy and beam 3, each scored by
-    nltk, coco-caption and our CIDEr-D; a bundle without a run's config.yaml and without overrides is refused."""
+    nltk, coco-caption and our CIDEr-D; a bundle outside a run folder, without overrides, is refused."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     words = ["a", "red", "blue", "circle", "square", "triangle"]
     bundle = write_bundle(tmp_path / "bundle.pt", words, favoured=["a", "red", "circle"])  # 20 words, never ending
     data = [f"data.source.root={tiny_shapes}", *(f"data.source.{k}={v}" for k, v in dataclasses.asdict(TINY).items())]
     scoring = importlib.import_module("scoring_kinds")
-    with pytest.raises(SystemExit, match="no config.yaml beside it"):
+    with pytest.raises(SystemExit, match="no config.yaml of its run"):
         scoring.main([str(bundle)])
     scoring.main([str(bundle), *data])
     title = f"{bundle}: one model scored every way (at most 20 words; 0-1 scale)"
