@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, compose_cfg, net_v1, tiny_overrides, write_run
+from conftest import ROOT, TINY, compose_cfg, net_v1, tiny_overrides, write_bundle, write_run
 
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = (
@@ -44,6 +44,7 @@ SCRIPTS = (
     "validation_agreement",
     "hard_attention_gradient",
     "ensemble",
+    "scoring_kinds",
 )
 
 
@@ -304,6 +305,34 @@ def test_validation_agreement_scores_a_run_every_way(
     ]
     assert rows[1][1] == "0.2500" and rows[5][1].endswith(" of 24") and rows[9][1].endswith(" of 24")
     assert all(0.0 <= float(row[1]) <= 1.0 for row in rows[1:] if "differ" not in row[0])
+
+
+def test_scoring_kinds_scores_one_model_every_way(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One bundle, the dataset named by train.py's overrides: val and test, greedy and beam 3, each scored by
+    nltk, coco-caption and our CIDEr-D; a bundle outside a run folder, without overrides, is refused."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    words = ["a", "red", "blue", "circle", "square", "triangle"]
+    bundle = write_bundle(tmp_path / "bundle.pt", words, favoured=["a", "red", "circle"])  # 20 words, never ending
+    data = [f"data.source.root={tiny_shapes}", *(f"data.source.{k}={v}" for k, v in dataclasses.asdict(TINY).items())]
+    scoring = importlib.import_module("scoring_kinds")
+    with pytest.raises(SystemExit, match="no config.yaml of its run"):
+        scoring.main([str(bundle)])
+    scoring.main([str(bundle), *data])
+    title = f"{bundle}: one model scored every way (at most 20 words; 0-1 scale)"
+    rows = table(capsys.readouterr().out, title, 4)
+    assert [(row["split"], row["decoding"]) for row in rows] == [
+        ("val (24 images)", "greedy"),
+        ("val (24 images)", "beam 3"),
+        ("test (24 images)", "greedy"),
+        ("test (24 images)", "beam 3"),
+    ]
+    for row in rows:  # the captions and references hold no punctuation: both tokenisations give the same words
+        assert row["nltk BLEU-4"] == row["coco BLEU-4"] and row["coco CIDEr"] == row["CIDEr-D (ours)"], row
+        assert 0.0 <= float(row["mean image BLEU-4"]) <= 1.0 and 0.0 <= float(row["coco METEOR"]) <= 1.0, row
+        assert float(row["coco CIDEr"]) > 0.0, row  # "a", "red" and "circle" are words of the references
+        assert row["mean words"] == "20", row
 
 
 def test_hard_attention_gradient_resamples_each_estimator(

@@ -12,12 +12,14 @@ import torch
 from torch.testing import assert_close
 
 from captioner.config import DecodingConfig, ModelConfig, from_dict
-from captioner.data.vocab import PAD_ID
+from captioner.data.vocab import END_ID, PAD_ID, Vocabulary
 from captioner.errors import ConfigError
+from captioner.evaluation.cider import CiderD
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import rollout
 from captioner.model.losses import SelfCriticalLoss
 from captioner.model.steps import EXIT_CHECK_INTERVAL
+from captioner.training.objectives import caption_rewards
 from conftest import END, START, features_for, logged, make_decoder, run_train, tiny_overrides
 
 
@@ -84,6 +86,23 @@ def test_hard_attention_rollout_carries_the_sampled_locations_in_the_policy_grad
     )  # eval: the most likely location, no sampling
     drawn.log_probs.sum().backward()
     assert decoder.attention.query.weight.grad is None or decoder.attention.query.weight.grad.abs().sum() == 0
+
+
+def test_the_cider_d_reward_scores_the_words_without_the_final_end() -> None:
+    """SCST's reward leaves the caption's <end> out of its n-grams (coco-caption's convention, not
+    self-critical.pytorch's, which scores "<eos>" as a word): a caption that ended and the same words cut off at
+    the length limit get the same reward, the words' own CIDEr-D, not that of the words and "<end>"."""
+    vocab = Vocabulary(["a", "red", "blue", "circle", "square"])
+    references = [[["a", "red", "circle"], ["a", "red", "circle", "and", "a", "square"]], [["a", "blue", "square"]]]
+    cider = CiderD(references, words=vocab.itos)
+    ids = [vocab.stoi[w] for w in ("a", "red", "circle")]
+    tokens = torch.tensor([[*ids, END_ID, PAD_ID], [*ids, END_ID, PAD_ID], [*ids, vocab.stoi["square"], END_ID]])
+    lengths = torch.tensor([4, 3, 5])  # with its <end>; cut off after "circle"; four words and <end>
+    rewards = caption_rewards(cider, tokens, lengths, torch.tensor([0, 0, 0]), END_ID)  # (3,)
+    words = cider.score([["a", "red", "circle"], ["a", "red", "circle", "square"]], [0, 0]).float()
+    assert_close(rewards, words[[0, 0, 1]])
+    with_end = cider.score([["a", "red", "circle", "<end>"]], [0]).float()
+    assert rewards[0] > with_end[0] + 0.5, (rewards, with_end)
 
 
 def test_self_critical_gradient_raises_samples_above_the_baseline_and_lowers_those_below() -> None:
