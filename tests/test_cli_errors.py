@@ -128,7 +128,7 @@ def test_a_bad_argument_is_one_line_and_exit_2(option, message, bundles, inputs,
          "decodes with --method greedy"),
         (["--top-p", "0.9"], "--top-p goes with --method sample; this command decodes with --method beam (the "
          "default)"),
-        (["--method", "sample", "--top-k", "-1"], "--top-k=-1 must be >= 0"),
+        (["--method", "sample", "--top-k", "-1"], "--top-k=-1 must be in [0, 1000000]"),
         (["--n-best", "4"], "--n-best=4 must be <= --beam-size=3: a beam search keeps --beam-size captions"),
         (["--method", "diverse", "--beam-size", "4"], "--beam-size=4 must be a multiple of --groups=3: diverse beam "
          "search shares the beams out evenly"),

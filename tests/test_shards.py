@@ -35,7 +35,7 @@ from captioner.data.shards import (
     stats_url,
 )
 from captioner.data.sources import ShapesSource
-from captioner.data.stream import PADDING
+from captioner.data.stream import PADDING, ShardStream
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError
 from captioner.training.datamodule import CaptionDataModule
@@ -143,8 +143,8 @@ def test_too_few_shards_for_the_readers_is_one_config_error(shards: tuple[str, l
     built = source(shards[0], tiny_shapes)
     vocab = Vocabulary(["a"])
     with pytest.raises(ConfigError, match=r"has 5 shards for 2 ranks x 3 loader workers = 6 readers; give at least"):
-        built.stream(
-            vocab, build_transform(IMAGE_SIZE, train=True), max_len=8, batch_size=2, rank=0, ranks=2, workers=3
+        ShardStream.of(
+            built, vocab, build_transform(IMAGE_SIZE, train=True), max_len=8, batch_size=2, rank=0, ranks=2, workers=3
         )
 
 
@@ -201,8 +201,15 @@ def test_a_single_process_reads_every_sample_once_with_padding_to_whole_batches(
 ) -> None:
     pattern, captions = shards
     vocab = Vocabulary.build(c for sample in captions for c in sample)
-    stream = source(pattern, tiny_shapes, shuffle_buffer=8).stream(
-        vocab, build_transform(IMAGE_SIZE, train=True), max_len=16, batch_size=BATCH, rank=0, ranks=1, workers=0
+    stream = ShardStream.of(
+        source(pattern, tiny_shapes, shuffle_buffer=8),
+        vocab,
+        build_transform(IMAGE_SIZE, train=True),
+        max_len=16,
+        batch_size=BATCH,
+        rank=0,
+        ranks=1,
+        workers=0,
     )
     assert len(stream) == 60  # 60 samples: 15 whole batches, no padding
     items = list(stream)
@@ -221,8 +228,15 @@ def test_a_single_process_reads_every_sample_once_with_padding_to_whole_batches(
     again = [item["index"] for item in stream if isinstance(item, dict)]
     assert sorted(again) == sorted(item["index"] for item in read) and again != [item["index"] for item in read]
     # 3 readers: 20 samples each, padded to 5 batches of 4 = 20: no padding; batch 3: 21 items, one padding each
-    three = source(pattern, tiny_shapes).stream(
-        vocab, build_transform(IMAGE_SIZE, train=True), max_len=16, batch_size=3, rank=0, ranks=3, workers=0
+    three = ShardStream.of(
+        source(pattern, tiny_shapes),
+        vocab,
+        build_transform(IMAGE_SIZE, train=True),
+        max_len=16,
+        batch_size=3,
+        rank=0,
+        ranks=3,
+        workers=0,
     )
     assert len(three) == 21 and list(three)[-1] is PADDING
 
@@ -238,8 +252,15 @@ def _rank(rank: int, pattern: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
     built = WebDatasetSource(train=pattern, eval_source=ShapesSource(out), shuffle_buffer=4)
     vocab = Vocabulary.build(c for sample in built.captions() for c in sample)
-    stream = built.stream(
-        vocab, build_transform(IMAGE_SIZE, train=True), max_len=16, batch_size=BATCH, rank=rank, ranks=2, workers=2
+    stream = ShardStream.of(
+        built,
+        vocab,
+        build_transform(IMAGE_SIZE, train=True),
+        max_len=16,
+        batch_size=BATCH,
+        rank=rank,
+        ranks=2,
+        workers=2,
     )
     loader = DataLoader(
         stream,

@@ -194,7 +194,7 @@ def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups
     assert names["trainer"] == "cpu, ddp, ddp_cpu, gpu, multi_node"  # no default
     lines = proc.stdout.splitlines()
     assert "  model.decoder.dropout=0.3  (in [0.0, 0.99]; before the output layer)" in lines
-    assert "  model.decoding.method=greedy  (one of: greedy, beam, sample; greedy for validation and test" in (
+    assert "  model.decoding.method=greedy  (one of: greedy, beam, diverse, sample; greedy for validation and test" in (
         "\n".join(lines)
     )
     assert "  data.pad_to=null  (>= caption_tokens; Training captions padded" in proc.stdout

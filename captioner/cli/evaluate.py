@@ -116,11 +116,12 @@ def _captions_records(args: argparse.Namespace) -> list[Record]:
     from captioner.data.sources import CaptionsSource
     from captioner.fileio import read_json
 
-    split_file = Path(args.split_file) if args.split_file else _run_split(args.model)
+    first = args.model[0]  # an ensemble's members share their split: its first member's run names it
+    split_file = Path(args.split_file) if args.split_file else _run_split(first)
     _check_given(("--captions", args.captions, "file"), ("--images", args.image_dir, "folder"))
     if split_file is None:
         raise ConfigError(
-            f"--captions {args.captions}: no {SPLIT_FILE} beside --model {args.model} (a run on data=captions writes "
+            f"--captions {args.captions}: no {SPLIT_FILE} beside --model {first} (a run on data=captions writes "
             "it into its folder): give the run's folder, or its split with --split-file"
         )
     _check_given(("--split-file", str(split_file), "file"))

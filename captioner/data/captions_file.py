@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from captioner.config import CaptionsSpec
-from captioner.data.images import images_present
 from captioner.data.readers import Record
 from captioner.data.splits import SPLITS
 from captioner.errors import DataError, DataProblems
@@ -300,6 +299,8 @@ def read_captions(
     """Every image of the captions ``file`` with its captions, id and split (the module docstring says how);
     with ``reused`` (``read_split`` of a run's split file) the ids and splits are that run's. Raises DataProblems
     with every problem of the file at once."""
+    from captioner.data.images import images_present  # imports torch: not when train.py only checks its config
+
     problems = Problems(str(file))
     rows = read_rows(file, spec, problems)
     captions, lines, duplicates = _merge(rows, problems)

@@ -17,7 +17,7 @@ import logging
 import math
 import re
 import tarfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -30,11 +30,7 @@ from captioner.data.sources import Holds, Source, SourcePath, check_paths
 from captioner.errors import ConfigError, DataError, check_range
 
 if TYPE_CHECKING:
-    import torch
-    from PIL import Image
-
-    from captioner.data.stream import ShardStream
-    from captioner.data.vocab import Vocabulary
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -286,20 +282,3 @@ class WebDatasetSource:
         """Each training sample's captions, in one pass over the shards that decodes no image (for the vocabulary
         and the samples' caption counts)."""
         return stream_captions(self.shards, self.captions_field)
-
-    def stream(
-        self, vocab: Vocabulary, transform: Callable[[Image.Image], torch.Tensor], **reading: int
-    ) -> ShardStream:
-        """The training stream of one rank (``reading``: ``max_len``, ``batch_size``, ``rank``, ``ranks``,
-        ``workers``, as ``ShardStream`` takes them)."""
-        from captioner.data.stream import ShardStream
-
-        return ShardStream(
-            self.shards,
-            vocab,
-            transform,
-            seed=self.seed,
-            shuffle_buffer=self.shuffle_buffer,
-            captions_field=self.captions_field,
-            **reading,
-        )

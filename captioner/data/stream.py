@@ -28,6 +28,7 @@ from captioner.data.shards import (
     IMAGE_EXTENSIONS,
     Piece,
     Shard,
+    WebDatasetSource,
     epoch_plan,
     image_id,
     items_per_reader,
@@ -81,6 +82,26 @@ class ShardStream(IterableDataset):
         self.shuffle_buffer = shuffle_buffer
         self.captions_field = captions_field
         self._epoch = multiprocessing.Value("q", 0)  # shared memory: persistent loader workers read it too
+
+    @classmethod
+    def of(
+        cls,
+        source: WebDatasetSource,
+        vocab: Vocabulary,
+        transform: Callable[[Image.Image], torch.Tensor],
+        **reading: int,
+    ) -> ShardStream:
+        """The training stream of one rank over ``source``'s shards, read as it says (seed, shuffle buffer, captions
+        field); ``reading``: ``max_len``, ``batch_size``, ``rank``, ``ranks``, ``workers``."""
+        return cls(
+            source.shards,
+            vocab,
+            transform,
+            seed=source.seed,
+            shuffle_buffer=source.shuffle_buffer,
+            captions_field=source.captions_field,
+            **reading,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Read the shards in ``epoch``'s order from the next ``iter()`` on (the loader's workers included)."""

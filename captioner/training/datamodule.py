@@ -213,7 +213,8 @@ class CaptionDataModule(L.LightningDataModule):
         """This rank's share of the training shards, at the trainer's epoch (``set_epoch`` moves it on); ConfigError
         when there are fewer shards than ranks x loader workers."""
         transform = build_transform(self.settings.image_size, train=True, augment=self.settings.augment)
-        self._stream = self.source.stream(
+        self._stream = ShardStream.of(
+            self.source,
             self.vocab,
             transform,
             max_len=self.settings.max_len,
