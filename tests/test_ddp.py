@@ -45,9 +45,10 @@ def items(channels: int) -> list[dict]:
     ]
 
 
-def ddp_module(kind: type[CaptionerModule] = CaptionerModule) -> CaptionerModule:
-    """``test_precision``'s tiny captioner with its step compiled, its encoder frozen and no feature_norm: a BatchNorm
-    in training mode normalises each rank's images by their own statistics (SyncBatchNorm runs on GPUs only)."""
+def ddp_module(kind: type[CaptionerModule] = CaptionerModule, compile: str | None = "default") -> CaptionerModule:
+    """``test_precision``'s tiny captioner with its step compiled (``compile``), its encoder frozen and no
+    feature_norm: a BatchNorm in training mode normalises each rank's images by their own statistics (SyncBatchNorm
+    runs on GPUs only)."""
     torch.manual_seed(0)
     settings = dict(
         encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2, "trainable_stages": 0},
@@ -56,7 +57,7 @@ def ddp_module(kind: type[CaptionerModule] = CaptionerModule) -> CaptionerModule
         objective="cross_entropy",
         optimizer={"lr": 0.01},
         scheduler={"name": "none"},
-        compile="default",
+        compile=compile,
     )
     return kind(Vocabulary(WORDS), from_dict(ModelConfig, settings))
 

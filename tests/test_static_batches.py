@@ -26,15 +26,15 @@ import pytest
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from PIL import Image
+from test_ddp import ddp_module
 from torch.utils.data import DataLoader, DistributedSampler
 
-from captioner.config import DataConfig, ModelConfig, from_dict
+from captioner.config import DataConfig, from_dict
 from captioner.data.dataset import CaptionDataset, Skipped, build_transform, collate, fixed_captions
 from captioner.data.readers import Record
 from captioner.data.vocab import PAD_ID, Vocabulary
 from captioner.model.losses import SelfCriticalLoss
 from captioner.training.datamodule import CaptionDataModule
-from captioner.training.module import CaptionerModule
 from conftest import ROOT, make_loss, subprocess_env
 from test_graphed import EagerReplays
 from test_precision import WORDS, steps_trainer
@@ -66,20 +66,6 @@ def coco_shaped(folder: Path) -> list[Record]:
     return records
 
 
-def tiny_module(kind: type[CaptionerModule] = CaptionerModule) -> CaptionerModule:
-    """A tiny captioner with a frozen encoder (its BatchNorms never see a rank's images alone) and no feature_norm."""
-    torch.manual_seed(0)
-    settings = dict(
-        encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2, "trainable_stages": 0},
-        decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0},
-        feature_norm=False,
-        objective="cross_entropy",
-        optimizer={"lr": 0.01},
-        scheduler={"name": "none"},
-    )
-    return kind(Vocabulary(WORDS), from_dict(ModelConfig, settings))
-
-
 class Replays(EagerReplays):
     """``EagerReplays`` fed by a plain DataLoader: the unreadable images' records stay on the host, as the data
     module keeps them (``CaptionDataModule.transfer_batch_to_device``)."""
@@ -107,7 +93,7 @@ def train(devices: int, folder: Path, dataset: str, k: int | None, global_batch:
     """One epoch of ``EagerReplays`` on ``dataset`` ("coco": ``coco_shaped``; "issue": the scenario issue 44 found
     hanging), ``devices`` processes sharing each global batch of ``global_batch`` images; ``static``: batches of K
     captions per image padded to one width, else every caption gathered as validation batches are."""
-    module = tiny_module(Replays)
+    module = ddp_module(Replays, compile=None)
     data = coco_shaped(folder) if dataset == "coco" else issue_scenario(module.model.encoder.out_channels)
     if dataset == "coco":
         data = CaptionDataset(data, module.vocab, build_transform(SIZE, train=False), max_len=MAX_LEN)
