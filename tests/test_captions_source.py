@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from test_datasets_guide import TINY_RUN as GUIDE_TINY_RUN
 
 from captioner.config import CaptionsSpec
 from captioner.data.captions_file import SPLIT_FILE, assign_splits, read_captions, read_split
@@ -351,22 +352,9 @@ def readme_commands() -> list[str]:
     return [line.strip() for line in block.splitlines() if line.strip()]
 
 
-# What makes the README's run tiny: a small decoder on a 2x2 grid of 64 px images, one epoch, no pictures.
-TINY_RUN = [
-    "trainer.max_epochs=1",
-    "trainer.enable_progress_bar=false",
-    "model.encoder.grid=2",
-    "model.decoder.embed_dim=16",
-    "model.decoder.hidden_dim=16",
-    "model.decoder.attention_dim=16",
-    "model.decoding.beam_size=1",
-    "data.image_size=64",
-    "data.batch_size=16",
-    "data.num_workers=0",
-    "data.min_word_count=1",
-    "callbacks.samples=null",
-    "logger=csv",
-]
+# What makes the README's run tiny: the datasets guide's tiny run (a small decoder on a 2x2 grid of 64 px images, one
+# epoch), without sample pictures, logging to CSV only.
+TINY_RUN = [*GUIDE_TINY_RUN, "callbacks.samples=null", "logger=csv"]
 QUICK = ["--workers", "0", "--max-len", "4", "--no-progress"]
 
 
