@@ -156,6 +156,21 @@ def run_train(args: list[str], timeout: float = 600, check: bool = True, **kwarg
     return proc
 
 
+def run_script(script: str | Path, *args: str, timeout: float = 600) -> None:
+    """``python SCRIPT ARGS`` from the checkout's root, this checkout's captioner in every process it starts (a test
+    module run as a script that spawns its own DDP ranks); the test fails with the tail of its stderr when it exits
+    non-zero, and is killed and failed when it outlives ``timeout`` (a hang never holds the suite)."""
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=ROOT,
+        env={**subprocess_env(), "PYTHONPATH": str(ROOT)},  # this checkout's captioner, in every rank
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def error_line(proc: subprocess.CompletedProcess) -> str:
     """The single ``error: ...`` line a failed train.py printed; fails when stderr holds anything else."""
     lines = proc.stderr.strip().splitlines()

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -25,7 +23,7 @@ from captioner.config import ModelConfig, from_dict
 from captioner.data.dataset import collate
 from captioner.data.vocab import Vocabulary
 from captioner.training.module import CaptionerModule
-from conftest import ROOT, run_train, subprocess_env, tiny_overrides
+from conftest import run_script, run_train, tiny_overrides
 from test_graphed import EagerReplays
 from test_precision import WORDS, steps_trainer
 
@@ -107,16 +105,8 @@ def test_ddp_with_the_compiled_step_trains_as_one_process(
     devices: int, replays: bool, one_process: dict, tmp_path: Path
 ) -> None:
     out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out), "--devices", str(devices), "--strategy", "ddp"]
-        + (["--replays"] if replays else []),
-        cwd=ROOT,
-        env={**subprocess_env(), "PYTHONPATH": str(ROOT)},  # this checkout's captioner, in every rank
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    replay = ["--replays"] if replays else []
+    run_script(__file__, str(out), "--devices", str(devices), "--strategy", "ddp", *replay)
     result = json.loads(out.read_text())
     assert len(one_process["losses"]) == STEPS and one_process["graphs"] == 1
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(one_process["losses"]), rtol=1e-5, atol=0)

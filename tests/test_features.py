@@ -10,8 +10,6 @@ import argparse
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -30,7 +28,7 @@ from captioner.data.readers import Record
 from captioner.data.vocab import Vocabulary
 from captioner.errors import DataError
 from captioner.training.module import CaptionerModule
-from conftest import ROOT, subprocess_env
+from conftest import run_script
 
 IMAGES = [torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(7)]
 GONE = 3  # the item whose image could not be read
@@ -229,15 +227,7 @@ def test_two_ddp_processes_build_a_cache_between_them_as_one_process_does(tmp_pa
         if i != GONE:
             Image.new("RGB", (40, 30), (30 * i, 200 - 20 * i, 90)).save(images / f"{i}.png")
     out = tmp_path / "ranks"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out), str(images), str(tmp_path / "ddp"), "--devices", "2"],
-        cwd=ROOT,
-        env={**subprocess_env(), "PYTHONPATH": str(ROOT)},  # this checkout's captioner, in every rank
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(__file__, str(out), str(images), str(tmp_path / "ddp"), "--devices", "2", timeout=300)
     ranks = sorted((json.loads(path.read_text()) for path in out.iterdir()), key=lambda result: result["rank"])
     assert [r["calls"] for r in ranks] == [[2, 2], [1, 1]]  # rank 0: rows 0-1 and 4-5; rank 1: rows 2-3 (one gone), 6
     (built,) = (tmp_path / "ddp").iterdir()  # in place, no partial folder left

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -30,7 +28,7 @@ from torch.utils.data import DataLoader
 from captioner.config import ModelConfig, from_dict
 from captioner.data.vocab import Vocabulary
 from captioner.training.module import CaptionerModule
-from conftest import ROOT, subprocess_env
+from conftest import run_script
 
 CLIP = 1e-3  # far below the gradients' norm, so every step clips
 STEPS = 8
@@ -167,15 +165,7 @@ def test_fp16_mixed_precision_clips_the_unscaled_gradients() -> None:
 @pytest.mark.slow
 def test_two_ddp_processes_clip_and_learn_under_bf16_mixed(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out), "--precision", "bf16-mixed", "--devices", "2"],
-        cwd=ROOT,
-        env={**subprocess_env(), "PYTHONPATH": str(ROOT)},  # this checkout's captioner, in every rank
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(__file__, str(out), "--precision", "bf16-mixed", "--devices", "2")
     check(json.loads(out.read_text()), 1e-4)
 
 

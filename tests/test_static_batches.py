@@ -16,8 +16,6 @@ import argparse
 import functools
 import json
 import logging
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,7 +33,7 @@ from captioner.data.readers import Record
 from captioner.data.vocab import PAD_ID, Vocabulary
 from captioner.model.losses import SelfCriticalLoss
 from captioner.training.datamodule import CaptionDataModule
-from conftest import ROOT, make_loss, subprocess_env
+from conftest import make_loss, run_script
 from test_graphed import EagerReplays
 from test_precision import WORDS, steps_trainer
 
@@ -132,15 +130,7 @@ def issue_scenario(channels: int) -> list[dict]:
 def run_ranks(tmp_path: Path, *args: str) -> dict:
     """``main`` in two gloo processes, killed (and the test failed) if they do not finish in 300 s."""
     out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out), "--folder", str(tmp_path), *args],
-        cwd=ROOT,
-        env={**subprocess_env(), "PYTHONPATH": str(ROOT)},  # this checkout's captioner, in every rank
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_script(__file__, str(out), "--folder", str(tmp_path), *args, timeout=300)
     return json.loads(out.read_text())
 
 
