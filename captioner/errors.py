@@ -37,6 +37,11 @@ class DataProblems(DataError):
         self.remedy = remedy
 
 
+class DownloadError(CaptionerError):
+    """A file the config names could not be downloaded (no network, an HTTP error, a truncated or altered file);
+    the message says why, the caller where the file goes."""
+
+
 class BundleError(CaptionerError):
     """A checkpoint or inference bundle cannot be loaded safely or does not match."""
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 from captioner.data.shapes import shapes_records
 from captioner.data.vocab import tokenize
-from captioner.model.encoder import weight_file
+from captioner.model.pretrained import weight_file
 from conftest import ROOT, compose_plain, subprocess_env
 
 GUIDE = ROOT / "docs" / "datasets.md"

@@ -105,9 +105,11 @@ def test_the_files_the_config_names_and_the_loggers_packages(tmp_path: Path, mon
 
 def test_a_missing_weight_file_says_where_to_save_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no weight file there
-    lines = _lines(["model.encoder.weights=IMAGENET1K_V1", f"data.source.root={tmp_path}/s"], tmp_path)
+    offline = ["model.encoder.weights=IMAGENET1K_V1", "model.encoder.download=false"]  # downloads: test_pretrained
+    lines = _lines([*offline, f"data.source.root={tmp_path}/s"], tmp_path)
     assert lines == [
-        "model.encoder.weights='IMAGENET1K_V1': the ImageNet weights of resnet18 are not on disk; download "
+        "model.encoder.weights='IMAGENET1K_V1': the ImageNet weights of resnet18 are not on disk "
+        "(model.encoder.download=false); download "
         "https://download.pytorch.org/models/resnet18-f37072fd.pth and save it as "
         f"{tmp_path / 'hub' / 'checkpoints' / 'resnet18-f37072fd.pth'} (TORCH_HOME moves that folder) "
         f"({GUIDE}#encoder-weights)"
@@ -135,8 +137,8 @@ def test_train_py_lists_every_problem_at_once_and_makes_no_run_folder(tmp_path: 
     assert proc.returncode == 2 and all(line.startswith("error: ") for line in lines), proc.stderr
     keys = [line.split("=")[0].removeprefix("error: ") for line in lines]
     gpu = [] if torch.cuda.is_available() else ["trainer.accelerator"]
-    assert keys == ["data.source.split_file", "data.source.image_root", "model.encoder.weights", *gpu]
-    assert not logs.exists()
+    assert keys == ["data.source.split_file", "data.source.image_root", *gpu]  # the weights: downloaded once it can run
+    assert not logs.exists() and not (tmp_path / "torch").exists()  # nothing downloaded
 
 
 def test_a_null_file_or_an_unreadable_folder_is_a_problem_not_a_crash(
@@ -165,7 +167,7 @@ def test_any_other_error_of_a_check_is_one_problem_and_the_others_still_run(
     def broken(name: str, weights: str) -> None:
         raise ZeroDivisionError("division by zero")
 
-    monkeypatch.setattr("captioner.model.encoder.resolve_weights", broken)
+    monkeypatch.setattr("captioner.model.pretrained.resolve_weights", broken)
     overrides = [
         f"data.source.root={tmp_path}/s",
         f"data.vocab_file={tmp_path}/v.json",

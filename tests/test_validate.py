@@ -116,7 +116,7 @@ def test_a_missing_weight_file_names_the_key_model_encoder_weights(tmp_path: Pat
     from captioner.training.module import CaptionerModule
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no weight file there
-    plain = compose_plain(["model.encoder.weights=IMAGENET1K_V1"], tmp_path)
+    plain = compose_plain(["model.encoder.weights=IMAGENET1K_V1", "model.encoder.download=false"], tmp_path)
     with pytest.raises(ConfigError) as info, train.building("model"):
         CaptionerModule(Vocabulary(["a"]), validate_config(plain).model)
     message = str(info.value)

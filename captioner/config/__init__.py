@@ -46,6 +46,7 @@ from captioner.config.model import (
     SchedulerConfig,
     ScstBaseline,
     ScstConfig,
+    TrainingEncoderConfig,
 )
 from captioner.config.network import (
     ARCHITECTURE,
@@ -110,6 +111,7 @@ __all__ = [
     "ShapesSpec",
     "Settings",
     "TrainConfig",
+    "TrainingEncoderConfig",
     "captioning_settings",
     "from_dict",
     "to_dict",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from captioner.config.decoding import DecodingConfig
-from captioner.config.network import Attention, HardEstimator, NetConfig
+from captioner.config.network import Attention, EncoderConfig, HardEstimator, NetConfig
 from captioner.config.settings import Settings, _convert
 from captioner.errors import ConfigError, check_range
 
@@ -143,9 +143,25 @@ class ScstConfig(Settings):
 
 
 @dataclass
+class TrainingEncoderConfig(EncoderConfig):
+    """The encoder of a run: the network's settings (``EncoderConfig``, what a bundle stores) and how its ImageNet
+    weights reach this machine."""
+
+    # A weights file missing from $TORCH_HOME/hub/checkpoints is downloaded as torchvision does (its progress bar and
+    # hash check) before training starts, by one process of a machine at a time (captioner.model.pretrained); false:
+    # never (an offline machine: the preflight names the file to put there).
+    download: bool = True
+
+    def network(self) -> EncoderConfig:
+        """The network's settings: these but ``download``."""
+        return EncoderConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EncoderConfig)})
+
+
+@dataclass
 class ModelConfig(NetConfig):
     """The ``model`` config group: the network and how it is trained and evaluated."""
 
+    encoder: TrainingEncoderConfig = field(default_factory=TrainingEncoderConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -208,7 +224,8 @@ class ModelConfig(NetConfig):
 
     def net(self) -> NetConfig:
         """The network part (what a bundle stores)."""
-        return NetConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(NetConfig)})
+        network = {f.name: getattr(self, f.name) for f in dataclasses.fields(NetConfig)}
+        return NetConfig(**{**network, "encoder": self.encoder.network()})
 
     def unscheduled(self, max_epochs: int | None, max_steps: int | None) -> str | None:
         """Why the run's schedules cannot be laid out over a run of the trainer's ``max_epochs`` (None: null, -1:

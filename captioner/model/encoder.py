@@ -13,54 +13,23 @@ import hashlib
 import itertools
 import os
 from collections import OrderedDict
-from urllib.parse import urlparse
 
 import torch
 import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
-from torchvision.models import WeightsEnum, get_model, get_model_weights, list_models
+from torchvision.models import get_model, list_models
 
 from captioner.config import EncoderConfig
 from captioner.data.dataset import IMAGENET_MEAN, IMAGENET_STD
 from captioner.errors import ConfigError, first_line
+from captioner.model.pretrained import not_on_disk, resolve_weights, weight_file
 
 # Top-level children at which the trunk ends: global pooling, flattening, or the classifier head.
 _HEAD_TYPES = (nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.Flatten, nn.Linear)
 _HEAD_NAMES = ("avgpool", "flatten", "fc", "classifier", "head", "heads")
 # Torchvision's canonical input size: every classification model accepts it.
 _PROBE_SIZE = 224
-
-
-def weight_file(weights: WeightsEnum) -> str:
-    """Where torchvision looks for ``weights`` on disk: ``$TORCH_HOME/hub/checkpoints/<file>``."""
-    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(urlparse(weights.url).path))
-
-
-def resolve_weights(name: str, weights: str | None) -> WeightsEnum | None:
-    """Turn "DEFAULT", "IMAGENET1K_V2" or "ResNet101_Weights.IMAGENET1K_V2" into the weights enum of ``name``."""
-    if weights is None:
-        return None
-    if not isinstance(weights, str):
-        raise ConfigError(f"encoder.weights={weights!r} must be a weights name such as 'DEFAULT', or null")
-    enum = get_model_weights(name)
-    valid = ["DEFAULT"] + [member.name for member in enum]
-    owner, _, member = weights.rpartition(".")
-    if owner not in ("", enum.__name__) or member not in valid:
-        choices = ", ".join(valid + [f"{enum.__name__}.{v}" for v in valid[1:]])
-        raise ConfigError(f"encoder.weights={weights!r} is not a weights name of {name}; choose one of: {choices}")
-    return enum[member]
-
-
-def _check_weight_file(name: str, weights: WeightsEnum) -> str:
-    path = weight_file(weights)
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"encoder.weights={weights.name!r}: the ImageNet weights of {name} are not on disk (no downloads "
-            f"at run time): download {weights.url} and save it as {path} "
-            f"(that folder is $TORCH_HOME/hub/checkpoints; set TORCH_HOME to use another cache)"
-        )
-    return path
 
 
 def _build_classifier(name: str, weights: str | None) -> nn.Module:
@@ -72,7 +41,9 @@ def _build_classifier(name: str, weights: str | None) -> nn.Module:
     resolved = resolve_weights(name, weights)
     if resolved is None:
         return get_model(name, weights=None)
-    path = _check_weight_file(name, resolved)
+    path = weight_file(resolved)
+    if not os.path.isfile(path):  # torchvision would download it: that is pretrained.download's
+        raise ConfigError("; ".join(not_on_disk(name, weights, resolved)))
     try:
         return get_model(name, weights=resolved)
     except Exception as exc:  # a corrupt, truncated or wrong file fails in many ways
@@ -114,8 +85,9 @@ class Encoder(nn.Module):
     ``config`` holds the settings (their defaults and ranges are ``EncoderConfig``'s):
         name: a torchvision classification model (``torchvision.models.list_models``).
         weights: a torchvision weights name ("DEFAULT", "IMAGENET1K_V2", "ResNet101_Weights.IMAGENET1K_V2")
-            or None for random initialisation. The file must already be in ``$TORCH_HOME/hub/checkpoints``;
-            nothing is downloaded.
+            or None for random initialisation. Its file must be in ``$TORCH_HOME/hub/checkpoints``, where
+            torchvision caches it: building an encoder never downloads (``pretrained.download`` does; training
+            calls it where ``model.encoder.download`` is on); a missing file is a ConfigError saying where it goes.
         stage: the trunk stage whose output is the grid (a top-level child such as ResNet's "layer3":
             14 x 14 at 224 px instead of layer4's 7 x 7, with smaller receptive fields); None: the last.
         grid: adaptive-average-pool the map to ``grid x grid`` locations (shrinking only); None keeps it.

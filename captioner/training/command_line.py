@@ -168,9 +168,12 @@ def _comments(cls: type) -> dict[str, str]:
 
 
 def _constants(text: str, cls: type) -> str:
-    """``text`` with each constant it names (``MAX_CELLS``) of the module of ``cls`` replaced by its value: a user
-    reading ``--help`` sees the number, and the number stays written in one place."""
-    names = vars(sys.modules[cls.__module__])
+    """``text`` with each constant it names (``MAX_CELLS``) of the module of ``cls`` or of a base class's (where an
+    inherited field's comment or range was written) replaced by its value: a user reading ``--help`` sees the number,
+    and the number stays written in one place."""
+    names = {
+        key: value for klass in reversed(cls.__mro__) for key, value in vars(sys.modules[klass.__module__]).items()
+    }
 
     def value(match: re.Match) -> str:
         found = names.get(match.group())

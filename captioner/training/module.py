@@ -28,6 +28,7 @@ from captioner.evaluation.cider import CiderD
 from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoding import Generation
 from captioner.model.losses import CaptionLoss, SelfCriticalLoss
+from captioner.model.pretrained import fetch
 from captioner.training import objectives
 from captioner.training.callbacks import NonFiniteLossGuard
 from captioner.training.datamodule import CaptionDataModule
@@ -48,12 +49,16 @@ class CaptionerModule(L.LightningModule):
     self-critical sequence training of a trained model (``objective="scst"``, settings in ``scst``)."""
 
     def __init__(self, vocab: Vocabulary, settings: ModelConfig) -> None:
-        """The model of ``settings`` (the ``model`` config, typed) for the words of ``vocab``."""
+        """The model of ``settings`` (the ``model`` config, typed) for the words of ``vocab``; the encoder's ImageNet
+        weights are downloaded first where ``encoder.download`` is on and their file is missing (the preflight did in
+        the process that started the run; another process of the run waits for or makes its machine's download)."""
         super().__init__()
         self.settings = settings
         self.save_hyperparameters(to_dict(self.settings))  # every setting, as plain data (weights_only loads it)
         self.vocab = vocab
         self.net = self.settings.net()  # what the bundle stores
+        if settings.encoder.download:
+            fetch(self.net.encoder.name, self.net.encoder.weights)
         self.model: Captioner = build_captioner(self.net, len(vocab))
         self.criterion = CaptionLoss(self.settings.loss, PAD_ID, UNK_ID)
         self.self_critical = SelfCriticalLoss(self.settings.scst.baseline)

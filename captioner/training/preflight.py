@@ -4,12 +4,15 @@
 its remedy and the section of ``docs/datasets.md`` that explains it: the dataset's split or caption files and
 image folders, how many of each split's images are there (``val: 0 of 5,000 images found under
 data/coco/val2014``), whether a sample of each split decodes, the vocabulary, checkpoint and logger packages the
-config names, the encoder's weights file, whether the encoder's feature map holds the attention grid asked for
-and the accelerator the trainer asks for; a check that fails in a way
+config names, the encoder's weights (its file where ``model.encoder.download`` is false), whether the encoder's
+feature map holds the attention grid asked for and the accelerator the trainer asks for; a check that fails in a way
 it does not expect (a folder this user cannot list, a null where a path goes) is a problem too, naming the error,
 so the run never starts on a traceback turned into a warning by Hydra. ``ValidateConfig``
 (``training/validate.py``) runs it once the config's values are valid; ``train.py`` prints the lines and exits
-with status 2 before any run folder exists.
+with status 2 before any run folder exists. When nothing stops the run, ``check`` downloads the encoder's weights
+file if it is missing and ``model.encoder.download`` is on, in the process that starts the run, before Lightning
+starts the other processes of a DDP run (processes started together with it, torchrun's or SLURM's, take turns
+with it on their machine: ``captioner.model.pretrained.download``); a failed download is the one problem then.
 """
 
 from __future__ import annotations
@@ -161,27 +164,44 @@ def _file_problems(cfg: dict[str, Any]) -> list[Problem]:
     return found
 
 
-def _encoder_problems(cfg: dict[str, Any]) -> list[Problem]:
-    """The encoder's ImageNet weights file, which is never downloaded at run time."""
-    encoder = cfg["model"]["encoder"]
-    if encoder.get("weights") is None:
-        return []
-    from captioner.model.encoder import resolve_weights, weight_file
+def _weights_problem(cfg: dict[str, Any], why: str) -> Problem:
+    """The encoder's weights file is not on disk, ``why`` in words: the problem, with where the file goes."""
+    from captioner.model.pretrained import not_on_disk, resolve_weights
 
+    encoder = cfg["model"]["encoder"]
+    weights = resolve_weights(encoder["name"], encoder["weights"])
+    what, remedy = not_on_disk(encoder["name"], encoder["weights"], weights, why)
+    return Problem(f"model.{what}", remedy, "encoder-weights")
+
+
+def _encoder_problems(cfg: dict[str, Any]) -> list[Problem]:
+    """The encoder's weights name, and its file where it is not downloaded (``model.encoder.download=false``)."""
+    from captioner.model.pretrained import resolve_weights, weight_file
+
+    encoder = cfg["model"]["encoder"]
     try:
         weights = resolve_weights(encoder["name"], encoder["weights"])
     except (CaptionerError, ValueError) as exc:
         return [Problem(f"model.{first_line(exc)}", "see torchvision's list of weights", "encoder-weights")]
-    path = weight_file(weights)
-    if os.path.isfile(path):
+    if weights is None or encoder["download"] or os.path.isfile(weight_file(weights)):
         return []
-    return [
-        Problem(
-            f"model.encoder.weights={encoder['weights']!r}: the ImageNet weights of {encoder['name']} are not on disk",
-            f"download {weights.url} and save it as {path} (TORCH_HOME moves that folder)",
-            "encoder-weights",
-        )
-    ]
+    return [_weights_problem(cfg, " (model.encoder.download=false)")]
+
+
+def _download_weights(cfg: dict[str, Any]) -> list[Problem]:
+    """Download the encoder's weights file where ``model.encoder.download`` is on and it is missing
+    (``pretrained.download``, its progress on stdout); the problem when the download fails."""
+    from captioner.model.pretrained import download, resolve_weights
+
+    encoder = cfg["model"]["encoder"]
+    weights = resolve_weights(encoder["name"], encoder["weights"])
+    if weights is None or not encoder["download"]:
+        return []
+    try:
+        download(weights)
+    except CaptionerError as exc:
+        return [_weights_problem(cfg, f" and the download failed: {exc}")]
+    return []
 
 
 def _grid_problems(cfg: dict[str, Any]) -> list[Problem]:
@@ -285,7 +305,8 @@ def problems(cfg: dict[str, Any]) -> list[Problem]:
 
 
 def check(cfg: dict[str, Any]) -> None:
-    """Raise PreflightError listing every problem ``problems`` finds."""
-    found = problems(cfg)
+    """Raise PreflightError listing every problem ``problems`` finds; when there is none, download the encoder's
+    weights (``_download_weights``: a run that cannot start downloads nothing) and raise it if that fails."""
+    found = problems(cfg) or _download_weights(cfg)
     if found:
         raise PreflightError(found)
