@@ -109,14 +109,21 @@ def test_a_gallery_inside_its_input_folder_is_never_read_as_input(bundle, tmp_pa
     folder = tmp_path / "f3"
     photos(folder, "a.png", "b.jpg", "c.png")
     out = folder / inside
-    for run in range(2):
+    # run 0 writes the gallery, run 1 replaces it, run 2 writes another beside it: the first is left out
+    for run, where in enumerate([out, out, folder / "second"]):
         force = ["--force"] if run or inside == "." else []  # a folder of images is not empty: --force from the start
-        assert attend(bundle, str(folder), "--out", str(out), *force) == 0
+        assert attend(bundle, str(folder), "--out", str(where), *force) == 0
         stdout, err = capsys.readouterr()
         assert [line.split("\t")[0] for line in stdout.splitlines()] == [
             str(folder / n) for n in ("a.png", "b.jpg", "c.png")
         ]
         assert re.search(r"summary: 3 captioned, 0 failed, 0 skipped", err), err
+        files = len(recorded(out))  # 3 sheets, 3 strips and index.html, or their copies of the inputs too
+        left = [line for line in err.splitlines() if line.startswith("left out: ")]
+        reason = [None, f"in --out {out}, where this gallery goes", f"of captioner attend's gallery in {out}"][run]
+        assert left == (
+            [f"left out: {files} files {reason} (a file named by itself is read all the same)"] if run else []
+        )
 
 
 def test_the_progress_bar_says_drawing_and_counts_images(bundle, tmp_path, capsys, monkeypatch):
