@@ -50,15 +50,18 @@ class LeftOut:
     def __init__(self, out: str | os.PathLike | None = None) -> None:
         self.out = None if out is None else os.path.realpath(out)
         self.shown_out = None if out is None else os.fspath(out)
-        self._galleries: dict[str, GalleryFiles | None] = {}  # folder (absolute) -> the gallery recorded there
+        self._above: dict[str, list[tuple[str, GalleryFiles]]] = {}  # folder (absolute) -> the galleries recorded
+        # in it or above it, nearest first
         self.files: dict[str, set[str]] = {}  # the files left out (absolute), by the folder that explains it
 
-    def _gallery(self, folder: str) -> GalleryFiles | None:
-        """The gallery whose record lies in ``folder``, or None (each folder looked at once)."""
-        if folder not in self._galleries:
-            record = os.path.join(folder, MANIFEST)
-            self._galleries[folder] = GalleryFiles(folder) if os.path.isfile(record) else None
-        return self._galleries[folder]
+    def _galleries(self, folder: str) -> list[tuple[str, GalleryFiles]]:
+        """The galleries (their folder, their record) in ``folder`` (absolute) and the folders above it; each
+        folder looked at once."""
+        if folder not in self._above:
+            parent = os.path.dirname(folder)
+            here = [(folder, GalleryFiles(folder))] if os.path.isfile(os.path.join(folder, MANIFEST)) else []
+            self._above[folder] = here + (self._galleries(parent) if parent != folder else [])
+        return self._above[folder]
 
     def __call__(self, path: Path) -> bool:
         """Whether ``path`` (a file or folder met in a search) is left out; counted when it is."""
@@ -66,11 +69,10 @@ class LeftOut:
             inside = _files(path, lambda _: False)  # what a search of it would have met
             self.files.setdefault(self.out, set()).update(os.path.abspath(file) for file in inside)
             return True
-        absolute = Path(os.path.abspath(path))
-        for folder in map(str, absolute.parents):
-            gallery = self._gallery(folder)
-            if gallery is not None and gallery.ours(absolute):
-                self.files.setdefault(folder, set()).add(str(absolute))
+        absolute = os.path.abspath(path)
+        for folder, gallery in self._galleries(os.path.dirname(absolute)):
+            if gallery.ours(absolute):
+                self.files.setdefault(folder, set()).add(absolute)
                 return True
         return False
 
