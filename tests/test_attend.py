@@ -158,6 +158,29 @@ def test_max_pixels_reaches_the_drawing_and_the_gallery_s_copies(bundle, tmp_pat
         assert sheet.width > 60
 
 
+@pytest.mark.filterwarnings("error::PIL.Image.DecompressionBombWarning")
+def test_a_folder_of_photos_past_pillow_s_own_limit_draws_without_pillow_s_warning(
+    bundle, tmp_path, monkeypatch, capsys
+):
+    """A 12000x9000 JPEG (108 MP, past Pillow's 89 MP) in a folder printed Pillow's raw DecompressionBombWarning,
+    with its source line; here Pillow's limit is 40,000 pixels and the photos 250x200. The JPEG is drawn at 1/2,
+    under the limit; with --max-pixels above Pillow's, it and a TIFF (whose decoder checks Pillow's limit itself)
+    are drawn whole. Neither warns (the warning is an error here), in the drawing or in the gallery."""
+    folder = tmp_path / "photos"
+    photos(folder)
+    for name in ("big.jpg", "scan.tif"):
+        Image.effect_noise((250, 200), 40).convert("RGB").save(folder / name)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40_000)
+    assert attend(bundle, str(folder / "big.jpg"), "--out", str(tmp_path / "jpeg")) == 0
+    assert attend(bundle, str(folder), "--out", str(tmp_path / "both"), "--max-pixels", "60000") == 0
+    err = capsys.readouterr().err
+    assert "Warning" not in err and [line.split(":")[0] for line in err.splitlines()] == ["gallery", "summary"] * 2
+    assert sorted(path.name for path in (tmp_path / "both").glob("*.panels.jpg")) == [
+        "0000_big.panels.jpg",
+        "0001_scan.panels.jpg",
+    ]  # both drawn
+
+
 @pytest.fixture
 def sheets(monkeypatch) -> list:
     """The shading and words of every sheet ``draw_overlay`` writes, to count its panels and marks."""
