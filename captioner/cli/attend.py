@@ -154,7 +154,7 @@ def _draw(
         bar.update(len(found.paths) - bar.n)
     if not single and found.paths:
         for item in output.failed_inputs:
-            failed = GalleryEntry(image=item.path, caption="", error=item.reason)
+            failed = GalleryEntry(image=item.path, caption=None, error=item.reason)
             if item.path in numbers:
                 entries[numbers[item.path]] = failed
             else:
