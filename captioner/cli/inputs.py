@@ -50,8 +50,8 @@ class LeftOut:
     def __init__(self, out: str | os.PathLike | None = None) -> None:
         self.out = None if out is None else os.path.realpath(out)
         self.shown_out = None if out is None else os.fspath(out)
-        self._above: dict[str, list[tuple[str, GalleryFiles]]] = {}  # folder (absolute) -> the galleries recorded
-        # in it or above it, nearest first
+        # a folder (absolute) -> the galleries (their folder, their record) in it and above it, nearest first
+        self._above: dict[str, list[tuple[str, GalleryFiles]]] = {}
         self.files: dict[str, set[str]] = {}  # the files left out (absolute), by the folder that explains it
 
     def _galleries(self, folder: str) -> list[tuple[str, GalleryFiles]]:

@@ -325,8 +325,11 @@ def group_defaults() -> dict[str, list[str]]:
         for key, value in entries(CONF / "experiment" / f"{chosen['experiment']}.yaml").items():
             if key.startswith("override /"):
                 chosen[key.removeprefix("override /")] = value
-    return {group: [] if value is None else list(value) if isinstance(value, list) else [value] for group, value in
-            chosen.items() if group in groups()}  # fmt: skip
+    selectable = groups()  # Hydra's own groups (hydra: default) left out
+    listed = {
+        group: value if isinstance(value, list) else [] if value is None else [value] for group, value in chosen.items()
+    }
+    return {group: options for group, options in listed.items() if group in selectable}
 
 
 def _group_value(options: list[str]) -> str:
