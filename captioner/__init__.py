@@ -9,7 +9,7 @@ The Python API, for notebooks::
     result = model.caption("photo.jpg")             # also a PIL image, a tensor (3, H, W), a numpy (H, W, 3)
     result.caption, result.score, result.alphas     # the words, their score, one attention map per word
     show_attention(result)                          # a matplotlib figure: one panel per word
-    results = model.caption(["a.jpg", "b.jpg"])     # one result per input; a broken one has .error
+    results = model.caption(["a.jpg", "b.jpg"])     # one result per input; a broken one: .error, .caption None
 
 The names are imported on first use, so ``import captioner`` stays cheap (no torch).
 """

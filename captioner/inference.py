@@ -93,7 +93,8 @@ class Hypothesis:
 
 @dataclass
 class Captioned:
-    """One captioned image; or, with ``error`` set, an input of a list that could not be captioned (no words)."""
+    """One captioned image; or, with ``error`` set, an input of a list that could not be captioned: no words,
+    ``caption`` None (never "", which is the caption of a model that ends at once), ``score`` NaN."""
 
     path: str | None  # the image file; None for an image given in memory
     words: list[str]
@@ -108,9 +109,10 @@ class Captioned:
     n_best: list[Hypothesis] | None = None
 
     @property
-    def caption(self) -> str:
-        """The caption as one string."""
-        return " ".join(self.words)
+    def caption(self) -> str | None:
+        """The caption as one string (its words joined by spaces: "" for a caption of no words); None for an
+        input that could not be captioned (``error`` says why)."""
+        return None if self.error is not None else " ".join(self.words)
 
     def __repr__(self) -> str:
         where = self.path if self.path is not None else f"<{type(self.image).__name__}>"
@@ -146,11 +148,11 @@ class LoadedModel(TrainedModel):
         One image gives one :class:`Captioned` (``.caption``, ``.score``, ``.alphas`` (T, H*W) on ``.grid``),
         a list or a batch a list of them, one per input. A single image that cannot be captioned raises
         (ImageError for a file, TypeError or ValueError for another object); an input of a list gets a result
-        with ``.error`` (the reason) instead, unless ``raise_errors``. ``settings`` are the command line's
-        decoding options as ``DecodingConfig`` fields over the model's ``decoding`` (how its run decoded its
-        final scores: method, beam_size, max_len, seed, ...), checked as the command line checks its flags
-        (``captioning_settings``): TypeError for an unknown name (naming the nearest), ConfigError for one the
-        method does not read or a bad value.
+        with ``.error`` (the reason) and ``.caption`` None instead, unless ``raise_errors``. ``settings`` are the
+        command line's decoding options as ``DecodingConfig`` fields over the model's ``decoding`` (how its run
+        decoded its final scores: method, beam_size, max_len, seed, ...), checked as the command line checks its
+        flags (``captioning_settings``): TypeError for an unknown name (naming the nearest), ConfigError for one
+        the method does not read or a bad value.
         ``max_pixels``: the most pixels a file may decode to (None: Pillow's limit), a guard against
         decompression bombs; raise it for a very large photo you trust (``data.images.load_rgb``). A bad one is a
         ConfigError for the call, whatever the images.
@@ -431,8 +433,9 @@ def caption_images(
     maps ``alphas`` (T, H*W) on ``grid``; an image given in memory is kept in ``image`` for ``show_attention``.
     ``decoding``: how (None: the model's, ``loaded.decoding``). A single image that
     cannot be captioned raises ImageError (a file), TypeError or ValueError (another kind of object); in a list
-    it gets a result with ``error`` set, or raises those with ``raise_errors``. ``max_pixels``: the pixel limit
-    of a file (``load_rgb``; None: Pillow's); a bad one is a ConfigError for the call, before any image.
+    it gets a result with ``error`` set and ``caption`` None, or raises those with ``raise_errors``.
+    ``max_pixels``: the pixel limit of a file (``load_rgb``; None: Pillow's); a bad one is a ConfigError for the
+    call, before any image.
     """
     check_range("batch_size", batch_size, 1, kind=int)
     _check_max_pixels(max_pixels)

@@ -3,6 +3,7 @@ file paths, PIL images and image tensors gives the same captions and attention a
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -199,6 +200,8 @@ def test_a_list_gives_a_result_per_input_with_an_error_for_a_broken_one(model, p
     assert [r.error is None for r in results] == [True, False, False, True]
     assert results[0].words == results[3].words == good.words
     assert results[1].path == str(broken) and results[1].words == [] and "not an image file" in results[1].error
+    assert [r.caption for r in results] == [good.caption, None, None, good.caption]  # a failure has no caption
+    assert isinstance(good.caption, str) and math.isnan(results[1].score)
     assert results[2].image == 123 and results[2].error == (
         "an image is a file path, a PIL image, a tensor or a numpy array, not int (123)"
     )

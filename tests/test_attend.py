@@ -109,14 +109,21 @@ def test_a_gallery_inside_its_input_folder_is_never_read_as_input(bundle, tmp_pa
     folder = tmp_path / "f3"
     photos(folder, "a.png", "b.jpg", "c.png")
     out = folder / inside
-    for run in range(2):
+    # run 0 writes the gallery, run 1 replaces it, run 2 writes another beside it: the first is left out
+    for run, where in enumerate([out, out, folder / "second"]):
         force = ["--force"] if run or inside == "." else []  # a folder of images is not empty: --force from the start
-        assert attend(bundle, str(folder), "--out", str(out), *force) == 0
+        assert attend(bundle, str(folder), "--out", str(where), *force) == 0
         stdout, err = capsys.readouterr()
         assert [line.split("\t")[0] for line in stdout.splitlines()] == [
             str(folder / n) for n in ("a.png", "b.jpg", "c.png")
         ]
         assert re.search(r"summary: 3 captioned, 0 failed, 0 skipped", err), err
+        files = len(recorded(out))  # 3 sheets, 3 strips and index.html, or their copies of the inputs too
+        left = [line for line in err.splitlines() if line.startswith("left out: ")]
+        reason = [None, f"in --out {out}, where this gallery goes", f"of captioner attend's gallery in {out}"][run]
+        assert left == (
+            [f"left out: {files} files {reason} (a file named by itself is read all the same)"] if run else []
+        )
 
 
 def test_the_progress_bar_says_drawing_and_counts_images(bundle, tmp_path, capsys, monkeypatch):
@@ -149,6 +156,29 @@ def test_max_pixels_reaches_the_drawing_and_the_gallery_s_copies(bundle, tmp_pat
         assert copy.size == (60, 50)
     with Image.open(out / "0000_large.jpg") as sheet:
         assert sheet.width > 60
+
+
+@pytest.mark.filterwarnings("error::PIL.Image.DecompressionBombWarning")
+def test_a_folder_of_photos_past_pillow_s_own_limit_draws_without_pillow_s_warning(
+    bundle, tmp_path, monkeypatch, capsys
+):
+    """A 12000x9000 JPEG (108 MP, past Pillow's 89 MP) in a folder printed Pillow's raw DecompressionBombWarning,
+    with its source line; here Pillow's limit is 40,000 pixels and the photos 250x200. The JPEG is drawn at 1/2,
+    under the limit; with --max-pixels above Pillow's, it and a TIFF (whose decoder checks Pillow's limit itself)
+    are drawn whole. Neither warns (the warning is an error here), in the drawing or in the gallery."""
+    folder = tmp_path / "photos"
+    photos(folder)
+    for name in ("big.jpg", "scan.tif"):
+        Image.effect_noise((250, 200), 40).convert("RGB").save(folder / name)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40_000)
+    assert attend(bundle, str(folder / "big.jpg"), "--out", str(tmp_path / "jpeg")) == 0
+    assert attend(bundle, str(folder), "--out", str(tmp_path / "both"), "--max-pixels", "60000") == 0
+    err = capsys.readouterr().err
+    assert "Warning" not in err and [line.split(":")[0] for line in err.splitlines()] == ["gallery", "summary"] * 2
+    assert sorted(path.name for path in (tmp_path / "both").glob("*.panels.jpg")) == [
+        "0000_big.panels.jpg",
+        "0001_scan.panels.jpg",
+    ]  # both drawn
 
 
 @pytest.fixture

@@ -5,13 +5,14 @@ command); an empty folder or standard input is refused; a progress bar only on a
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 import warnings
 
 from captioner import cli
-from captioner.cli.inputs import expand_inputs
-from cli_helpers import before_summary, noise
+from captioner.cli.inputs import LeftOut, expand_inputs
+from cli_helpers import QUICK, before_summary, noise
 from conftest import ROOT
 
 
@@ -84,6 +85,59 @@ def test_a_folder_scan_takes_regular_files_skips_hidden_ones_and_names_each_file
     found = expand_inputs(named)
     assert found.paths == [str(folder / "a.png"), str(folder / "album.jpg" / "b.png")]
     assert found.errors == [] and found.skipped == []
+
+
+def test_caption_leaves_a_gallery_among_its_inputs_out_and_says_how_many_files(bundles, tmp_path, capsys):
+    """``captioner attend photos --out photos/overlays`` then ``captioner caption photos``: the photos, not the
+    gallery's sheets, strips, copies and pages; a user's own file in the gallery's folder is read, and so is a
+    gallery file named by itself."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for k in range(3):
+        noise((24, 16)).save(folder / f"p{k}.jpg")
+    model = ["--model", bundles["soft"], *QUICK]
+    assert cli.main(["attend", str(folder), "--out", str(folder / "overlays"), *model]) == 0
+    capsys.readouterr()
+    gallery = folder / "overlays"
+    written = (gallery / ".captioner-gallery").read_text().splitlines()
+    assert len(written) == 10  # 3 sheets, 3 strips, 3 copies of the photos, index.html
+    noise((24, 16)).save(gallery / "mine.jpg")  # no gallery wrote it
+    assert cli.main(["caption", str(folder), *model]) == 0
+    out, err = capsys.readouterr()
+    photos = [str(folder / f"p{k}.jpg") for k in range(3)]
+    assert [line.split("\t")[0] for line in out.splitlines()] == [str(gallery / "mine.jpg"), *photos]
+    note = f"of captioner attend's gallery in {gallery} (a file named by itself is read all the same)"
+    assert before_summary(err, captioned=4, failed=0) == [f"left out: 10 files {note}"]
+    sheet = str(gallery / "0000_p0.jpg")
+    assert cli.main(["caption", str(folder / "**" / "*.jpg"), sheet, *model]) == 0  # a glob, a file by its name
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [str(gallery / "mine.jpg"), *photos, sheet]
+    assert before_summary(err, captioned=5, failed=0) == [f"left out: 9 files {note}"]  # the JPEGs of the 10
+
+
+def test_a_folder_inside_a_gallery_is_searched_by_the_gallery_s_record(tmp_path):
+    """The record of a gallery in a folder above the one named (``photos/overlays/images`` of the gallery in
+    ``photos/overlays``) leaves its files out as well; nothing else is left out."""
+    copies = tmp_path / "overlays" / "images"
+    copies.mkdir(parents=True)
+    for name in ("0000_cat.jpg", "0001_dog.jpg"):
+        noise((8, 8)).save(copies / name)
+    record = "".join(json.dumps(name) + "\n" for name in ("images/0000_cat.jpg", "images/0001_dog.jpg"))
+    (tmp_path / "overlays" / ".captioner-gallery").write_text(record)
+    found = expand_inputs([str(copies)])
+    assert found.paths == [] and [error.reason for error in found.errors] == ["folder holds no image files"]
+    assert found.left_out == (
+        f"left out: 2 files of captioner attend's gallery in {tmp_path / 'overlays'} "
+        "(a file named by itself is read all the same)"
+    )
+    (tmp_path / "overlays" / ".captioner-gallery").write_text(record.splitlines()[0] + "\n")
+    found = expand_inputs([str(tmp_path)])
+    assert found.paths == [str(copies / "0001_dog.jpg")] and found.left_out.startswith("left out: 1 file of ")
+    found = expand_inputs([str(tmp_path)], leave_out=LeftOut(tmp_path / "overlays"))  # attend's --out: all of it
+    assert found.paths == [] and found.left_out == (
+        f"left out: 2 files in --out {tmp_path / 'overlays'}, where this gallery goes "
+        "(a file named by itself is read all the same)"
+    )
 
 
 def test_a_folder_scan_takes_a_photo_past_pillow_s_own_limit_without_a_warning(tmp_path, monkeypatch):

@@ -109,9 +109,21 @@ def test_a_tiny_coco_tree_goes_through_the_guide(tiny_shapes: Path, tmp_path: Pa
     assert metrics["images"] == SPLIT_SIZES["test"] and 0.0 <= metrics["bleu"]["bleu4"] <= 1.0
 
 
+def anchors(markdown: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``markdown`` (outside code blocks): lower case, punctuation
+    dropped (backticks, colons, ``=``), spaces as hyphens."""
+    found, fenced = set(), False
+    for line in markdown.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        heading = re.match(r"#{1,6} (.+)$", line)
+        if heading and not fenced:
+            found.add(re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-"))
+    return found
+
+
 def _anchors() -> set[str]:
     """The anchors of the guide's sections."""
-    return {h.lower().replace(" ", "-") for h in re.findall(r"^## (.+)$", GUIDE.read_text(), flags=re.MULTILINE)}
+    return anchors(GUIDE)
 
 
 def test_every_section_a_preflight_problem_can_link_to_is_in_the_guide() -> None:
@@ -123,11 +135,33 @@ def test_every_section_a_preflight_problem_can_link_to_is_in_the_guide() -> None
         Problem("what", "remedy", "no-such-section")
 
 
-def test_every_link_into_the_guide_that_the_program_writes_has_its_section() -> None:
-    """Messages outside preflight link to the guide's sections too (a run with no decodable image)."""
-    sources = [*(ROOT / "captioner").rglob("*.py"), ROOT / "train.py"]
-    links = {anchor for path in sources for anchor in re.findall(r"datasets\.md#([\w-]+)", path.read_text())}
-    assert "images" in links and links <= _anchors(), links - _anchors()
+def test_every_link_to_a_section_that_the_program_configs_and_docs_write_has_its_section() -> None:
+    """Messages link to sections of the docs (preflight's, a run with no decodable image, a captions file's
+    errors), and so do the configs' comments, the README and the docs: each ``FILE.md#anchor`` (``#anchor`` in
+    a markdown link: the page itself) is a heading of its file. A file named in a message is relative to the
+    checkout, one in a markdown link to the page's folder."""
+    texts = [*(ROOT / "captioner").rglob("*.py"), ROOT / "train.py", *(ROOT / "conf").rglob("*.yaml")]
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    links = []
+    for path in texts + pages:
+        text = path.read_text()
+        for target, anchor in re.findall(r"([\w./-]+\.md)#([\w-]+)", text):
+            base = path.parent if path in pages else ROOT
+            links.append((path, base / target, anchor))
+        if path in pages:
+            links += [(path, path, anchor) for anchor in re.findall(r"\]\(#([\w-]+)\)", text)]
+    assert {(path.name, anchor) for path, _, anchor in links} >= {
+        ("module.py", "images"),  # none of these may fall out of the search unseen (preflight's: the test above)
+        ("captions_file.py", "your-own-images"),
+        ("README.md", "images"),
+        ("performance.md", "commands"),
+    }
+    broken = [
+        f"{path.relative_to(ROOT)}: {target.relative_to(ROOT)}#{anchor}"
+        for path, target, anchor in links
+        if not target.is_file() or anchor not in anchors(target)
+    ]
+    assert not broken, broken
 
 
 def test_every_project_file_and_config_the_guide_names_exists() -> None:

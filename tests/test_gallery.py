@@ -34,7 +34,7 @@ def test_links_are_relative_and_every_file_lies_inside_the_gallery(tmp_path):
             panels=Panels(make_png(out / "p" / "strip.png"), ("a", "red"), (4, 8)),
         ),
         GalleryEntry(image=str(make_png(tmp_path / "images" / "1.png")), caption="a circle"),
-        GalleryEntry(image=str(tmp_path / "gone.jpg"), caption="", error="file not found"),
+        GalleryEntry(image=str(tmp_path / "gone.jpg"), caption=None, error="file not found"),
     ]
     index = write_gallery(out, entries)
     assert index == out / "index.html"
@@ -82,7 +82,7 @@ def test_a_large_gallery_pages_with_failures_first(tmp_path, monkeypatch):
         GalleryEntry(image, f"caption {k}", panels=Panels(image, ("red",), (8, 8)), scale=(0.25, 0.8))
         for k, image in enumerate(images)
     ]
-    entries.insert(2, GalleryEntry(tmp_path / "broken.jpg", "", error="not an image file"))
+    entries.insert(2, GalleryEntry(tmp_path / "broken.jpg", None, error="not an image file"))
     out = tmp_path / "gallery"
     assert write_gallery(out, entries) == out / "index.html"
     pages = ["index.html", "page002.html", "page003.html"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import types
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -230,6 +231,24 @@ def test_pillow_s_own_limit_is_never_changed_nor_in_the_way_of_max_pixels(tmp_pa
     with pytest.raises(ImageError, match=r"big.tif: image too large: Image size \(400 pixels\) exceeds limit of 200"):
         load_rgb(tiff, max_pixels=400)
     assert Image.MAX_IMAGE_PIXELS == 100
+
+
+@pytest.mark.filterwarnings("error::PIL.Image.DecompressionBombWarning")
+def test_a_file_past_pillow_s_own_limit_that_max_pixels_allows_decodes_without_pillow_s_warning(tmp_path, monkeypatch):
+    """Pillow's TIFF decoder warns past Pillow's limit (a raw line on stderr, with its source line): an image
+    that ``max_pixels`` allowed decodes without it, in any thread, and the process's warning filters are
+    left as they were."""
+    tiff = save(Image.new("RGB", (20, 20), RED), tmp_path / "big.tif")
+    png = save(Image.new("RGB", (20, 20), BLUE), tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300)  # 400 pixels: past it, within twice it (a warning)
+    with pytest.warns(Image.DecompressionBombWarning):
+        Image.open(tiff).load()  # what load_rgb keeps quiet
+    filters = list(warnings.filters)
+    with ThreadPoolExecutor(4) as pool:
+        sizes = list(pool.map(lambda path: load_rgb(path, max_pixels=400).size, [tiff, png] * 4))
+    assert sizes == [(20, 20)] * 8 and warnings.filters == filters
+    with pytest.raises(ImageError, match="20x20 is 400 pixels, over the limit of 300"):
+        load_rgb(tiff)  # without max_pixels Pillow's limit is the limit: refused in one line, as before
 
 
 def test_a_jpeg_over_the_limit_is_decoded_at_a_reduced_scale(tmp_path, monkeypatch):

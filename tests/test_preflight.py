@@ -56,6 +56,9 @@ def test_a_missing_dataset_names_each_file_with_how_to_get_it(tmp_path: Path) ->
         f"data.source.splits.{split}.{key}='{data}/coco/{where}" for split in ("train", "val") for key, where in
         (("captions", f"annotations/captions_{split}2014.json'"), ("images", f"{split}2014'"))
     ]  # fmt: skip
+    # COCO's caption files come in annotations_trainval2014.zip, which the guide's section on images downloads
+    assert coco[0].endswith(f"file not found; unzip annotations_trainval2014.zip into {data / 'coco'} ({GUIDE}#images)")
+    assert all(line.endswith(f"({GUIDE}#images)") for line in coco)
 
 
 def test_each_split_s_images_are_counted_and_a_sample_decodes(tmp_path: Path) -> None:
@@ -147,7 +150,7 @@ def test_a_null_file_or_an_unreadable_folder_is_a_problem_not_a_crash(
     data = tmp_path / "data"
     coco = ["experiment=coco_soft", "data=coco", f"paths.data_dir={data}", NO_WEIGHTS, "trainer=cpu"]
     lines = _lines([*coco, "data.source.splits.train.captions=null"], tmp_path)
-    assert lines[0] == f"data.source.splits.train.captions is null; give the file's path ({GUIDE}#split-files)"
+    assert lines[0] == f"data.source.splits.train.captions is null; give the file's path ({GUIDE}#images)"
     _karpathy_tree(data, present={"train": 2, "val": 2, "test": 2}, sizes={"train": 2, "val": 2, "test": 2})
 
     def denied(folder: str) -> list[str]:

@@ -18,7 +18,7 @@ import train
 from captioner.errors import ConfigError
 from captioner.training.command_line import error_line, section_error
 from captioner.training.validate import validate_config
-from conftest import ROOT, compose_cfg, compose_plain, run_train
+from conftest import ROOT, compose_cfg, compose_plain, run_train, subprocess_env
 
 
 def config_error(overrides: list[str], tmp_path: Path) -> str:
@@ -190,8 +190,8 @@ def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups
     groups = proc.stdout.split("config groups")[1].split("settings")[0]
     names = {line.split(":")[0].strip(): line.split(": ")[1] for line in groups.splitlines() if ": " in line}
     assert list(names) == ["callbacks", "data", "debug", "experiment", "logger", "model", "paths", "trainer"]
-    assert names["data"] == "captions, coco, coco_karpathy, flickr30k, flickr8k, scenes, shapes, webdataset"  # no base
-    assert names["trainer"] == "cpu, ddp, ddp_cpu, gpu, multi_node"  # no default
+    assert names["data"] == "captions, coco, coco_karpathy, flickr30k, flickr8k, scenes, shapes*, webdataset"  # no base
+    assert names["trainer"] == "cpu*, ddp, ddp_cpu, gpu, multi_node"  # no default; * what python train.py composes
     lines = proc.stdout.splitlines()
     assert "  model.decoder.dropout=0.3  (in [0.0, 0.99]; before the output layer)" in lines
     assert "  model.decoding.method=greedy  (one of: greedy, beam, diverse, sample; greedy for validation and test" in (
@@ -204,6 +204,47 @@ def test_help_shows_the_settings_from_the_dataclasses_and_only_selectable_groups
     assert f"  model.encoder.grid=null  (in [1, {MAX_CELLS}]; pool the feature map down" in proc.stdout
     assert "; captioning: beam)" in proc.stdout and not re.search(r"\b(MAX|MIN)_[A-Z_]+\b", proc.stdout)
     assert ".;" not in proc.stdout and "apart poorly. The trunk stage read as the grid" in proc.stdout
+
+
+def test_help_shows_the_groups_python_train_py_composes_and_how_to_see_the_config_resolved(tmp_path: Path) -> None:
+    """The settings that a config group fills (trainer, callbacks, logger, paths) showed as null; they show the
+    options the default run composes, which are Hydra's own choices; --cfg job prints interpolations as written,
+    so --help names --resolve."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from captioner.training.command_line import group_defaults, help_page
+
+    cfg = compose_cfg([], tmp_path)
+    composed = HydraConfig.get().runtime.choices
+    chosen = group_defaults()
+    assert sorted(chosen) == ["callbacks", "data", "debug", "experiment", "logger", "model", "paths", "trainer"]
+    assert {group: options for group, options in chosen.items() if group != "logger"} == {
+        group: [composed[group]] if composed[group] else [] for group in chosen if group != "logger"
+    }  # the experiment's overrides included (experiment=demo: trainer=cpu)
+    assert chosen["logger"] == ["csv", "tensorboard"] == sorted(cfg.logger)  # a list: Hydra lists no choice for it
+    page = help_page()
+    lines = page.splitlines()
+    for line in (
+        "  trainer=cpu  (one of: cpu, ddp, ddp_cpu, gpu, multi_node; lightning.Trainer's arguments (conf/trainer); "
+        "its keys: trainer.KEY=VALUE)",
+        "  callbacks=default  (one of: default; name -> a Lightning callback (conf/callbacks); its keys: "
+        "callbacks.KEY=VALUE)",
+        "  logger=[csv,tensorboard]  (a list of: csv, mlflow, none, tensorboard, wandb; name -> a Lightning logger "
+        "(conf/logger); its keys: logger.KEY=VALUE)",
+        "  debug: fast, overfit  (none by default)",
+        "  logger: csv*, mlflow, none, tensorboard*, wandb  (several at once: logger=[a,b])",
+    ):
+        assert line in lines, line
+    assert not re.search(r"^  (trainer|callbacks|logger|paths)=null", page, flags=re.MULTILINE)
+    assert "[--cfg job [--resolve]]" in page and "--cfg job --resolve   print the composed config" in page
+    assert "--cfg job --resolve shows the composed values" in page
+
+
+def test_the_resolve_that_help_names_prints_the_config_without_interpolations(tmp_path: Path) -> None:
+    command = [sys.executable, str(ROOT / "train.py"), "--cfg", "job", "--resolve"]
+    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "${" not in proc.stdout and f"  data_dir: {tmp_path / 'data'}\n" in proc.stdout  # ${paths.root_dir}/data
 
 
 def _leaf_keys(node: dict, prefix: str) -> list[str]:

@@ -9,7 +9,7 @@ import shutil
 import sys
 import tempfile
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from captioner.cli import options
 from captioner.cli.caption import captioned
-from captioner.cli.inputs import IMAGE_SUFFIXES, Inputs, expand_inputs
+from captioner.cli.inputs import IMAGE_SUFFIXES, Inputs, LeftOut, expand_inputs
 from captioner.cli.output import Output
 from captioner.data.dataset import Skipped
 from captioner.data.images import ImageError, load_rgb
@@ -32,13 +32,6 @@ if TYPE_CHECKING:  # drawing's modules load with the command, not with the CLI
     from captioner.viz.overlay import Shading
 
 AHEAD = 4  # images whose sheet and strip the writing thread may still have to write while the next are shaded
-
-
-def _gallery_files(files: GalleryFiles) -> Callable[[Path], bool]:
-    """Whether a file or folder of an input folder belongs to the gallery: the ``--out`` folder itself, or a file
-    an earlier gallery recorded (when ``--out`` is the input folder)."""
-    root = os.path.realpath(files.root)
-    return lambda path: os.path.realpath(path) == root or files.ours(path)
 
 
 def _check_gallery(files: GalleryFiles, found: Inputs, out: str) -> None:
@@ -93,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if single or (out.is_dir() and any(out.iterdir())):
         options.refuse_overwrite(out, args)
     files = GalleryFiles(out)
-    found = expand_inputs(args.inputs, nul=args.nul, leave_out=_gallery_files(files) if not single else lambda _: False)
+    found = expand_inputs(args.inputs, nul=args.nul, leave_out=LeftOut(None if single else out))
     if single and len(found.paths) > 1:
         raise ConfigError(f"--out {out}: {len(found.paths)} images need a folder, not a .png file")
     if single and any(os.path.realpath(path) == os.path.realpath(out) for path in found.paths):
@@ -161,7 +154,7 @@ def _draw(
         bar.update(len(found.paths) - bar.n)
     if not single and found.paths:
         for item in output.failed_inputs:
-            failed = GalleryEntry(image=item.path, caption="", error=item.reason)
+            failed = GalleryEntry(image=item.path, caption=None, error=item.reason)
             if item.path in numbers:
                 entries[numbers[item.path]] = failed
             else:

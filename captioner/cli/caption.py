@@ -56,11 +56,13 @@ def captioned(
     bar: bool = True,
 ) -> Iterator[Captioned]:
     """The captioned images of ``found`` in order; its input errors and unreadable images go to ``output`` as
-    failures, its skipped files to its summary. The model is loaded only when there is an image to caption, and
-    decodes as ``options.load`` says.
+    failures, its skipped files to its summary, the line on what its search left out (a gallery's files) to
+    stderr. The model is loaded only when there is an image to caption, and decodes as ``options.load`` says.
     ``bar``: show captioning's progress bar (``--no-progress`` and a terminal allowing); False when the caller
     shows its own."""
     output.skipped = found.skipped
+    if found.left_out:
+        output.note(found.left_out)
     output.failures(found.errors)
     if not found.paths:
         return

@@ -1,4 +1,5 @@
-"""The image paths of the command line: files, folders (searched recursively), globs and standard input."""
+"""The image paths of the command line: files, folders (searched recursively), globs and standard input; what a
+folder search leaves out (``LeftOut``): the files a gallery wrote, and the folder the command writes."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from captioner.cli.parser import STDIN
 from captioner.data.dataset import Skipped
 from captioner.data.images import open_header
 from captioner.errors import ConfigError
+from captioner.viz.layout import MANIFEST, GalleryFiles
 
-LeaveOut = Callable[[Path], bool]  # whether a folder's file or sub-folder is left out of the search
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
 
 
@@ -27,6 +28,73 @@ class Inputs:
     paths: list[str] = field(default_factory=list)
     errors: list[Skipped] = field(default_factory=list)  # a folder without images, a glob without a match, ...
     skipped: list[str] = field(default_factory=list)  # files inside folders that are not images, in order
+    left_out: str | None = None  # the line that says which files the search left out and why (LeftOut.line)
+
+
+def _shown(folder: str) -> str:
+    """``folder`` (absolute) as a message names it: relative to the working folder when inside it."""
+    inside = os.path.relpath(folder)
+    return folder if inside == ".." or inside.startswith(".." + os.sep) else inside
+
+
+class LeftOut:
+    """What a folder search and a glob leave out, counted by reason: every file that a gallery recorded
+    (captioner.viz.layout: the ``.captioner-gallery`` of its folder or of a folder above it), wherever the
+    gallery lies among the inputs, and the folder ``out`` that the command writes (attend's ``--out``), whole.
+
+    One rule for ``caption`` and ``attend``: ``captioner attend photos --out photos/overlays`` then ``captioner
+    caption photos`` captions the photos, not the gallery's sheets and copies. A user's own file inside a
+    gallery's folder is not recorded there, so it is searched as any other.
+    """
+
+    def __init__(self, out: str | os.PathLike | None = None) -> None:
+        self.out = None if out is None else os.path.realpath(out)
+        self.shown_out = None if out is None else os.fspath(out)
+        # a folder (absolute) -> the galleries (their folder, their record) in it and above it, nearest first
+        self._above: dict[str, list[tuple[str, GalleryFiles]]] = {}
+        self.files: dict[str, set[str]] = {}  # the files left out (absolute), by the folder that explains it
+
+    def _galleries(self, folder: str) -> list[tuple[str, GalleryFiles]]:
+        """The galleries (their folder, their record) in ``folder`` (absolute) and the folders above it; each
+        folder looked at once."""
+        if folder not in self._above:
+            parent = os.path.dirname(folder)
+            here = [(folder, GalleryFiles(folder))] if os.path.isfile(os.path.join(folder, MANIFEST)) else []
+            self._above[folder] = here + (self._galleries(parent) if parent != folder else [])
+        return self._above[folder]
+
+    def __call__(self, path: Path) -> bool:
+        """Whether ``path`` (a file or folder met in a search) is left out; counted when it is."""
+        if self.out is not None and path.is_dir() and os.path.realpath(path) == self.out:
+            inside = _files(path, lambda _: False)  # what a search of it would have met
+            self.files.setdefault(self.out, set()).update(os.path.abspath(file) for file in inside)
+            return True
+        absolute = os.path.abspath(path)
+        for folder, gallery in self._galleries(os.path.dirname(absolute)):
+            if gallery.ours(absolute):
+                self.files.setdefault(folder, set()).add(absolute)
+                return True
+        return False
+
+    def line(self) -> str | None:
+        """The line that says how many files were left out and why (None: none was)."""
+        ours = {folder: os.path.realpath(folder) == self.out for folder in self.files}  # --out, or an earlier gallery
+        in_out = {file for folder, files in self.files.items() if ours[folder] for file in files}
+        galleries = {folder: len(files) for folder, files in self.files.items() if not ours[folder]}
+        reasons = []
+        if in_out:  # --out itself, or (--out an input folder) the files an earlier gallery recorded there
+            reasons.append(f"{_files_count(len(in_out))} in --out {self.shown_out}, where this gallery goes")
+        if galleries:
+            kind = "gallery" if len(galleries) == 1 else "galleries"
+            named = ", ".join(_shown(folder) for folder in galleries)
+            reasons.append(f"{_files_count(sum(galleries.values()))} of captioner attend's {kind} in {named}")
+        if not reasons:
+            return None
+        return f"left out: {'; '.join(reasons)} (a file named by itself is read all the same)"
+
+
+def _files_count(files: int) -> str:
+    return f"{files:,} file" + ("" if files == 1 else "s")
 
 
 def _holds_an_image(path: Path) -> bool:
@@ -38,7 +106,7 @@ def _holds_an_image(path: Path) -> bool:
         return False
 
 
-def _files(folder: Path, leave_out: LeaveOut) -> list[Path]:
+def _files(folder: Path, leave_out: Callable[[Path], bool]) -> list[Path]:
     """The regular files under ``folder``, recursively, sorted; hidden files and folders (``.thumbs/``,
     ``._photo.jpg``) and those ``leave_out`` names left out."""
     files = []
@@ -52,7 +120,7 @@ def _files(folder: Path, leave_out: LeaveOut) -> list[Path]:
     return sorted(files)
 
 
-def _scan(folder: Path, found: Inputs, leave_out: LeaveOut) -> None:
+def _scan(folder: Path, found: Inputs, leave_out: LeftOut) -> None:
     """A folder's image files (``_files``): files named like an image, and files without a suffix whose
     header is an image's (a download or a camera's file without one). Other files are skipped."""
     images = []
@@ -67,7 +135,7 @@ def _scan(folder: Path, found: Inputs, leave_out: LeaveOut) -> None:
     found.paths.extend(images)
 
 
-def _expand(item: str, found: Inputs, leave_out: LeaveOut, named: bool = True) -> None:
+def _expand(item: str, found: Inputs, leave_out: LeftOut, named: bool = True) -> None:
     """Add the image paths of one argument (file, folder or glob) to ``found``, or its error; what ``leave_out``
     names is left out of folders and globs (a file ``named`` by itself is kept)."""
     path = Path(item)
@@ -92,22 +160,20 @@ def _stdin_paths(nul: bool) -> list[str]:
     return [line for line in (line.rstrip("\r\n") for line in sys.stdin) if line.strip()]
 
 
-def _nothing(path: Path) -> bool:
-    return False
-
-
-def expand_inputs(items: Sequence[str], nul: bool = False, leave_out: LeaveOut = _nothing) -> Inputs:
-    """Files, folders and globs -> image paths, input errors and the files of folders that are not images.
+def expand_inputs(items: Sequence[str], nul: bool = False, leave_out: LeftOut | None = None) -> Inputs:
+    """Files, folders and globs -> image paths, input errors, the files of folders that are not images, and the
+    line that says what ``leave_out`` left out.
 
     A file given by name is always kept, so that an unreadable one gets its own error; a file named more than
     once (directly, by its folder, by a glob) is kept once, where it is first named. ``-`` reads more inputs
     from standard input, one per line (blank lines ignored) or, with ``nul``, separated by NUL characters;
-    standard input that names nothing is an input error, as an empty folder is. The files and folders for
-    which ``leave_out`` is true (a gallery's own, inside an input folder) are not searched. ConfigError when
-    ``-`` is given twice.
+    standard input that names nothing is an input error, as an empty folder is. The files and folders that
+    ``leave_out`` names (None: a ``LeftOut()``, the files of galleries) are not searched. ConfigError when ``-``
+    is given twice.
     """
     if list(items).count(STDIN) > 1:
         raise ConfigError(f"{STDIN} (standard input) is given more than once")
+    leave_out = LeftOut() if leave_out is None else leave_out
     found = Inputs()
     for item in items:
         named = _stdin_paths(nul) if item == STDIN else [item]
@@ -123,4 +189,5 @@ def expand_inputs(items: Sequence[str], nul: bool = False, leave_out: LeaveOut =
             seen.add(key)
             unique.append(path)
     found.paths = unique
+    found.left_out = leave_out.line()
     return found

@@ -60,6 +60,10 @@ class Output:
             for caption in [result.caption] if result.n_best is None else [one.caption for one in result.n_best]:
                 print(tsv_line(result.path, caption, *more), flush=True)
 
+    def note(self, line: str) -> None:
+        """A line on stderr that the user should read, but no failure (what a folder search left out)."""
+        print(line, file=sys.stderr, flush=True)
+
     def failure(self, failed: Skipped) -> None:
         """An input that could not be used: one line on stderr, and its JSON record with ``as_json``."""
         self.failed += 1

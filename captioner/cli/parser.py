@@ -56,8 +56,9 @@ CAPTION_OUTPUT = """output:
   so every line has exactly two fields.
   A folder is searched recursively for image files: files named like an image (.jpg, .png, ...) and files
   without a suffix that hold an image; other files are skipped and counted in the summary, hidden files and
-  folders (.thumbs/, ._photo.jpg) are left out. A file named twice (directly, by its folder, by a glob) is
-  captioned once.
+  folders (.thumbs/, ._photo.jpg) are left out, and so are the files of a captioner attend gallery (those
+  its .captioner-gallery lists; a line on stderr counts them). A file named twice (directly, by its folder,
+  by a glob) is captioned once.
   stderr ends with one summary line: images captioned, failed, skipped, images/s.
   Exit status: 0 every input captioned, 1 some input failed or no image was given (an empty folder, empty
   standard input), 2 a bad argument or model file."""

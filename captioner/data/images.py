@@ -6,7 +6,10 @@ from __future__ import annotations
 import io
 import os
 import struct
-from collections.abc import Sequence
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +21,8 @@ from captioner.errors import DataError, check_range, first_line
 
 _INTEGER_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
 _WHITE = (255, 255, 255, 255)
+# Decodes past Pillow's own limit take turns: silencing its warning changes the process's warning filters.
+_PAST_PILLOW_S_LIMIT = threading.Lock()
 
 
 class ImageError(DataError):
@@ -50,7 +55,9 @@ def load_rgb(
     the smallest that keeps each side at least ``size`` (a 12000x9000 photo is read as 1500x1125 for 224), else
     the largest that brings it under the limit (6000x4500). Another format over the limit is refused.
     Pillow's own limit is never changed (it is the process's, and threads decode at once); its TIFF, WebP and
-    GIF decoders check it as well, so a ``max_pixels`` above it lets such a file through only up to twice it.
+    GIF decoders check it as well, so a ``max_pixels`` above it lets such a file through only up to twice it,
+    without Pillow's ``DecompressionBombWarning`` (``max_pixels`` allowed it: the warning would tell the user
+    nothing but print a source line).
     """
     if data is None:
         path = Path(path)
@@ -65,7 +72,8 @@ def load_rgb(
             if full[0] * full[1] > limit:
                 image.draft("RGB", _draft_size(full, limit, size))  # JPEG only; other formats decode whole
             _check_pixels(image.size, full, limit)
-            image.load()
+            with _allowed_past_pillow_s_limit(image.size):
+                image.load()
             return _to_rgb(ImageOps.exif_transpose(image))
     except ImageTooLarge as exc:
         raise ImageError(path, str(exc)) from None
@@ -81,6 +89,20 @@ def load_rgb(
         raise ImageError(path, "permission denied") from None
     except Exception as exc:  # Pillow's decoders raise OSError, SyntaxError, ValueError, EOFError, ...
         raise ImageError(path, f"truncated or corrupt image data ({first_line(exc)})") from None
+
+
+@contextmanager
+def _allowed_past_pillow_s_limit(decoded: tuple[int, int]) -> Iterator[None]:
+    """Decode an image of ``decoded`` (width, height), which ``max_pixels`` allowed, without Pillow's
+    DecompressionBombWarning when it is past Pillow's own limit (some of its decoders, TIFF's, check that limit
+    themselves). ``warnings.catch_warnings`` sets the process's filters: such decodes take turns, and another
+    thread's DecompressionBombWarning meanwhile is not shown; a decode within Pillow's limit never waits."""
+    if Image.MAX_IMAGE_PIXELS is None or decoded[0] * decoded[1] <= Image.MAX_IMAGE_PIXELS:
+        yield
+        return
+    with _PAST_PILLOW_S_LIMIT, warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield
 
 
 class ImageTooLarge(Exception):

@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 class Holds(enum.StrEnum):
     """What a configured file or folder holds (preflight links each to its section of docs/datasets.md)."""
 
-    annotations = "annotations"  # captions, boxes, split lists
+    annotations = "annotations"  # a dataset's own captions and boxes, downloaded with its images (COCO's)
+    split_file = "split file"  # which images are in each split, with their captions (Karpathy's; captioner splits)
     captions = "captions"  # a user's own captions file (data=captions)
     images = "images"
 
@@ -166,7 +167,7 @@ class KarpathySource:
     def paths(self) -> list[SourcePath]:
         """The split file and the image root."""
         return [
-            SourcePath("split_file", self.split_file, "file", Holds.annotations, split_file_remedy(self.split_file)),
+            SourcePath("split_file", self.split_file, "file", Holds.split_file, split_file_remedy(self.split_file)),
             SourcePath("image_root", self.image_root, "folder", Holds.images, "unzip the dataset's images there"),
         ]
 

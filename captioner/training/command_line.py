@@ -135,14 +135,17 @@ def section_error(section: str, error: BaseException, message: str) -> ConfigErr
     return ConfigError(f"{section}: {message}")
 
 
-USAGE = """usage: python train.py [GROUP=OPTION ...] [KEY=VALUE ...] [+KEY=VALUE ...] [-m] [--cfg job] [--hydra-help]
+USAGE = """usage: python train.py [GROUP=OPTION ...] [KEY=VALUE ...] [+KEY=VALUE ...] [-m] [--cfg job [--resolve]]
+                       [--hydra-help]
 
     python train.py                                    the built-in demo: about 5 minutes on 2 CPU cores
     python train.py experiment=coco_soft               the paper's COCO recipe (see docs/datasets.md)
-    python train.py experiment=coco_soft --cfg job     print the composed config, run nothing
+    python train.py experiment=coco_soft --cfg job --resolve   print the composed config, run nothing
     python train.py model.decoder.dropout=0.2 -m model=soft,hard   a sweep
     python train.py -m hydra/launcher=slurm hydra.launcher.partition=gpu model=soft,hard   a sweep of SLURM jobs
 
+--cfg job prints the config as conf/ writes it, interpolations such as ${paths.output_dir} unresolved; with
+--resolve, their values (paths.output_dir, the run's folder, is null there: a run makes it when it starts).
 Lightning's own settings (trainer.*, callbacks.*, logger.*) are those of conf/trainer, conf/callbacks and
 conf/logger; --hydra-help shows Hydra's own page."""
 
@@ -224,8 +227,9 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def _settings(cls: type, prefix: str) -> list[str]:
-    """One line per setting of ``cls`` (nested settings under their key): ``key=default  range; comment``."""
+def _settings(cls: type, prefix: str, chosen: dict[str, list[str]] | None = None) -> list[str]:
+    """One line per setting of ``cls`` (nested settings under their key): ``key=default  range; comment``; a
+    setting that a config group fills (``trainer``) shows the options ``chosen`` for it (``group_defaults``)."""
     hints = typing.get_type_hints(cls)
     comments, ranges = {}, {}
     for klass in reversed(cls.__mro__):
@@ -246,6 +250,12 @@ def _settings(cls: type, prefix: str) -> list[str]:
         if dataclasses.is_dataclass(kind):
             lines.append(f"  {key}.*  {comments.get(item.name, '')}".rstrip())
             lines += _settings(kind, f"{key}.")
+            continue
+        if chosen is not None and key in chosen:  # filled by its config group, not by the dataclass
+            several = len(chosen[key]) > 1  # a list of options (logger=[csv,tensorboard])
+            group = f"{'a list of' if several else 'one of'}: {', '.join(group_options(key))}"
+            notes = "; ".join(part for part in (group, comments.get(item.name), f"its keys: {key}.KEY=VALUE") if part)
+            lines.append(f"  {key}={_group_value(chosen[key])}  ({notes})")
             continue
         default = item.default if item.default is not dataclasses.MISSING else item.default_factory()
         notes = []
@@ -303,19 +313,54 @@ def _source_keys(node: dict[str, Any], prefix: str) -> list[str]:
     return found
 
 
+def group_defaults() -> dict[str, list[str]]:
+    """The options of each config group that ``python train.py`` composes when the command line names none:
+    conf/config.yaml's defaults list, with the overrides of the experiment it names (``override /trainer:
+    cpu``); a group that holds a list (``logger: [csv, tensorboard]``) several, one set to null none."""
+    from omegaconf import OmegaConf
+
+    def entries(path: Path) -> dict[str, Any]:
+        listed = OmegaConf.to_container(OmegaConf.load(path)).get("defaults", [])
+        return {key: value for entry in listed if isinstance(entry, dict) for key, value in entry.items()}
+
+    chosen = entries(CONF / "config.yaml")
+    if chosen.get("experiment"):
+        for key, value in entries(CONF / "experiment" / f"{chosen['experiment']}.yaml").items():
+            if key.startswith("override /"):
+                chosen[key.removeprefix("override /")] = value
+    selectable = groups()  # Hydra's own groups (hydra: default) left out
+    listed = {
+        group: value if isinstance(value, list) else [] if value is None else [value] for group, value in chosen.items()
+    }
+    return {group: options for group, options in listed.items() if group in selectable}
+
+
+def _group_value(options: list[str]) -> str:
+    """A group's options as an override chooses them: ``cpu``, ``[csv,tensorboard]``, ``null``."""
+    return "null" if not options else options[0] if len(options) == 1 else f"[{','.join(options)}]"
+
+
 def help_page() -> str:
     """The text of ``python train.py --help``."""
-    choices = [f"  {group}: {', '.join(group_options(group))}" for group in groups()]
-    settings = _settings(TrainConfig, "")
+    chosen = group_defaults()
+    choices = []
+    for group in groups():
+        marked = [f"{option}*" if option in chosen.get(group, []) else option for option in group_options(group)]
+        several = f"  (several at once: {group}=[a,b])" if len(chosen.get(group, [])) > 1 else ""
+        none = "  (none by default)" if not chosen.get(group) else ""
+        choices.append(f"  {group}: {', '.join(marked)}{several}{none}")
+    settings = _settings(TrainConfig, "", chosen)
     return "\n".join(
         [
             USAGE,
             "",
-            "config groups (GROUP=OPTION; conf/GROUP/OPTION.yaml):",
+            "config groups (GROUP=OPTION; conf/GROUP/OPTION.yaml; * what python train.py composes, its experiment's",
+            "choices included):",
             *choices,
             "",
             "settings (KEY=VALUE; the defaults of captioner/config/ (a package of dataclasses, one module per "
-            "concern), which data, model and experiment options change; --cfg job shows the composed values):",
+            "concern), which data, model and experiment options change; --cfg job --resolve shows the composed "
+            "values):",
             *settings,
         ]
     )

@@ -115,14 +115,19 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
         built = _build_source(cfg["data"]["source"])
     except (CaptionerError, TypeError) as exc:
         return [Problem(first_line(exc), "see the dataset's config in conf/data", Section.split_files)]
-    sections = {"annotations": Section.split_files, "images": Section.images, "captions": Section.own_images}
+    from captioner.data.sources import Holds, ShapesSource  # imported with the source, not before a config error
+
+    sections = {  # COCO's annotation files come with its images: the guide's section on images says where from
+        Holds.annotations: Section.images,
+        Holds.split_file: Section.split_files,
+        Holds.images: Section.images,
+        Holds.captions: Section.own_images,
+    }
     found = [
         Problem(problem, path.fix(), sections[path.holds]) for path in built.paths() if (problem := path.problem())
     ]
     if found:
         return found
-    from captioner.data.sources import ShapesSource  # imported with the source above, not before a config error
-
     streams = getattr(built, "streams", False)  # data=webdataset: the shards stream, val and test come from held_out
     built = built.held_out if streams else built
     if isinstance(built, ShapesSource):

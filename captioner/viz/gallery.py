@@ -57,7 +57,7 @@ class GalleryEntry:
     """One input of the gallery: its caption and attention, or the error that kept it from being captioned."""
 
     image: str | Path  # the image file
-    caption: str
+    caption: str | None  # None for an input that was not captioned (``error``)
     overlay: str | Path | None = None  # all panels in one image (captioner.viz.sheet.draw_overlay)
     references: tuple[str, ...] = ()  # reference captions, shown under the generated one
     image_id: int | None = None  # the heading; the image's file name when None
