@@ -18,6 +18,7 @@ from captioner.config.data import (
     CaptionsSpec,
     DataConfig,
     FeatureDtype,
+    ImageDecoding,
     SceneKind,
     ShapesSpec,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "Gate",
     "HardEstimator",
     "HardInference",
+    "ImageDecoding",
     "LossConfig",
     "ModelConfig",
     "NetConfig",
