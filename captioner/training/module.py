@@ -195,12 +195,21 @@ class CaptionerModule(L.LightningModule):
         )
 
     def on_train_epoch_end(self) -> None:
-        """Report unreadable training images once, with the first few names, and the share of the epoch's steps
-        that replayed the CUDA graph (logged as ``train/graph_replays`` too)."""
+        """Report unreadable training images once, with the first few names, where the epoch's images were
+        decoded when the device decodes JPEGs (``data.decode``), and the share of the epoch's steps that replayed
+        the CUDA graph (logged as ``train/graph_replays`` too)."""
         self._report_skips()
+        self._report_decoding()
         if self.graphed_steps is not None and (report := self.graphed_steps.report()) is not None:
             share, line = report
             self.log(metric(TRAIN, GRAPH_REPLAYS), share)
+            log.info(line)
+
+    def _report_decoding(self) -> None:
+        """Log one line for where the images of the batches since the last report were decoded, when the device
+        decoded JPEGs (``data.decode``)."""
+        datamodule = self.trainer.datamodule
+        if isinstance(datamodule, CaptionDataModule) and (line := datamodule.decoding_report()):
             log.info(line)
 
     def _report_skips(self) -> None:
@@ -275,6 +284,7 @@ class CaptionerModule(L.LightningModule):
 
     def _finish_eval(self, split: str) -> None:
         self._report_skips()
+        self._report_decoding()
         self.predictions[split], scores = self._evaluation.finish()
         if not scores:  # early stopping and checkpointing would fail on a missing metric, with a traceback
             unread = f" ({self.skips.report(1)})" if self.skips.count else ""
