@@ -90,11 +90,11 @@ def _on_device(
     """A batch of ``ImageFiles`` on the model's device: its JPEGs decoded there in one call and preprocessed there
     (``loaded.transform``), the images Pillow decoded moved there, each counted in ``tally``; a JPEG neither the
     device nor Pillow decodes is Skipped."""
-    device = next(loaded.model.parameters()).device
+    device, transform = next(loaded.model.parameters()).device, loaded.transform
     jpegs = [i for i, item in enumerate(items) if isinstance(item, Encoded)]
     done = list(items)
     for i, image in zip(jpegs, decode_jpegs([items[i] for i in jpegs], device, tally)):
-        done[i] = Skipped(items[i].path, image.reason) if isinstance(image, ImageError) else loaded.transform(image)
+        done[i] = Skipped(items[i].path, image.reason) if isinstance(image, ImageError) else transform(image)
     for i, item in enumerate(items):
         if isinstance(item, Pillowed):
             tally.add(item.reason)

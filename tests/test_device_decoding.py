@@ -160,6 +160,11 @@ def test_other_formats_fall_back_to_pillow_and_unreadable_images_are_skipped_as_
         assert device["real"].tolist() == [True] * 7 + [False] * 5
     assert tally.on_device == 4
     assert tally.by_pillow == {"PNG": 1, "progressive JPEG": 1, "CMYK JPEG": 1}
+    dataset = _dataset([images[name] for name in names], encoded=True)
+    undecoded = defer(list(dataset), collate, dataset.transform)  # what crosses from the worker
+    assert undecoded.pixels.shape == (3, 3, SIZE, SIZE)  # Pillow's three, stacked: one copy to the device
+    jpegs = [item["image"] for item in undecoded.items if isinstance(item, dict) and item["image"] is not None]
+    assert len(jpegs) == 5 and len({item.data.untyped_storage().data_ptr() for item in jpegs}) == 1  # one block
     assert (
         tally.report("cpu") == "images decoded on cpu: 4 JPEGs; by Pillow: 3 (1 PNG, 1 progressive JPEG, 1 CMYK JPEG)"
     )

@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 from test_device_decoding import LEVEL, _dataset, images, jpeg_bytes, photo, turned  # noqa: F401 (a fixture)
+from torch.utils.data import DataLoader
 
 from captioner.data.dataset import build_transform, collate, defer
 from captioner.data.device_decoding import DecodeTally, Encoded, decode_jpegs, read_for_device
@@ -60,10 +61,12 @@ def test_a_mixed_batch_decodes_on_cuda_as_on_the_cpu(images: dict[str, str]) -> 
     dataset = _dataset(list(images.values()), encoded=True)
     batches = functools.partial(collate, captions_per_image=2)
     tallies = {CPU: DecodeTally(), CUDA: DecodeTally()}
-    made = {
-        device: defer(list(dataset), batches, dataset.transform).decoded(device, tallies[device]) for device in tallies
-    }
-    cuda, cpu = made[CUDA], made[CPU]
+    cpu = defer(list(dataset), batches, dataset.transform).decoded(CPU, tallies[CPU])
+    deferred = functools.partial(defer, collate=batches, transform=dataset.transform)
+    loader = DataLoader(dataset, batch_size=len(dataset), num_workers=1, pin_memory=True, collate_fn=deferred)
+    (undecoded,) = list(loader)
+    assert undecoded.pixels.is_pinned()  # Pillow's images cross in one asynchronous copy
+    cuda = undecoded.decoded(CUDA, tallies[CUDA])
     assert cuda["images"].device.type == "cuda" and cuda["images"].shape == cpu["images"].shape
     assert ((cuda["images"].cpu() - cpu["images"]).abs() / LEVEL).mean() < 1
     assert cuda["skipped"] == cpu["skipped"] and torch.equal(cuda["real"], cpu["real"])

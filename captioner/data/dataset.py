@@ -189,9 +189,15 @@ class Undecoded:
     """A batch as the loader worker left it, its JPEGs for the model's device to decode (``decoded``): what the
     collate function of an ``encoded`` dataset gives (``defer``)."""
 
-    items: list[dict | Skipped]  # the dataset's items; an Encoded ``image`` where the device decodes it
+    items: list[dict | Skipped]  # the dataset's items: an Encoded ``image`` for the device, None for one in ``pixels``
     collate: Callable[[list[dict | Skipped]], dict]  # ``collate`` with the loader's settings
     transform: Callable[[torch.Tensor], torch.Tensor]  # the dataset's: a decoded image (3, H, W) -> (3, S, S)
+    pixels: torch.Tensor | None = None  # (P, 3, S, S): the images Pillow decoded in the worker, in item order
+
+    def pin_memory(self) -> Undecoded:
+        """The batch with ``pixels`` in pinned memory (the DataLoader's ``pin_memory`` calls it), to cross to the
+        device in one asynchronous copy, as a batch of decoded images does."""
+        return self if self.pixels is None else replace(self, pixels=self.pixels.pin_memory())
 
     def decoded(self, device: torch.device, tally: DecodeTally) -> dict:
         """The batch ``collate`` makes of the items, their JPEGs decoded on ``device`` in one call and preprocessed
@@ -199,19 +205,17 @@ class Undecoded:
         ``device``, the rest where ``collate`` leaves it. A JPEG neither the device nor Pillow decodes is Skipped,
         as the worker would have found it (a masked row in a training batch)."""
         items = list(self.items)
-        jpegs = [
-            i for i, item in enumerate(items) if not isinstance(item, Skipped) and isinstance(item["image"], Encoded)
-        ]
-        images = decode_jpegs([items[i]["image"] for i in jpegs], device, tally)
-        for i, image in zip(jpegs, images):
+        pillowed = [i for i, item in enumerate(items) if _image(item) is None]
+        moved = [] if self.pixels is None else self.pixels.to(device, non_blocking=True).unbind()  # P x (3, S, S)
+        for i, pixels in zip(pillowed, moved):
+            tally.add(items[i]["pillow"])
+            items[i] = {**items[i], "image": pixels}
+        jpegs = [i for i, item in enumerate(items) if isinstance(_image(item), Encoded)]
+        for i, image in zip(jpegs, decode_jpegs([items[i]["image"] for i in jpegs], device, tally)):
             if isinstance(image, ImageError):
                 items[i] = Skipped(items[i]["image"].path, image.reason)
             else:
                 items[i] = {**items[i], "image": self.transform(image)}  # (3, S, S)
-        for i, item in enumerate(items):
-            if not isinstance(item, Skipped) and "pillow" in item:
-                tally.add(item["pillow"])
-                items[i] = {**item, "image": item["image"].to(device)}
         return self.collate(items)
 
 
@@ -221,17 +225,25 @@ def defer(
     transform: Callable[[torch.Tensor], torch.Tensor],
 ) -> Undecoded:
     """The DataLoader collate function of an ``encoded`` dataset (with ``collate`` and ``transform`` bound): its
-    items left ``Undecoded``, the bytes of their JPEGs gathered into one tensor (one block of shared memory to the
-    main process, not one an image)."""
-    jpegs = [i for i, item in enumerate(items) if not isinstance(item, Skipped) and isinstance(item["image"], Encoded)]
-    if not jpegs:
-        return Undecoded(list(items), collate, transform)
-    sizes = [items[i]["image"].data.numel() for i in jpegs]
-    parts = torch.cat([items[i]["image"].data for i in jpegs]).split(sizes)  # views of one (N,) uint8
+    items left ``Undecoded``, the bytes of their JPEGs gathered into one tensor and the images Pillow decoded
+    stacked into another (a block of shared memory each to the main process, not one an image)."""
     gathered = list(items)
-    for i, part in zip(jpegs, parts):
-        gathered[i] = {**items[i], "image": replace(items[i]["image"], data=part)}
-    return Undecoded(gathered, collate, transform)
+    jpegs = [i for i, item in enumerate(items) if isinstance(_image(item), Encoded)]
+    if jpegs:
+        sizes = [items[i]["image"].data.numel() for i in jpegs]
+        parts = torch.cat([items[i]["image"].data for i in jpegs]).split(sizes)  # views of one (N,) uint8
+        for i, part in zip(jpegs, parts):
+            gathered[i] = {**items[i], "image": replace(items[i]["image"], data=part)}
+    pillowed = [i for i, item in enumerate(items) if not isinstance(item, Skipped) and "pillow" in item]
+    pixels = torch.stack([items[i]["image"] for i in pillowed]) if pillowed else None  # (P, 3, S, S)
+    for i in pillowed:
+        gathered[i] = {**items[i], "image": None}
+    return Undecoded(gathered, collate, transform, pixels)
+
+
+def _image(item: dict | Skipped) -> Any:
+    """The ``image`` of a dataset item; a Skipped item's is its Skipped record."""
+    return item if isinstance(item, Skipped) else item["image"]
 
 
 def fixed_captions(captions: Sequence[torch.Tensor], k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
