@@ -133,7 +133,7 @@ def test_the_device_path_gives_the_pillow_batch_within_one_grey_level(images: di
     pillow, device = _both([images[name] for name in names], tally)
     assert device["images"].shape == pillow["images"].shape == (4, 3, SIZE, SIZE)
     levels = _levels(device["images"], pillow["images"])
-    assert levels.max() <= 1 + 1e-3 and levels.mean() < 0.05  # measured: at most 1, mean 0.001 to 0.03
+    assert levels.max() <= 1 + 1e-3 and levels.mean() < 0.05  # measured: at most 1, mean 0 to 0.005
     assert levels[1].max() <= 1 + 1e-3  # the turned photo is turned as Pillow turns it
     for key in ("captions", "lengths", "caption_weights", "image_index", "real", "image_ids", "indices"):
         assert torch.equal(device[key], pillow[key]), key
