@@ -284,7 +284,6 @@ class CaptionerModule(L.LightningModule):
 
     def _finish_eval(self, split: str) -> None:
         self._report_skips()
-        self._report_decoding()
         self.predictions[split], scores = self._evaluation.finish()
         if not scores:  # early stopping and checkpointing would fail on a missing metric, with a traceback
             unread = f" ({self.skips.report(1)})" if self.skips.count else ""
@@ -292,6 +291,7 @@ class CaptionerModule(L.LightningModule):
                 f"no {split} image could be decoded{unread}, so there is nothing to score: the run stops "
                 "(docs/datasets.md#images)"
             )
+        self._report_decoding()
         for name, value in scores.items():
             self.log(metric(split, name), value, prog_bar=name == PROGRESS)
 
