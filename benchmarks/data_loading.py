@@ -7,10 +7,13 @@ same data module (``data=webdataset``: ``WebDatasetSource``, ``ShardStream``), a
 model's frozen part read by ``FeatureCaptionDataset``. Each is read in the main process (workers 0: the rate of one
 worker) and by DataLoader worker processes; "step consumes" is the soft-attention training step's rate on
 the same input (images or cached features). A loader/step ratio below 1 starves the step; "workers
-needed" = step rate / rate of one worker, rounded up.
+needed" = step rate / rate of one worker, rounded up. The JPEG and shard rows are read twice (``--decode``): with
+``data.decode=loader`` (Pillow decodes in the workers) and with ``data.decode=device`` (the workers read the files,
+the data module's ``transfer_batch_to_device`` decodes each batch's JPEGs on ``--device``: nvjpeg on CUDA); each
+batch goes through that transfer to ``--device`` in both, so a row's images/s is what the step receives there.
 
     python benchmarks/data_loading.py                    # CPU: --quick by default
-    python benchmarks/data_loading.py --device cuda --precision bf16 --channels-last --workers 0 4 8 16
+    python benchmarks/data_loading.py --device cuda --precision bf16 --channels-last --workers 2 4 8 --images 1024
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import math
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -36,6 +40,7 @@ import composed
 import machine
 import options
 import tables
+from captioner.config import ImageDecoding
 from captioner.data.dataset import collate
 from captioner.data.features import FeatureCache, FeatureCaptionDataset
 from captioner.data.readers import Record
@@ -110,11 +115,12 @@ def write_shards(folder: Path, records: list[Record], shards: int) -> str:
     return f"{folder}/{{00000..{shards - 1:05d}}}.tar"
 
 
-def datamodule(size: composed.Setup, source: object, workers: int) -> CaptionDataModule:
+def datamodule(size: composed.Setup, source: object, workers: int, decode: str = "loader") -> CaptionDataModule:
     """The experiment's data module (its ``data`` section, as ``train.py`` builds it) over ``source``, with
-    ``workers`` loader processes and no feature cache; a trainer of one CPU process attached (a stream reads its
-    rank and epoch from it)."""
-    module = CaptionDataModule(source, dataclasses.replace(size.data, num_workers=workers, feature_cache=None))
+    ``workers`` loader processes, images decoded where ``decode`` says, and no feature cache; a trainer of one CPU
+    process attached (a stream reads its rank and epoch from it)."""
+    settings = dataclasses.replace(size.data, num_workers=workers, feature_cache=None, decode=ImageDecoding(decode))
+    module = CaptionDataModule(source, settings)
     module.setup("fit")
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no device banner a row
     module.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
@@ -135,13 +141,23 @@ def write_cache(folder: Path, dataset: Dataset, shape: torch.Size) -> FeatureCac
     return cache
 
 
-def loader_rate(loader: DataLoader) -> float:
-    """Images per second through ``loader``, the first batch (worker start) untimed."""
-    iterator = iter(loader)
+def loader_rate(
+    loader: DataLoader, module: CaptionDataModule | None = None, device: torch.device | None = None
+) -> float:
+    """Images per second through ``loader`` and, for the loader of a data ``module``, its transfer to ``device``
+    (where the device decodes JPEGs: their decoding), the first batch (worker start, nvjpeg's set-up) untimed."""
+
+    def batches() -> Iterator[dict]:
+        for batch in loader:
+            yield batch if module is None else module.transfer_batch_to_device(batch, device, 0)
+
+    iterator = batches()
     next(iterator)
     images, start = 0, time.perf_counter()
     for item in iterator:
         images += item["indices"].numel()
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
     return images / (time.perf_counter() - start)
 
 
@@ -163,19 +179,18 @@ def size_rows(
     source = GeneratedSource(records)
     images = datamodule(size, source, 0)
     consumes, flops, shape = step_rate(size, "images", args)
-    rows = []
-    for workers in args.workers:
-        with machine.OtherLoad() as others:
-            rate = loader_rate(datamodule(size, source, workers).train_dataloader())
-        rows.append(
-            loader_row(size, f"JPEG 640x480 -> {size.data.image_size} px", workers, rate, consumes, flops, others)
-        )
     streamed = WebDatasetSource(train=pattern, eval_source=GeneratedSource([]), shuffle_buffer=size.batch)
-    for workers in args.workers:
-        with machine.OtherLoad() as others:
-            rate = loader_rate(datamodule(size, streamed, workers).train_dataloader())
-        label = f"shards of the JPEGs -> {size.data.image_size} px"
-        rows.append(loader_row(size, label, workers, rate, consumes, flops, others))
+    rows = []
+    for read, name in ((source, "JPEG 640x480"), (streamed, "shards of the JPEGs")):
+        for decode in args.decode:
+            label = f"{name} -> {size.data.image_size} px" + (
+                f", decoded on {args.device}" if decode == "device" else ""
+            )
+            for workers in args.workers:
+                module = datamodule(size, read, workers, decode)
+                with machine.OtherLoad() as others:
+                    rate = loader_rate(module.train_dataloader(), module, args.device)
+                rows.append(loader_row(size, label, workers, rate, consumes, flops, others))
     cache = write_cache(folder / f"cache-{size.name}", images.image_dataset("train"), shape)
     features = FeatureCaptionDataset(records, images.vocab, cache, max_len=size.data.max_len)
     consumes, flops, _ = step_rate(size, "features", args)
@@ -227,6 +242,13 @@ def main(argv: list[str] | None = None) -> None:
         "--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader worker counts to try (default: 0 1 2)"
     )
     parser.add_argument("--images", type=int, default=None, help="JPEGs to generate (default: 4 of the largest batch)")
+    parser.add_argument(
+        "--decode",
+        choices=("loader", "device"),
+        nargs="+",
+        default=["loader", "device"],
+        help="data.decode settings the JPEG and shard rows read with (default: loader device)",
+    )
     args = options.parse(parser, argv)
     sizes = composed.setups(args)
     count = args.images or (4 * max(size.batch for size in sizes))
@@ -247,7 +269,11 @@ def main(argv: list[str] | None = None) -> None:
                 "streamed with a shuffle buffer of one batch",
                 "the training step consumes at its measured rate (soft attention, random weights); the JPEG and shard "
                 "rows read through the experiment's data module (CaptionDataModule.train_dataloader, the training "
-                "transform), the cache rows through FeatureCaptionDataset",
+                "transform, then its transfer_batch_to_device to the device), the cache rows through "
+                "FeatureCaptionDataset",
+                f"'decoded on {args.device}': data.decode=device, the workers read the files and the main process has "
+                f"the {args.device} decode each batch's JPEGs in one call (nvjpeg on CUDA, libjpeg-turbo on a CPU) and "
+                "resize them there; the other rows decode with Pillow in the workers (data.decode=loader)",
                 "'others %': share of the cores other processes kept busy while the loader row ran (/proc/stat)",
             ],
         )

@@ -3,9 +3,10 @@ tables of docs/performance.md.
 
     python benchmarks/gpu_check.py              # on a GPU machine prepared as ../shared/gpu/README.md says
 
-Runs, each in its own process, with its wall time: ``pytest tests/test_gpu.py tests/test_gpu_graphs.py`` (CUDA
-graphs of whole decoding calls and training steps against eager, the per-word reduce-overhead step, 16-mixed and
-bf16-mixed steps with clipping and an empty batch); ``python train.py trainer=gpu`` (the demo, CUDA graphs on by
+Runs, each in its own process, with its wall time: ``pytest tests/test_gpu.py tests/test_gpu_graphs.py
+tests/test_gpu_decoding.py`` (CUDA graphs of whole decoding calls and training steps against eager, the per-word
+reduce-overhead step, 16-mixed and bf16-mixed steps with clipping and an empty batch, nvjpeg against the CPU's JPEG
+decoder); ``python train.py trainer=gpu`` (the demo, CUDA graphs on by
 default: its wall time and BLEU-4); ``python train.py trainer=ddp trainer.devices=1`` for two epochs
 (cross-entropy with graphed steps whose gradients are all-reduced beside the graph, then SCST);
 ``benchmarks/train_step.py`` in bf16 (the training step and the decoder-only step, eager and graphed);
@@ -32,7 +33,7 @@ BENCH = ["--device", "cuda", "--precision", "bf16"]
 NO_PLUGINS = ["-p", "no:cacheprovider", "-p", "no:logging"]  # no log capture: torch's debug lines hid the failures
 # one DDP process with graphed steps (model.graphs unset: on for CUDA): a cross-entropy epoch, then an SCST one
 DDP = ["trainer=ddp", "trainer.devices=1", "trainer.max_epochs=2", "model.scst.after_epochs=1", "test=false"]
-TESTS = ["tests/test_gpu.py", "tests/test_gpu_graphs.py"]
+TESTS = ["tests/test_gpu.py", "tests/test_gpu_graphs.py", "tests/test_gpu_decoding.py"]
 # (title, arguments of python, seconds at most): each about 1.4x the part's wall time on the H100 with cold caches
 # (docs/gpu_report.md: 71, over 120, 45, 94, 32, 44, 34 s); together ten and a half minutes, the demo's the largest
 # (its SCST epochs run eagerly), for about eight minutes of running

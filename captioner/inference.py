@@ -25,9 +25,11 @@ from captioner.config import (
     CAPTIONING_WORKERS,
     DecodingConfig,
     HardInference,
+    ImageDecoding,
     captioning_settings,
 )
 from captioner.data.dataset import Skipped, build_transform
+from captioner.data.device_decoding import DecodeTally, Encoded, Pillowed, decode_jpegs, on_device, read_for_device
 from captioner.data.images import ImageError, load_rgb, to_rgb
 from captioner.data.vocab import UNK_ID
 from captioner.errors import ConfigError, check_range
@@ -47,7 +49,8 @@ Pixels = torch.Tensor | tuple[torch.Tensor, ...]
 class ImageFiles(Dataset):
     """Decodes image files for batched captioning; an unreadable file becomes a ``Skipped``. ``max_pixels``: the
     pixel limit of ``load_rgb`` (None: Pillow's). ``transform``: what the model reads of the RGB image (None: it
-    resized to ``image_size`` and normalised, ``build_transform``'s; an ensemble's: ``LoadedEnsemble.transform``)."""
+    resized to ``image_size`` and normalised, ``build_transform``'s; an ensemble's: ``LoadedEnsemble.transform``).
+    ``encoded``: a JPEG the model's device decodes is left as its bytes (``device_decoding.read_for_device``)."""
 
     def __init__(
         self,
@@ -55,22 +58,49 @@ class ImageFiles(Dataset):
         image_size: int,
         max_pixels: int | None = None,
         transform: Callable[[Image.Image], Pixels] | None = None,
+        encoded: bool = False,
     ) -> None:
         self.paths = list(paths)
         self.image_size = image_size
         self.max_pixels = max_pixels
         self.transform = transform or build_transform(image_size, train=False)
+        self.encoded = encoded
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> Pixels | Skipped:
-        """The image as a normalised tensor (3, S, S) (``transform``'s), or ``Skipped(path as given, reason)``."""
+    def __getitem__(self, index: int) -> Pixels | Encoded | Pillowed | Skipped:
+        """The image as a normalised tensor (3, S, S) (``transform``'s), or ``Skipped(path as given, reason)``;
+        with ``encoded``, a JPEG's ``Encoded`` bytes, and any other image as ``Pillowed`` pixels."""
         path = self.paths[index]
         try:
-            return self.transform(load_rgb(path, self.max_pixels, self.image_size))
+            if not self.encoded:
+                return self.transform(load_rgb(path, self.max_pixels, self.image_size))
+            read = read_for_device(path, self.max_pixels, self.image_size)
         except ImageError as exc:
             return Skipped(path, exc.reason)
+        return read if isinstance(read, Encoded) else Pillowed(self.transform(read.image), read.reason)
+
+
+def _on_device(
+    items: list[Pixels | Encoded | Pillowed | Skipped],
+    loaded: LoadedModel,
+    tally: DecodeTally,
+) -> list[Pixels | Skipped]:
+    """A batch of ``ImageFiles`` on the model's device: its JPEGs decoded there in one call and preprocessed there
+    (``loaded.transform``), the images Pillow decoded moved there, each counted in ``tally``; a JPEG neither the
+    device nor Pillow decodes is Skipped."""
+    device, transform = next(loaded.model.parameters()).device, loaded.transform
+    jpegs = [i for i, item in enumerate(items) if isinstance(item, Encoded)]
+    done = list(items)
+    for i, image in zip(jpegs, decode_jpegs([items[i] for i in jpegs], device, tally)):
+        done[i] = Skipped(items[i].path, image.reason) if isinstance(image, ImageError) else transform(image)
+    for i, item in enumerate(items):
+        if isinstance(item, Pillowed):
+            tally.add(item.reason)
+            pixels = item.image
+            done[i] = pixels.to(device) if isinstance(pixels, torch.Tensor) else tuple(p.to(device) for p in pixels)
+    return done
 
 
 def _keep_list(items: list) -> list:
@@ -353,6 +383,8 @@ def caption_files(
     progress: bool = False,
     decoding: DecodingConfig | None = None,
     max_pixels: int | None = None,
+    decode: ImageDecoding = ImageDecoding.auto,
+    tally: DecodeTally | None = None,
 ) -> Iterator[Captioned | Skipped]:
     """Caption ``paths`` a batch at a time, yielding one result per path in input order.
 
@@ -360,19 +392,25 @@ def caption_files(
     runs the encoder and the decoder once on the model's device. An unreadable file yields
     ``Skipped(path, reason)``. ``decoding``: how (None: the model's, ``loaded.decoding``).
     ``progress`` shows a bar on stderr. ``max_pixels``: the pixel limit of ``load_rgb`` (None: Pillow's; a bad
-    one: ConfigError before the first result).
+    one: ConfigError before the first result). ``decode``: where the images are decoded (``ImageDecoding``: on a
+    CUDA device by default the workers only read the files and the device decodes each batch's JPEGs), counted
+    in ``tally`` when given.
     """
     _check_max_pixels(max_pixels)
     batches = math.ceil(len(paths) / batch_size)
+    encoded = on_device(ImageDecoding(decode), next(loaded.model.parameters()).device)
     loader = DataLoader(
-        ImageFiles(paths, loaded.read_size, max_pixels, loaded.transform),
+        ImageFiles(paths, loaded.read_size, max_pixels, loaded.transform, encoded),
         batch_size=batch_size,
         num_workers=min(workers, batches),
         collate_fn=_keep_list,
     )
     decoding, generator = _call_decoding(loaded, decoding)
+    tally = DecodeTally() if tally is None else tally
     with tqdm(total=len(paths), unit="img", file=sys.stderr, desc="captioning", disable=not progress) as bar:
         for number, items in enumerate(loader):
+            if encoded:
+                items = _on_device(items, loaded, tally)
             first = number * batch_size  # index in ``paths`` of the batch's first item
             good = [i for i, item in enumerate(items) if not isinstance(item, Skipped)]
             captioned: dict[int, Captioned] = {}

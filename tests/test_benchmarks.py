@@ -121,12 +121,16 @@ def test_captioning_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable
 
 def test_data_loading_runs(run_tiny: Callable[..., str]) -> None:
     stdout = run_tiny("data_loading", "--workers", "0", "1")
-    rows = table(stdout, "Data loading against the training step", 6)
+    rows = table(stdout, "Data loading against the training step", 10)
     assert [(row["source"], row["workers"]) for row in rows] == [
         ("JPEG 640x480 -> 64 px", "0 (main process)"),
         ("JPEG 640x480 -> 64 px", "1"),
+        ("JPEG 640x480 -> 64 px, decoded on cpu", "0 (main process)"),  # data.decode=device
+        ("JPEG 640x480 -> 64 px, decoded on cpu", "1"),
         ("shards of the JPEGs -> 64 px", "0 (main process)"),
         ("shards of the JPEGs -> 64 px", "1"),
+        ("shards of the JPEGs -> 64 px, decoded on cpu", "0 (main process)"),
+        ("shards of the JPEGs -> 64 px, decoded on cpu", "1"),
         # the demo trains layer2, so its cache holds layer1's map: 16x16x64 at 64 px
         ("fp16 cache 256x64", "0 (main process)"),
         ("fp16 cache 256x64", "1"),

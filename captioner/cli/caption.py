@@ -14,6 +14,7 @@ from captioner.cli.inputs import Inputs, expand_inputs
 from captioner.cli.output import Output
 from captioner.cli.parser import DEFAULT_NAME
 from captioner.data.dataset import Skipped
+from captioner.data.device_decoding import DecodeTally
 from captioner.errors import ConfigError
 from captioner.inference import Captioned, caption_files
 
@@ -57,7 +58,8 @@ def captioned(
 ) -> Iterator[Captioned]:
     """The captioned images of ``found`` in order; its input errors and unreadable images go to ``output`` as
     failures, its skipped files to its summary, the line on what its search left out (a gallery's files) to
-    stderr. The model is loaded only when there is an image to caption, and decodes as ``options.load`` says.
+    stderr. The model is loaded only when there is an image to caption, and decodes as ``options.load`` says; the
+    images are decoded where ``--decode`` says, which ``output``'s summary tells when the device decoded JPEGs.
     ``bar``: show captioning's progress bar (``--no-progress`` and a terminal allowing); False when the caller
     shows its own."""
     output.skipped = found.skipped
@@ -69,12 +71,16 @@ def captioned(
     loaded = options.load(args, device)
     output.start(len(found.paths))
     show = bar and options.progress(args, len(found.paths))
-    decode = loaded.decoding
-    for result in caption_files(loaded, found.paths, args.batch_size, args.workers, show, decode, args.max_pixels):
+    tally = DecodeTally()
+    results = caption_files(
+        loaded, found.paths, args.batch_size, args.workers, show, loaded.decoding, args.max_pixels, args.decode, tally
+    )
+    for result in results:
         if isinstance(result, Skipped):
             output.failure(result)
         else:
             yield result
+    output.decoding = tally.report(device)
 
 
 def _server_flags(args: argparse.Namespace) -> dict[str, bool]:
@@ -109,19 +115,24 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
     if not records:
         raise ConfigError(f"--image-info {args.image_info} lists no images")
     options.check_images_found(args, Path(args.image_info).name, [record.image_path for record in records])
-    loaded = options.load(args, options.device(args.device))
+    device = options.device(args.device)
+    loaded = options.load(args, device)
     output = Output(getattr(args, "json", False), rows=echo)
     paths = [record.image_path for record in records]
     output.start(len(paths))
     captions: dict[int, str] = {}
     show = options.progress(args, len(paths))
-    results = caption_files(loaded, paths, args.batch_size, args.workers, show, loaded.decoding, args.max_pixels)
+    tally = DecodeTally()
+    results = caption_files(
+        loaded, paths, args.batch_size, args.workers, show, loaded.decoding, args.max_pixels, args.decode, tally
+    )
     for record, result in zip(records, results):
         if isinstance(result, Skipped):
             output.failure(result)
             continue
         captions[record.image_id] = result.caption
         output.caption(result, image_id=record.image_id)
+    output.decoding = tally.report(device)
     if output.failed:
         print(
             f"error: {output.failed} of {len(records)} images could not be read (listed above); {target} was "

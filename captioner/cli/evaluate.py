@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         progress=options.progress(args, len(records)),
         decoding=loaded.decoding,
         max_pixels=args.max_pixels,
+        decode=args.decode,
     )
     for item in skipped:
         print(f"error: {item.path}: {item.reason}", file=sys.stderr)

@@ -36,6 +36,7 @@ class Output:
         self.failed_inputs: list[Skipped] = []  # the inputs that could not be used, in order
         self.skipped: list[str] = []  # files of folders that are not images
         self.images = 0  # image paths to caption
+        self.decoding = ""  # where the images were decoded, when the device decoded JPEGs (DecodeTally.report)
         self.started = time.perf_counter()
 
     def start(self, images: int) -> None:
@@ -78,13 +79,15 @@ class Output:
             self.failure(item)
 
     def summary(self) -> str:
-        """The closing line: images captioned, failed, skipped (with the first skipped file), images/s."""
+        """The closing line: images captioned, failed, skipped (with the first skipped file), images/s, and where
+        the images were decoded when the device decoded JPEGs (``decoding``)."""
         seconds = max(time.perf_counter() - self.started, 1e-9)
         skipped = f"{len(self.skipped)} skipped"
         if self.skipped:
             skipped += f" (files in folders that are not images, e.g. {self.skipped[0]})"
         rate = self.captioned / seconds
-        return f"summary: {self.captioned} captioned, {self.failed} failed, {skipped}, {rate:.1f} images/s"
+        decoding = f"; {self.decoding}" if self.decoding else ""
+        return f"summary: {self.captioned} captioned, {self.failed} failed, {skipped}, {rate:.1f} images/s{decoding}"
 
     def close(self) -> int:
         """Print the summary on stderr (also after input that named no image: an empty folder or glob, empty

@@ -15,6 +15,7 @@ from captioner.config import (
     DecodeMethod,
     DecodingConfig,
     HardInference,
+    ImageDecoding,
     SceneKind,
     ShapesSpec,
 )
@@ -209,6 +210,14 @@ def _common(sub: argparse.ArgumentParser, n_best: bool = False) -> None:
     )
     sub.add_argument(
         "--workers", type=int, default=CAPTIONING_WORKERS, help="image-decoding processes; 0 decodes in this one"
+    )
+    sub.add_argument(
+        "--decode",
+        choices=list(ImageDecoding),
+        default=ImageDecoding.auto,
+        help="where images are decoded: loader (Pillow, in the --workers processes), device (the workers read the "
+        "files, the model's device decodes each batch's JPEGs: nvjpeg on CUDA; other images by Pillow), or auto: "
+        "device on a CUDA device, loader otherwise",
     )
     sub.add_argument(
         "--hard-inference",

@@ -18,6 +18,7 @@ from captioner.config.data import (
     CaptionsSpec,
     DataConfig,
     FeatureDtype,
+    ImageDecoding,
     SceneKind,
     ShapesSpec,
 )
@@ -92,6 +93,7 @@ __all__ = [
     "Gate",
     "HardEstimator",
     "HardInference",
+    "ImageDecoding",
     "LossConfig",
     "ModelConfig",
     "NetConfig",

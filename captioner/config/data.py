@@ -16,6 +16,16 @@ MAX_IMAGE_SIZE = 4096  # ... and at most (a bound on what a config or a bundle c
 MAX_AUTO_WORKERS = 8  # DataConfig.num_workers=None uses at most this many loader workers
 
 
+class ImageDecoding(enum.StrEnum):
+    """Where training's and captioning's image files are decoded (``captioner.data.device_decoding``)."""
+
+    auto = "auto"  # device when the model runs on a CUDA device, loader otherwise
+    loader = "loader"  # every image decoded by Pillow in the DataLoader workers
+    # the workers read each file's bytes and check its header; the model's device decodes a batch's JPEGs at once
+    # (nvjpeg on CUDA; on a CPU, libjpeg-turbo in the main process) and resizes them; other images: Pillow
+    device = "device"
+
+
 class FeatureDtype(enum.StrEnum):
     """The dtype the feature cache stores grids in."""
 
@@ -45,6 +55,10 @@ class DataConfig(Settings):
     # caption count of the training split (the larger on a tie; logged when training starts). 1 with per_caption.
     captions_per_image: int | None = None
     augment: bool = False  # mild colour jitter / crop; never flips (captions say left and right)
+    # where images are decoded: loader (Pillow, in the loader workers), device (the workers read the files, the
+    # model's device decodes each batch's JPEGs: nvjpeg on CUDA; other images by Pillow) or auto (device on a CUDA
+    # device, loader otherwise); a feature cache is always filled from the loader's decoding
+    decode: ImageDecoding = ImageDecoding.auto
     feature_cache: str | None = None  # a folder: cache the encoder's frozen stages' output there
     feature_dtype: FeatureDtype = FeatureDtype.float16  # the cache's dtype
     vocab_file: str | None = None  # load this vocabulary JSON instead of building one from the captions

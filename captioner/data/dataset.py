@@ -3,13 +3,17 @@
 An unreadable image never stops training: the dataset returns ``Skipped(path, reason)`` in its
 place, ``collate`` lists it in ``batch["skipped"]`` (a training batch keeps a masked row in its place, so its
 shapes never change) and a ``SkipCounter`` reports them.
+With ``encoded`` (``data.decode``) a dataset leaves a JPEG's decoding to the model's device: its item holds the
+file's bytes (``device_decoding.Encoded``), the loader's batch is ``Undecoded``, and ``Undecoded.decoded`` makes
+on the device the batch ``collate`` would have made.
 Everything here is picklable (no lambdas), so DataLoader workers can be used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +23,7 @@ from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
 from captioner.config import MAX_LEN
+from captioner.data.device_decoding import DecodeTally, Encoded, decode_jpegs, read_for_device
 from captioner.data.images import ImageError, load_rgb
 from captioner.data.readers import Record
 from captioner.data.vocab import PAD_ID, Vocabulary
@@ -57,11 +62,27 @@ class Skipped:
     reason: str
 
 
+def item_image(
+    path: str, transform: Callable[[Image.Image], torch.Tensor], encoded: bool, data: bytes | None = None
+) -> dict[str, Any]:
+    """The ``image`` of a dataset item: the file ``path`` (or its bytes ``data``) decoded by ``load_rgb`` and
+    preprocessed by ``transform`` (3, H, W); with ``encoded``, a JPEG the device decodes as its bytes
+    (``Encoded``), and any other image preprocessed with ``pillow``, why Pillow decoded it. ImageError as
+    ``load_rgb`` raises it."""
+    if not encoded:
+        return {"image": transform(load_rgb(path, data=data))}
+    read = read_for_device(path, data=data)
+    if isinstance(read, Encoded):
+        return {"image": read}
+    return {"image": transform(read.image), "pillow": read.reason}
+
+
 class CaptionDataset(Dataset):
     """Images of ``records`` with their encoded captions.
 
     ``per_caption=False``: one item per image carrying all its captions, so a batch decodes (and the
-    encoder runs on) each image once. ``per_caption=True``: one item per (image, caption) pair.
+    encoder runs on) each image once. ``per_caption=True``: one item per (image, caption) pair. ``encoded``: the
+    model's device decodes its JPEGs (``item_image``); batch it with ``defer``.
     """
 
     def __init__(
@@ -71,12 +92,14 @@ class CaptionDataset(Dataset):
         transform: Callable[[Image.Image], torch.Tensor],
         max_len: int = MAX_LEN,
         per_caption: bool = False,
+        encoded: bool = False,
     ) -> None:
         check_range("max_len", max_len, 1, kind=int)
         self.records = list(records)
         self.vocab = vocab
         self.transform = transform
         self.max_len = max_len
+        self.encoded = encoded
         self.items: list[tuple[int, int | None]] = (
             [(i, k) for i, r in enumerate(self.records) for k in range(len(r.captions))]
             if per_caption
@@ -89,17 +112,18 @@ class CaptionDataset(Dataset):
     def __getitem__(self, index: int) -> dict | Skipped:
         """``{"image" (3, H, W), "captions" [LongTensor (len_k,)], "image_id", "index"}`` or Skipped.
 
-        ``index`` is the position of the image's record in ``records``.
+        ``index`` is the position of the image's record in ``records``. With ``encoded``, ``image`` is an
+        ``Encoded`` JPEG or the (3, H, W) of an image Pillow decoded, then with ``pillow`` (``item_image``).
         """
         i, k = self.items[index]
         record = self.records[i]
         try:
-            image = load_rgb(record.image_path)
+            image = item_image(record.image_path, self.transform, self.encoded)
         except ImageError as exc:
             return Skipped(record.image_path, exc.reason)
         captions = record.captions if k is None else (record.captions[k],)
         return {
-            "image": self.transform(image),  # (3, H, W)
+            **image,  # "image": (3, H, W)
             "captions": [torch.tensor(self.vocab.encode(c, self.max_len), dtype=torch.long) for c in captions],
             "image_id": record.image_id,
             "index": i,
@@ -158,6 +182,68 @@ def collate(
         "indices": torch.tensor([item["index"] for item in kept], dtype=torch.long),  # (B,)
         "skipped": skipped,
     }
+
+
+@dataclass
+class Undecoded:
+    """A batch as the loader worker left it, its JPEGs for the model's device to decode (``decoded``): what the
+    collate function of an ``encoded`` dataset gives (``defer``)."""
+
+    items: list[dict | Skipped]  # the dataset's items: an Encoded ``image`` for the device, None for one in ``pixels``
+    collate: Callable[[list[dict | Skipped]], dict]  # ``collate`` with the loader's settings
+    transform: Callable[[torch.Tensor], torch.Tensor]  # the dataset's: a decoded image (3, H, W) -> (3, S, S)
+    pixels: torch.Tensor | None = None  # (P, 3, S, S): the images Pillow decoded in the worker, in item order
+
+    def pin_memory(self) -> Undecoded:
+        """The batch with ``pixels`` in pinned memory (the DataLoader's ``pin_memory`` calls it), to cross to the
+        device in one asynchronous copy, as a batch of decoded images does."""
+        return self if self.pixels is None else replace(self, pixels=self.pixels.pin_memory())
+
+    def decoded(self, device: torch.device, tally: DecodeTally) -> dict:
+        """The batch ``collate`` makes of the items, their JPEGs decoded on ``device`` in one call and preprocessed
+        there, the images Pillow decoded moved there (each counted in ``tally``): ``images`` (B, 3, S, S) on
+        ``device``, the rest where ``collate`` leaves it. A JPEG neither the device nor Pillow decodes is Skipped,
+        as the worker would have found it (a masked row in a training batch)."""
+        items = list(self.items)
+        pillowed = [i for i, item in enumerate(items) if _image(item) is None]
+        moved = [] if self.pixels is None else self.pixels.to(device, non_blocking=True).unbind()  # P x (3, S, S)
+        for i, pixels in zip(pillowed, moved):
+            tally.add(items[i]["pillow"])
+            items[i] = {**items[i], "image": pixels}
+        jpegs = [i for i, item in enumerate(items) if isinstance(_image(item), Encoded)]
+        for i, image in zip(jpegs, decode_jpegs([items[i]["image"] for i in jpegs], device, tally)):
+            if isinstance(image, ImageError):
+                items[i] = Skipped(items[i]["image"].path, image.reason)
+            else:
+                items[i] = {**items[i], "image": self.transform(image)}  # (3, S, S)
+        return self.collate(items)
+
+
+def defer(
+    items: list[dict | Skipped],
+    collate: Callable[[list[dict | Skipped]], dict],
+    transform: Callable[[torch.Tensor], torch.Tensor],
+) -> Undecoded:
+    """The DataLoader collate function of an ``encoded`` dataset (with ``collate`` and ``transform`` bound): its
+    items left ``Undecoded``, the bytes of their JPEGs gathered into one tensor and the images Pillow decoded
+    stacked into another (a block of shared memory each to the main process, not one an image)."""
+    gathered = list(items)
+    jpegs = [i for i, item in enumerate(items) if isinstance(_image(item), Encoded)]
+    if jpegs:
+        sizes = [items[i]["image"].data.numel() for i in jpegs]
+        parts = torch.cat([items[i]["image"].data for i in jpegs]).split(sizes)  # views of one (N,) uint8
+        for i, part in zip(jpegs, parts):
+            gathered[i] = {**items[i], "image": replace(items[i]["image"], data=part)}
+    pillowed = [i for i, item in enumerate(items) if not isinstance(item, Skipped) and "pillow" in item]
+    pixels = torch.stack([items[i]["image"] for i in pillowed]) if pillowed else None  # (P, 3, S, S)
+    for i in pillowed:
+        gathered[i] = {**items[i], "image": None}
+    return Undecoded(gathered, collate, transform, pixels)
+
+
+def _image(item: dict | Skipped) -> Any:
+    """The ``image`` of a dataset item; a Skipped item's is its Skipped record."""
+    return item if isinstance(item, Skipped) else item["image"]
 
 
 def fixed_captions(captions: Sequence[torch.Tensor], k: int) -> tuple[list[torch.Tensor], torch.Tensor]:

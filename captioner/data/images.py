@@ -105,6 +105,19 @@ def _allowed_past_pillow_s_limit(decoded: tuple[int, int]) -> Iterator[None]:
         yield
 
 
+def read_bytes(path: str | Path) -> bytes:
+    """The bytes of the image file ``path``, unread by any decoder; ImageError as ``load_rgb`` raises it for a missing,
+    empty or unreadable file, a directory or another thing that is not a regular file."""
+    path = Path(path)
+    _check_file(path)
+    try:
+        return path.read_bytes()
+    except PermissionError:
+        raise ImageError(path, "permission denied") from None
+    except OSError as exc:
+        raise ImageError(path, f"cannot read the file ({first_line(exc)})") from None
+
+
 class ImageTooLarge(Exception):
     """An image over the pixel limit (inside ``load_rgb``, which names the file)."""
 

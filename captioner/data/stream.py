@@ -3,10 +3,11 @@ across every rank and loader worker, every reader yielding the same number of it
 
 Per epoch and reader (a rank's loader worker; ``rank * workers + worker``): the shards in the epoch's order, cut
 into equal runs of samples (``shards.epoch_plan``) -> this reader's run, read by the ``webdataset`` library ->
-a shuffle buffer -> decode (``images.load_rgb``: an unreadable image becomes ``Skipped``, counted) -> the items
-``CaptionDataset`` yields -> padding (``PADDING``) up to the declared length, a whole number of batches the same
-on every reader, so every rank runs the same number of steps. The epoch comes from ``set_epoch`` through shared
-memory, so persistent loader workers see it too.
+a shuffle buffer -> decode (``images.load_rgb``: an unreadable image becomes ``Skipped``, counted; with ``encoded``,
+a JPEG's bytes left for the model's device: ``dataset.item_image``) -> the items ``CaptionDataset`` yields ->
+padding (``PADDING``) up to the declared length, a whole number of batches the same on every reader, so every
+rank runs the same number of steps. The epoch comes from ``set_epoch`` through shared memory, so persistent loader
+workers see it too.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
-from captioner.data.dataset import Skipped
-from captioner.data.images import ImageError, load_rgb
+from captioner.data.dataset import Skipped, item_image
+from captioner.data.images import ImageError
 from captioner.data.shards import (
     IMAGE_EXTENSIONS,
     Piece,
@@ -51,7 +52,8 @@ class ShardStream(IterableDataset):
     """The items of ``shards`` that rank ``rank`` of ``ranks`` reads through ``workers`` loader workers (0: in the
     loading process), ``len()`` of them every epoch (a whole number of ``batch_size`` batches).
 
-    ConfigError when there are fewer shards than readers (``ranks`` x workers).
+    ConfigError when there are fewer shards than readers (``ranks`` x workers). ``encoded``: the model's device
+    decodes the JPEGs (``CaptionDataset``'s ``encoded``).
     """
 
     def __init__(
@@ -68,10 +70,12 @@ class ShardStream(IterableDataset):
         seed: int,
         shuffle_buffer: int,
         captions_field: str,
+        encoded: bool = False,
     ) -> None:
         self.shards = list(shards)
         self.vocab = vocab
         self.transform = transform
+        self.encoded = encoded
         self.max_len = max_len
         self.rank = rank
         self.workers = max(1, workers)
@@ -89,10 +93,12 @@ class ShardStream(IterableDataset):
         source: WebDatasetSource,
         vocab: Vocabulary,
         transform: Callable[[Image.Image], torch.Tensor],
+        encoded: bool = False,
         **reading: int,
     ) -> ShardStream:
         """The training stream of one rank over ``source``'s shards, read as it says (seed, shuffle buffer, captions
-        field); ``reading``: ``max_len``, ``batch_size``, ``rank``, ``ranks``, ``workers``."""
+        field); ``reading``: ``max_len``, ``batch_size``, ``rank``, ``ranks``, ``workers``; ``encoded``: the model's
+        device decodes the JPEGs."""
         return cls(
             source.shards,
             vocab,
@@ -100,6 +106,7 @@ class ShardStream(IterableDataset):
             seed=source.seed,
             shuffle_buffer=source.shuffle_buffer,
             captions_field=source.captions_field,
+            encoded=encoded,
             **reading,
         )
 
@@ -140,11 +147,11 @@ class ShardStream(IterableDataset):
         if not captions:
             return Skipped(name, f"no caption (a txt member, or {self.captions_field} or caption in its json)")
         try:
-            image = load_rgb(name, data=sample[ext])
+            image = item_image(name, self.transform, self.encoded, data=sample[ext])
         except ImageError as exc:
             return Skipped(name, exc.reason)
         return {
-            "image": self.transform(image),  # (3, H, W)
+            **image,  # "image": (3, H, W), or an Encoded JPEG
             "captions": [torch.tensor(self.vocab.encode(c, self.max_len), dtype=torch.long) for c in captions],
             "image_id": image_id(key),
             "index": sample["__index__"],

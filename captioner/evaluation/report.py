@@ -11,6 +11,7 @@ from captioner.config import (
     CAPTIONING_WORKERS,
     DecodingConfig,
     HardInference,
+    ImageDecoding,
     to_dict,
 )
 from captioner.data.dataset import Skipped
@@ -39,6 +40,7 @@ def evaluate_split(
     progress: bool = False,
     decoding: DecodingConfig | None = None,
     max_pixels: int | None = None,
+    decode: ImageDecoding = ImageDecoding.auto,
 ) -> tuple[dict, list[Skipped]]:
     """Decode ``records``; write ``results.json`` (COCO server format), ``metrics.json`` and ``per_image.json``.
 
@@ -50,8 +52,9 @@ def evaluate_split(
     and read the worst captions. Unreadable images are left out (counted in ``skipped_images``). Returns the
     metrics, with a printable ``table`` (scores are fractions in [0, 1]), and the unreadable images.
     An ensemble's metrics name its models (``ensemble``). ``decoding``: how (None: the model's,
-    ``loaded.decoding``); ``max_pixels``: the pixel limit of an image file (``load_rgb``; None: Pillow's). Raises
-    DataError when there are no records or none could be decoded.
+    ``loaded.decoding``); ``max_pixels``: the pixel limit of an image file (``load_rgb``; None: Pillow's);
+    ``decode``: where the images are decoded (``caption_files``). Raises DataError when there are no records or
+    none could be decoded.
     """
     decoding = loaded.decoding if decoding is None else decoding
     if not records:
@@ -60,7 +63,7 @@ def evaluate_split(
     captions: dict[int, list[str]] = {}
     correctness = AttentionCorrectness()
     skipped: list[Skipped] = []
-    for result in caption_files(loaded, list(by_path), batch_size, workers, progress, decoding, max_pixels):
+    for result in caption_files(loaded, list(by_path), batch_size, workers, progress, decoding, max_pixels, decode):
         if isinstance(result, Skipped):
             skipped.append(result)
             continue

@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from captioner.config import MAX_AUTO_WORKERS, DataConfig
-from captioner.data.dataset import CaptionDataset, build_transform, collate
+from captioner.data.dataset import CaptionDataset, Undecoded, build_transform, collate, defer
+from captioner.data.device_decoding import DecodeTally, on_device
 from captioner.data.features import Batches, FeatureCache, FeatureCaptionDataset, Share, cache_key
 from captioner.data.readers import SPLITS, Box, Record
 from captioner.data.sources import Source
@@ -49,6 +50,9 @@ class CaptionDataModule(L.LightningDataModule):
     and the loaders yield ``features`` instead of ``images``; the model runs the stages it trains on them. A source
     that ``streams`` (``data=webdataset``) gives the training split as a stream of shards instead of records
     (``_train_stream``); its vocabulary and its images' caption counts come from one pass over their captions.
+    Where the model's device decodes JPEGs (``data.decode``; on CUDA by default), the loaders' workers only read
+    the files and the device decodes each batch's JPEGs as it receives the batch (``transfer_batch_to_device``),
+    counted in ``decoded``; a feature cache is filled from images the workers decode.
     """
 
     def __init__(self, source: Source, settings: DataConfig) -> None:
@@ -63,6 +67,7 @@ class CaptionDataModule(L.LightningDataModule):
         self.caption_counts: Counter[int] = Counter()  # training images by their number of captions
         self.streams: bool = getattr(source, "streams", False)  # the training split streams (data=webdataset)
         self._stream: ShardStream | None = None
+        self.decoded = DecodeTally()  # where the device-decoding loaders' images were decoded since the last report
 
     def prepare_data(self) -> None:
         """Check the files exist, generating the built-in dataset on first use."""
@@ -113,17 +118,34 @@ class CaptionDataModule(L.LightningDataModule):
         return {r.image_id: r.boxes for r in self.splits[split] if r.boxes}
 
     def image_dataset(
-        self, split: str, train: bool = False, per_caption: bool = False, records: list[Record] | None = None
+        self,
+        split: str,
+        train: bool = False,
+        per_caption: bool = False,
+        records: list[Record] | None = None,
+        encoded: bool = False,
     ) -> CaptionDataset:
-        """The image-decoding dataset of ``split`` (of its ``records`` only, when given)."""
+        """The image-decoding dataset of ``split`` (of its ``records`` only, when given); ``encoded``: its JPEGs
+        left to the model's device."""
         transform = build_transform(self.settings.image_size, train=train, augment=self.settings.augment and train)
         chosen = self.splits[split] if records is None else records
-        return CaptionDataset(chosen, self.vocab, transform, max_len=self.settings.max_len, per_caption=per_caption)
+        return CaptionDataset(
+            chosen, self.vocab, transform, max_len=self.settings.max_len, per_caption=per_caption, encoded=encoded
+        )
+
+    def decodes_on_device(self) -> bool:
+        """Whether the model's device decodes the loaders' JPEGs (``data.decode``: auto on a CUDA device)."""
+        return on_device(self.settings.decode, self.device)
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device: the trainer's (the CPU when no trainer is attached)."""
+        return torch.device("cpu") if self.trainer is None else self.trainer.strategy.root_device
 
     def _dataset(self, split: str, train: bool) -> Dataset:
         per_caption = self.settings.per_caption and train
         if self.settings.feature_cache is None:
-            return self.image_dataset(split, train=train, per_caption=per_caption)
+            return self.image_dataset(split, train=train, per_caption=per_caption, encoded=self.decodes_on_device())
         cache = self._ensure_cache(split)
         return FeatureCaptionDataset(
             self.splits[split], self.vocab, cache, max_len=self.settings.max_len, per_caption=per_caption
@@ -165,17 +187,21 @@ class CaptionDataModule(L.LightningDataModule):
         train: bool = False,
     ) -> DataLoader:
         """Batches of ``dataset``; ``train``: static ones (K captions per image, masked rows for unreadable images
-        and, with ``pad_to``, for an epoch's last, smaller batch: ``collate``)."""
+        and, with ``pad_to``, for an epoch's last, smaller batch: ``collate``); ``Undecoded`` ones of a dataset
+        whose JPEGs the device decodes (``encoded``)."""
         workers = loader_workers(self.settings.num_workers)
         static = {}
         if train:
             rows = batch_size if self.settings.pad_to is not None else None
             static = {"captions_per_image": self.training_captions_per_image(), "rows": rows}
+        batches = functools.partial(collate, pad_to=self.settings.pad_to, **static)
+        if getattr(dataset, "encoded", False):
+            batches = functools.partial(defer, collate=batches, transform=dataset.transform)
         return DataLoader(
             dataset,
             batch_size=batch_size,
             shuffle=shuffle,
-            collate_fn=functools.partial(collate, pad_to=self.settings.pad_to, **static),
+            collate_fn=batches,
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
@@ -222,6 +248,7 @@ class CaptionDataModule(L.LightningDataModule):
             rank=self.trainer.global_rank,
             ranks=self.trainer.world_size,
             workers=loader_workers(self.settings.num_workers),
+            encoded=self.decodes_on_device(),
         )
         self._stream.set_epoch(self.trainer.current_epoch)
         return self._stream
@@ -242,15 +269,26 @@ class CaptionDataModule(L.LightningDataModule):
         """Test images in order, each with all its captions."""
         return self._loader(self._dataset("test", train=False), self.eval_batch_size, shuffle=False)
 
-    def transfer_batch_to_device(self, batch: dict, device: torch.device, dataloader_idx: int) -> dict:
+    def transfer_batch_to_device(self, batch: dict | Undecoded, device: torch.device, dataloader_idx: int) -> dict:
         """Move the tensors; ``batch["skipped"]`` (the unreadable images' names) stays as it is.
 
-        Lightning refuses to walk into the frozen ``Skipped`` records, so they are set aside meanwhile.
+        Lightning refuses to walk into the frozen ``Skipped`` records, so they are set aside meanwhile. An
+        ``Undecoded`` batch is first decoded on ``device`` (``Undecoded.decoded``, counted in ``decoded``): here,
+        not in ``on_after_batch_transfer``, since its JPEGs' bytes must stay on the host, where the decoder reads them.
         """
+        if isinstance(batch, Undecoded):
+            batch = batch.decoded(device, self.decoded)
         skipped = [item for item in batch.pop("skipped") if not isinstance(item, Padding)]  # padding is no image
         batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
         batch["skipped"] = skipped
         return batch
+
+    def decoding_report(self) -> str:
+        """One line: where the images of the batches decoded since the last report were decoded ("" when the
+        device decodes none); the count starts again."""
+        line = self.decoded.report(self.device)
+        self.decoded = DecodeTally()
+        return line
 
     def state_dict(self) -> dict[str, Any]:
         """The vocabulary travels in Lightning checkpoints, so a resumed run uses the same ids."""

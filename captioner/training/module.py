@@ -200,12 +200,21 @@ class CaptionerModule(L.LightningModule):
         )
 
     def on_train_epoch_end(self) -> None:
-        """Report unreadable training images once, with the first few names, and the share of the epoch's steps
-        that replayed the CUDA graph (logged as ``train/graph_replays`` too)."""
+        """Report unreadable training images once, with the first few names, where the epoch's images were
+        decoded when the device decodes JPEGs (``data.decode``), and the share of the epoch's steps that replayed
+        the CUDA graph (logged as ``train/graph_replays`` too)."""
         self._report_skips()
+        self._report_decoding()
         if self.graphed_steps is not None and (report := self.graphed_steps.report()) is not None:
             share, line = report
             self.log(metric(TRAIN, GRAPH_REPLAYS), share)
+            log.info(line)
+
+    def _report_decoding(self) -> None:
+        """Log one line for where the images of the batches since the last report were decoded, when the device
+        decoded JPEGs (``data.decode``)."""
+        datamodule = self.trainer.datamodule
+        if isinstance(datamodule, CaptionDataModule) and (line := datamodule.decoding_report()):
             log.info(line)
 
     def _report_skips(self) -> None:
@@ -287,6 +296,7 @@ class CaptionerModule(L.LightningModule):
                 f"no {split} image could be decoded{unread}, so there is nothing to score: the run stops "
                 "(docs/datasets.md#images)"
             )
+        self._report_decoding()
         for name, value in scores.items():
             self.log(metric(split, name), value, prog_bar=name == PROGRESS)
 
