@@ -78,6 +78,7 @@ class StepGraphs:
         self.call: Callable[[dict], Replay] | None = None
         self.gradients: list[Tensor | None] = []  # the last replay's, one per parameter (None: not used)
         self.counts = {"replayed": 0, "eager": 0}  # steps since the last ``report``
+        self.captures = 0  # steps captured (a test reads it: one per run, never one per batch)
         self._agreed: bool | None = None  # ``agree``'s answer for the batch whose step comes next
         self._group: dist.ProcessGroup | None = None  # ``_host_group``'s
 
@@ -113,6 +114,7 @@ class StepGraphs:
         if self.call is None:
             self.key = self.key_of(batch)
             self.call = self._capture(batch)
+            self.captures += 1
         terms, grads, flat = self.call(batch)
         if flat is not None:  # DDP: the mean over ranks, as its reducer gives, in one collective
             dist.all_reduce(flat)
