@@ -4,11 +4,12 @@ tables of docs/performance.md.
     python benchmarks/gpu_check.py              # on a GPU machine prepared as ../shared/gpu/README.md says
 
 Runs, each in its own process, with its wall time: ``pytest tests/test_gpu.py tests/test_gpu_graphs.py
-tests/test_gpu_decoding.py`` (CUDA graphs of whole decoding calls and training steps against eager, the per-word
-reduce-overhead step, 16-mixed and bf16-mixed steps with clipping and an empty batch, nvjpeg against the CPU's JPEG
-decoder); ``python train.py trainer=gpu`` (the demo, CUDA graphs on by
-default: its wall time and BLEU-4); ``python train.py trainer=ddp trainer.devices=1`` for two epochs
-(cross-entropy with graphed steps whose gradients are all-reduced beside the graph, then SCST);
+tests/test_gpu_decoding.py`` (CUDA graphs of whole decoding calls and training steps, cross-entropy and SCST,
+against eager, the per-word reduce-overhead step, 16-mixed and bf16-mixed steps with clipping and an empty batch,
+nvjpeg against the CPU's JPEG decoder); ``python train.py trainer=gpu`` (the demo, CUDA graphs on by default, its
+SCST steps too: its wall time, BLEU-4 and each epoch's share of replayed steps); ``python train.py trainer=ddp
+trainer.devices=1`` for two epochs (cross-entropy, then SCST, each with graphed steps whose gradients are
+all-reduced beside the graph);
 ``benchmarks/train_step.py`` in bf16 (the training step and the decoder-only step, eager and graphed);
 ``benchmarks/captioning.py`` in bf16 (greedy, beam 3 and beam 5 against the encoder alone, beam 3 at batch 1 to
 128, each call one replay); ``benchmarks/data_loading.py`` (the loader's images/s against what the step consumes);
@@ -36,7 +37,7 @@ DDP = ["trainer=ddp", "trainer.devices=1", "trainer.max_epochs=2", "model.scst.a
 TESTS = ["tests/test_gpu.py", "tests/test_gpu_graphs.py", "tests/test_gpu_decoding.py"]
 # (title, arguments of python, seconds at most): each about 1.4x the part's wall time on the H100 with cold caches
 # (docs/gpu_report.md: 71, over 120, 45, 94, 32, 44, 34 s); together ten and a half minutes, the demo's the largest
-# (its SCST epochs run eagerly), for about eight minutes of running
+# (measured with its SCST epochs eager; graphed since, not measured yet), for about eight minutes of running
 PARTS = [
     ("GPU-only tests", ["-m", "pytest", *TESTS, "-q", "-rA", "--tb=short", *NO_PLUGINS], 100),
     ("The demo: python train.py trainer=gpu", ["train.py", "trainer=gpu"], 180),
@@ -48,6 +49,7 @@ PARTS = [
 ]
 BLEU4 = re.compile(r"BLEU-4 ([0-9.]+)")  # the first is validation's, in train.py's summary
 SUMMARY = "validation BLEU"  # where train.py's summary starts: the demo's report prints it on
+REPLAYS = re.compile(r"\d+ of \d+ training steps \(\d+%\) replayed [^\n]*")  # an epoch's graphed steps (module's log)
 
 
 def run_part(title: str, args: list[str], limit: int) -> bool:
@@ -67,6 +69,9 @@ def run_part(title: str, args: list[str], limit: int) -> bool:
     if proc.returncode != 0:
         output = proc.stdout[-20000:] + proc.stderr[-8000:]
     print(output.rstrip())
+    replays = REPLAYS.findall(proc.stdout + proc.stderr) if args[0] == "train.py" else []
+    if replays:
+        print("CUDA graph replays, epoch by epoch:\n" + "\n".join(f"  {line}" for line in replays))
     bleu = BLEU4.findall(proc.stdout) if args[0] == "train.py" else []
     summary = f"val BLEU-4 {bleu[0]}, " if bleu else ""
     print(f"-> {'ok' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'}: {summary}{seconds:.0f} s wall")

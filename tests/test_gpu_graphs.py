@@ -1,10 +1,11 @@
 """CUDA graphs of whole calls (``model.graphs``; skipped without a CUDA device, run on a lent GPU by
 ``python benchmarks/gpu_check.py``): a replayed decoding call equals the eager one for every method, and still
 after the decoder is moved, cast or given new tensors (never replaying freed memory), a replayed
-training step equals the eager step over 20 steps in bf16, hard attention's replays draw fresh locations with
-eager's statistics and follow the expected-context schedule, and Lightning trains with the graphs as without, on
-a COCO-shaped set too (every step replayed).
-tests/test_graphed.py checks on the CPU what runs there of the same path."""
+training step equals the eager step over 20 steps in bf16, 20 replayed SCST steps (two graphs each, CIDEr-D scored
+between them) equal the eager steps from the same weights and random draws, hard attention's replays draw fresh
+locations with eager's statistics and follow the expected-context schedule, and Lightning trains with the graphs
+as without, on a COCO-shaped set too (every step replayed).
+tests/test_graphed.py and tests/test_scst_graphs.py check on the CPU what runs there of the same path."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ from captioner.config import DecodingConfig
 from captioner.data.dataset import CaptionDataset, build_transform, collate
 from captioner.model.decoding import decode
 from captioner.model.graphs import CapturedCall, tensors_at
-from captioner.training.graphed import GraphedSteps
+from captioner.training.graphed import GraphedSteps, self_critical_graphs
 from captioner.training.objectives import cross_entropy_terms
 from captioner.training.optimization import build_optimizer
 from conftest import V, features_for, make_decoder
 from test_gpu import fit_on_gpu
 from test_precision import one_batch, tiny_module
+from test_scst_graphs import adam, scst_batch, scst_module, toy_cider
 from test_static_batches import MAX_LEN, SIZE, coco_shaped
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -192,6 +194,50 @@ def test_twenty_replayed_training_steps_equal_eager_steps_in_bf16() -> None:
     for mine, theirs in zip(graphed.parameters(), eager.parameters()):
         torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=2e-3)
     assert steps.counts == {"replayed": 20, "eager": 0}
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    ("attention", "baseline", "precision"),
+    [("soft", "mean", torch.float32), ("hard", "greedy", torch.float32), ("soft", "mean", torch.bfloat16)],
+)
+def test_twenty_replayed_scst_steps_equal_eager_steps(attention: str, baseline: str, precision: torch.dtype) -> None:
+    """Each step draws from the same random state in both (dropout, the sampled words, hard attention's locations):
+    the replay's draws are the eager step's, so the rewards are the same numbers, not the same distribution."""
+    eager = scst_module(attention=attention, baseline=baseline).to(CUDA).train()
+    graphed = copy.deepcopy(eager)
+    eager.cider = graphed.cider = toy_cider(eager.vocab, CUDA)
+    steps = self_critical_graphs(
+        graphed.model, graphed.self_critical, lambda: graphed.cider, torch.float32, graphed.settings
+    )
+    channels = eager.model.encoder.out_channels
+    batches = [scst_batch(seed, channels, masked=2 if seed % 5 == 4 else 0) for seed in range(20)]
+    batches = [{k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in batch.items()} for batch in batches]
+    optimizers = adam(eager), adam(graphed)
+    autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=precision == torch.bfloat16)
+    seen = {"eager": [], "graphed": []}  # (reward, loss) of each step
+    for batch in batches:
+        state = torch.cuda.get_rng_state()
+        with autocast():
+            terms = eager.self_critical_terms(batch)
+        optimizers[0].zero_grad()
+        terms["loss"].backward()
+        torch.cuda.set_rng_state(state)  # the replay draws from where the eager step did
+        with autocast():
+            replayed = steps.step(batch)
+        optimizers[1].zero_grad()
+        steps.attach_gradients()
+        for module, optimizer in zip((eager, graphed), optimizers):
+            torch.nn.utils.clip_grad_norm_([p for p in module.parameters() if p.requires_grad], 5.0)
+            optimizer.step()
+        seen["eager"].append([terms["reward"].item(), terms["loss"].item()])
+        seen["graphed"].append([replayed["reward"].item(), replayed["loss"].item()])
+    assert steps.counts == {"replayed": 20, "eager": 0} and steps.captures == 1
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if precision == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
+    torch.testing.assert_close(torch.tensor(seen["graphed"]), torch.tensor(seen["eager"]), **tolerance)
+    assert len({reward for reward, _ in seen["eager"]}) > 10  # the steps drew different captions
+    for mine, theirs in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(mine, theirs, **tolerance)
 
 
 class Lines(logging.Handler):

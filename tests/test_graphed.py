@@ -16,7 +16,6 @@ from torch.utils.data import DataLoader
 
 from captioner.config import ModelConfig, from_dict
 from captioner.errors import ConfigError
-from captioner.training.graphed import training_graphs
 from captioner.training.module import CaptionerModule
 from test_precision import one_batch, steps_trainer, tiny_module
 
@@ -29,7 +28,7 @@ class EagerReplays(CaptionerModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if stage == "fit":
-            self.graphed_steps = training_graphs(self.trainer, self.model, self.criterion, self.dtype, capture=False)
+            self.use_training_graphs(capture=False)
 
 
 def batches(channels: int) -> list[dict]:

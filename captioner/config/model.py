@@ -173,9 +173,11 @@ class ModelConfig(NetConfig):
     # reduce-overhead graphs each word, and needs graphs=false).
     compile: Any = None
     # CUDA graphs of whole calls (captioner.model.graphs): each cross-entropy training step's forward, loss and
-    # backward is one replay (training.graphed), and so is each decoding call (every word of greedy, sampling,
-    # beam search). Training pads its captions to data.max_len + 2 tokens; 16-mixed and gradient accumulation
-    # train eagerly. None: on CUDA, off elsewhere (true elsewhere is refused: graphs need a CUDA device).
+    # backward is one replay (training.graphed), each SCST step two (the rollout and greedy baseline, then the
+    # loss's backward, CIDEr-D scored between them; static_shapes=false keeps them eager), and so is each decoding
+    # call (every word of greedy, sampling, beam search). Training pads its captions to data.max_len + 2 tokens;
+    # 16-mixed and gradient accumulation train eagerly. None: on CUDA, off elsewhere (true elsewhere is refused:
+    # graphs need a CUDA device).
     graphs: bool | None = None
     # Decoding (captions and SCST samples) runs all max_len steps with finished captions masked, no early exit
     # and no host read inside the loop: the same shapes on every call, what a captured CUDA graph needs, for

@@ -40,9 +40,13 @@ def greedy(
     settings: DecodingConfig,
     unk_id: int | None = None,
     static_shapes: bool | None = ModelConfig.static_shapes,
+    trim: bool = True,
 ) -> Generation:
-    """Emit the most likely allowed word at each step for the features (B, L, D)."""
-    return trimmed(_one_caption_each(decoder, features, settings, _most_likely, unk_id, static_shapes))
+    """Emit the most likely allowed word at each step for the features (B, L, D). ``trim``: drop the steps after
+    every caption's end (one host read); False leaves T = the steps run, all ``max_len`` with static shapes (what a
+    captured call can return: SCST's greedy baseline inside its graph)."""
+    generation = _one_caption_each(decoder, features, settings, _most_likely, unk_id, static_shapes)
+    return trimmed(generation) if trim else generation
 
 
 def _most_likely(log_probs: Tensor) -> Tensor:
@@ -170,13 +174,16 @@ def rollout(
     tokens = torch.full((rows,), START_ID, dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    never = torch.tensor([PAD_ID, START_ID, *([] if unk_id is None else [unk_id])], device=device)  # never drawn
+    # (V,): -inf for the words never drawn, set on the device (no host copy: the rollout may be inside a capture)
+    never = torch.zeros(decoder.classifier.out_features, device=device)
+    for word in (PAD_ID, START_ID, *([] if unk_id is None else [unk_id])):
+        never[word] = float("-inf")
     words, log_probs = [], []
 
     def advance(t: int) -> Tensor:
         nonlocal state, tokens, finished
         logits, state, _, location_log_prob, _ = decoder.step(tokens, state, features, keys)  # (N, V)
-        log_p = logits.float().index_fill(1, never, float("-inf")).log_softmax(dim=-1)  # (N, V)
+        log_p = (logits.float() + never).log_softmax(dim=-1)  # (N, V)
         tokens = torch.multinomial(log_p.detach().exp(), 1, generator=generator).squeeze(1)  # (N,)
         chosen = log_p.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (N,)
         if location_log_prob is not None:

@@ -48,11 +48,17 @@ class CapturedCall:
         inputs: Sequence[Tensor],
         keep: nn.Module | None = None,
         capture: bool = True,
+        warmed: bool = False,
+        pool: tuple[int, int] | None = None,
     ) -> None:
+        """``warmed``: the caller ran ``warm_up`` itself, so none is run here (a forward captured apart from its
+        backward warms up with it: ``training.graphed``'s SCST steps); ``pool``: the memory pool of a graph captured
+        before (``graph.pool()``), shared with it (a backward's graph reads what its forward's wrote)."""
         self.inputs = [tensor.clone() for tensor in inputs]
         self.function = function
         self.graph: torch.cuda.CUDAGraph | None = None
-        self._warm_up(keep, capture)
+        if not warmed:
+            warm_up(lambda: function(*self.inputs), keep, self.inputs[0].device, capture)
         if not capture:
             return
         self.graph = torch.cuda.CUDAGraph()
@@ -61,26 +67,9 @@ class CapturedCall:
         # capture (one cast per weight per replay), and emptied after it, so that no eager code reads the graph's.
         torch.clear_autocast_cache()
         # thread_local: what other threads do meanwhile (a DataLoader's pin-memory thread) cannot break the capture
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = function(*self.inputs)
         torch.clear_autocast_cache()
-
-    def _warm_up(self, keep: nn.Module | None, capture: bool) -> None:
-        """The ``WARMUP_CALLS`` eager calls (cuBLAS workspaces, lazy initialisation), on a side stream when
-        capturing; ``keep``'s buffers and the random state of the CPU and of the inputs' GPU restored after them."""
-        saved = [buffer.detach().clone() for buffer in keep.buffers()] if keep is not None else []
-        device = self.inputs[0].device
-        side = torch.cuda.Stream() if capture else None  # None: the current stream
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream())
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.cuda.stream(side):
-            for _ in range(WARMUP_CALLS):
-                self.function(*self.inputs)
-        if side is not None:
-            torch.cuda.current_stream().wait_stream(side)
-        with torch.no_grad():
-            for buffer, value in zip(keep.buffers() if keep is not None else (), saved):
-                buffer.copy_(value)
 
     def __call__(self, *inputs: Tensor) -> Any:
         """Replay on ``inputs`` (the captured shapes and dtypes); the static outputs."""
@@ -91,6 +80,25 @@ class CapturedCall:
         else:
             self.graph.replay()
         return self.outputs
+
+
+def warm_up(run: Callable[[], Any], keep: nn.Module | None, device: torch.device, capture: bool) -> Any:
+    """``WARMUP_CALLS`` eager calls of ``run`` before a capture (cuBLAS workspaces, lazy initialisation), on a side
+    stream when capturing; ``keep``'s buffers and the random state of the CPU and of ``device`` (when a GPU) put back
+    as they were before them, so that they leave no trace. Returns the last call's result."""
+    saved = [buffer.detach().clone() for buffer in keep.buffers()] if keep is not None else []
+    side = torch.cuda.Stream() if capture else None  # None: the current stream
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.cuda.stream(side):
+        for _ in range(WARMUP_CALLS):
+            result = run()
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
+    with torch.no_grad():
+        for buffer, value in zip(keep.buffers() if keep is not None else (), saved):
+            buffer.copy_(value)
+    return result
 
 
 class GraphCache:

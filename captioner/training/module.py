@@ -33,7 +33,14 @@ from captioner.training import objectives
 from captioner.training.callbacks import NonFiniteLossGuard
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.evaluation import EvaluationEpoch
-from captioner.training.graphed import GraphedSteps, training_graphs
+from captioner.training.graphed import (
+    GraphedSteps,
+    SelfCriticalSteps,
+    StepGraphs,
+    graphed_training,
+    self_critical_graphs,
+    training_graphs,
+)
 from captioner.training.metrics import GRAPH_REPLAYS, LOSS, PROGRESS, TEST, TRAIN, VAL, metric
 from captioner.training.optimization import build_optimizer, clip_gradients
 from captioner.training.schedule import CrossEntropyPhase, LearningRatePlan, build_scheduler, self_critical_epoch
@@ -71,8 +78,9 @@ class CaptionerModule(L.LightningModule):
         self.phase: CrossEntropyPhase | None = None  # set when training starts, or by the resumed checkpoint
         self.learning_rates: LearningRatePlan | None = None  # laid over the run by configure_optimizers
         self._resumed_rates: tuple[list[dict], int] | None = None  # the resumed checkpoint's plan, and its step
-        self.graphed_steps: GraphedSteps | None = None  # model.graphs' training steps (set up for a fit on CUDA)
-        self._replayed = False  # whether this batch's step was a replay, its backward done
+        self.graphed_steps: GraphedSteps | None = None  # model.graphs' cross-entropy steps (a fit on CUDA)
+        self.graphed_scst: SelfCriticalSteps | None = None  # and its SCST steps (objective=scst)
+        self._replayed: StepGraphs | None = None  # what replayed this batch's step, its backward done (None: eager)
 
     # ----------------------------------------------------------------- training
     def setup(self, stage: str) -> None:
@@ -86,7 +94,7 @@ class CaptionerModule(L.LightningModule):
         graphs = self.settings.uses_graphs(self.trainer.strategy.root_device.type == "cuda")
         self.model.decoder.use_decoding_graphs(graphs)
         if graphs and stage == "fit":
-            self.graphed_steps = training_graphs(self.trainer, self.model, self.criterion, self.dtype)
+            self.use_training_graphs()
         if mode != Compile.off:
             self.model.decoder.compile_step(mode)
             log.info("model.compile=%s: the decoder's step is compiled", mode)
@@ -96,20 +104,32 @@ class CaptionerModule(L.LightningModule):
             datamodule.settings.pad_to = datamodule.settings.caption_tokens
             log.info("captions padded to data.pad_to=%d tokens", datamodule.settings.pad_to)
 
+    def use_training_graphs(self, capture: bool = True) -> None:
+        """Replay this fit's training steps as CUDA graphs (``training.graphed``): each cross-entropy step as one and,
+        with ``objective=scst``, each SCST step as two, unless the trainer's precision or gradient accumulation
+        keeps them eager; ``capture``: ``StepGraphs``' (False: what a CPU can check of them)."""
+        if not graphed_training(self.trainer):
+            return
+        self.graphed_steps = training_graphs(self.model, self.criterion, self.dtype, capture)
+        if self.settings.objective == Objective.scst:
+            self.graphed_scst = self_critical_graphs(  # the reward's tables are built when the fit starts
+                self.model, self.self_critical, lambda: self.cider, self.dtype, self.settings, capture
+            )
+
     def configure_callbacks(self) -> list[L.Callback]:
         """The non-finite-loss guard, in every run, with this model's ``nonfinite`` settings."""
         return [NonFiniteLossGuard(self.settings.nonfinite, self.settings.nonfinite_check_interval)]
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
-        """With graphed steps: the ranks agree whether this batch replays (``GraphedSteps.agree``, under the
+        """With graphed steps: the ranks agree whether this batch replays (``StepGraphs.agree``, under the
         step's autocast, which the capture's key holds); under DDP a replayed step's gradients are all-reduced
-        beside the graph (``GraphedSteps.step``), so DDP's reducer synchronises only the backward of an eager step."""
-        if self.graphed_steps is None:
+        beside the graph (``StepGraphs.step``), so DDP's reducer synchronises only the backward of an eager step."""
+        if self.graphed_steps is None and self.graphed_scst is None:
             return
         replays = False
-        if not self.scst_epoch:
+        if (steps := self._epoch_graphs) is not None:
             with self.trainer.precision_plugin.train_step_context():
-                replays = self.graphed_steps.agree(batch)
+                replays = steps.agree(batch)
         model = self.trainer.strategy.model
         if isinstance(model, DistributedDataParallel):
             model.require_backward_grad_sync = not replays
@@ -117,19 +137,20 @@ class CaptionerModule(L.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor | None:
         """One step over a batch of images with their captions (K per image: ``collate``)."""
         self.skips.add(batch["skipped"])
-        self._replayed = False
+        self._replayed = None
         if batch["captions"].numel() == 0:
             return None
         self.model.decoder.anneal(self.phase.progress(self.global_step))
-        if self.scst_epoch:
+        if not self.scst_epoch and self.trainer.world_size > 1:  # each rank's loss over the global batch's tokens
+            batch = {**batch, "tokens": objectives.token_share(self.criterion, batch)}
+        steps = self._epoch_graphs
+        terms = None if steps is None else steps.step(batch)
+        if terms is not None:
+            self._replayed = steps
+        elif self.scst_epoch:
             terms = self.self_critical_terms(batch)
         else:
-            if self.trainer.world_size > 1:  # each rank's loss over the global batch's tokens: as one process
-                batch = {**batch, "tokens": objectives.token_share(self.criterion, batch)}
-            terms = None if self.graphed_steps is None else self.graphed_steps.step(batch)
-            self._replayed = terms is not None
-            if terms is None:
-                terms = objectives.cross_entropy_terms(self.model, self.criterion, batch, self.dtype)
+            terms = objectives.cross_entropy_terms(self.model, self.criterion, batch, self.dtype)
         loss = terms["loss"]
         size = batch["captions"].shape[0]
         self.log_dict({metric(TRAIN, k): v.detach() for k, v in terms.items() if k != "loss"}, batch_size=size)
@@ -138,8 +159,8 @@ class CaptionerModule(L.LightningModule):
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """Back-propagate ``loss``, unless the step was a replay: its graph did, and its gradients are handed over."""
-        if self._replayed:
-            self.graphed_steps.attach_gradients()
+        if self._replayed is not None:
+            self._replayed.attach_gradients()
         else:
             super().backward(loss, *args, **kwargs)
 
@@ -147,6 +168,11 @@ class CaptionerModule(L.LightningModule):
     def scst_epoch(self) -> bool:
         """Whether this epoch trains with SCST (objective=scst, after ``scst.after_epochs`` cross-entropy epochs)."""
         return self_critical_epoch(self.settings.objective, self.settings.scst, self.current_epoch)
+
+    @property
+    def _epoch_graphs(self) -> StepGraphs | None:
+        """The graphed steps of this epoch's objective (None: its steps run eagerly)."""
+        return self.graphed_scst if self.scst_epoch else self.graphed_steps
 
     def on_train_start(self) -> None:
         """Measure the cross-entropy phase the decoder anneals over, unless the resumed checkpoint holds it."""
@@ -205,7 +231,7 @@ class CaptionerModule(L.LightningModule):
         the CUDA graph (logged as ``train/graph_replays`` too)."""
         self._report_skips()
         self._report_decoding()
-        if self.graphed_steps is not None and (report := self.graphed_steps.report()) is not None:
+        if (steps := self._epoch_graphs) is not None and (report := steps.report()) is not None:
             share, line = report
             self.log(metric(TRAIN, GRAPH_REPLAYS), share)
             log.info(line)

@@ -8,6 +8,7 @@ mean or the greedy caption's reward): ``captioner.model.losses.SelfCriticalLoss`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from captioner.config import DecodingConfig, ScstBaseline, ScstConfig
 from captioner.data.vocab import END_ID, UNK_ID, Vocabulary
 from captioner.evaluation.cider import CiderD
 from captioner.model.captioner import Captioner
-from captioner.model.decoding import greedy, rollout
+from captioner.model.decoding import Generation, Rollout, greedy, rollout
 from captioner.model.losses import CaptionLoss, SelfCriticalLoss
 
 
@@ -55,6 +56,53 @@ def token_share(criterion: CaptionLoss, batch: dict) -> torch.Tensor:
     return (tokens / dist.get_world_size()).clamp_min(1.0 / dist.get_world_size())
 
 
+@dataclass
+class SelfCriticalSamples:
+    """What an SCST step draws before its reward: B images x k sampled captions and, for the greedy baseline, the
+    images' greedy captions."""
+
+    drawn: Rollout  # (B*k, T): tokens, lengths and log-probabilities, these in the autograd graph
+    greedy: Generation | None  # (B, T') the greedy captions (no gradient); None for the mean baseline
+
+
+def self_critical_samples(
+    model: Captioner,
+    batch: dict,
+    dtype: torch.dtype,
+    scst: ScstConfig,
+    decoding: DecodingConfig,
+    static_shapes: bool | None,
+    trim: bool = True,
+) -> SelfCriticalSamples:
+    """The forward of an SCST step: the batch's features (its images encoded, or its cached features), ``scst.samples``
+    captions of at most ``decoding.max_len`` words sampled per image and, for the greedy baseline, the greedy captions
+    decoded as ``decoding`` constrains them, in eval mode (no dropout; hard attention's most likely location);
+    ``static_shapes`` as ``ModelConfig.static_shapes`` says; ``trim``: ``decoding.greedy``'s."""
+    encoded = (cached_features(batch, dtype),) if "features" in batch else model.encode(batch["images"])
+    features = model.attend_grid(*model.finish_encoding(*encoded))  # (B, L, C)
+    drawn = rollout(model.decoder, features, scst.samples, decoding, unk_id=UNK_ID, static_shapes=static_shapes)
+    if scst.baseline != ScstBaseline.greedy:
+        return SelfCriticalSamples(drawn, None)
+    model.decoder.eval()
+    try:
+        best = greedy(model.decoder, features.detach(), decoding, UNK_ID, static_shapes, trim=trim)
+    finally:
+        model.decoder.train()
+    return SelfCriticalSamples(drawn, best)
+
+
+def self_critical_rewards(
+    cider: CiderD, samples: SelfCriticalSamples, images: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """CIDEr-D of the sampled captions (B, k) and of the greedy ones (B,) (None without them) against the references
+    of the corpus ``images`` (B,) (``cider``'s rows ``batch["indices"]``), ``k`` samples per image."""
+    drawn = samples.drawn
+    rewards = caption_rewards(cider, drawn.tokens, drawn.lengths, images.repeat_interleave(k), END_ID).view(-1, k)
+    if samples.greedy is None:
+        return rewards, None
+    return rewards, caption_rewards(cider, samples.greedy.tokens, samples.greedy.lengths, images, END_ID)
+
+
 def self_critical_terms(
     model: Captioner,
     criterion: SelfCriticalLoss,
@@ -69,20 +117,9 @@ def self_critical_terms(
     """SCST loss terms of a batch: ``scst.samples`` captions of at most ``decoding.max_len`` words sampled per
     image (a greedy baseline decoded as ``decoding`` constrains it), scored by CIDEr-D against its references
     (``cider``'s rows ``batch["indices"]``); ``static_shapes`` as ``ModelConfig.static_shapes`` says."""
-    encoded = (cached_features(batch, dtype),) if "features" in batch else model.encode(batch["images"])
-    features = model.attend_grid(*model.finish_encoding(*encoded))  # (B, L, C)
-    samples, images = scst.samples, batch["indices"]  # images: rows of the reward's corpus
-    drawn = rollout(model.decoder, features, samples, decoding, unk_id=UNK_ID, static_shapes=static_shapes)
-    rewards = caption_rewards(cider, drawn.tokens, drawn.lengths, images.repeat_interleave(samples), END_ID)
-    greedy_rewards = None
-    if scst.baseline == ScstBaseline.greedy:
-        model.decoder.eval()  # no dropout; hard attention takes the most likely location
-        try:
-            best = greedy(model.decoder, features.detach(), decoding, UNK_ID, static_shapes)
-        finally:
-            model.decoder.train()
-        greedy_rewards = caption_rewards(cider, best.tokens, best.lengths, images, END_ID)
-    return criterion(drawn.log_probs, drawn.lengths, rewards.view(-1, samples), greedy_rewards, batch.get("real"))
+    samples = self_critical_samples(model, batch, dtype, scst, decoding, static_shapes)
+    rewards, greedy_rewards = self_critical_rewards(cider, samples, batch["indices"], scst.samples)
+    return criterion(samples.drawn.log_probs, samples.drawn.lengths, rewards, greedy_rewards, batch.get("real"))
 
 
 def caption_rewards(
