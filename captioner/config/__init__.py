@@ -15,6 +15,7 @@ from captioner.config.data import (
     MAX_AUTO_WORKERS,
     MAX_IMAGE_SIZE,
     MIN_IMAGE_SIZE,
+    UNKNOWN_WORDS_WARNING,
     CaptionsSpec,
     DataConfig,
     FeatureDtype,
@@ -62,7 +63,7 @@ from captioner.config.network import (
     SelfAttentionConfig,
 )
 from captioner.config.settings import Settings, from_dict, to_dict
-from captioner.config.train import SCHEMAS, SamplesConfig, TrainConfig
+from captioner.config.train import SCHEMAS, InitVocab, SamplesConfig, TrainConfig
 
 __all__ = [
     "ARCHITECTURE",
@@ -79,6 +80,7 @@ __all__ = [
     "MIN_IMAGE_SIZE",
     "PER_WORD_GRAPHS",
     "SCHEMAS",
+    "UNKNOWN_WORDS_WARNING",
     "Attention",
     "CaptionsSpec",
     "Compile",
@@ -91,6 +93,7 @@ __all__ = [
     "Gate",
     "HardEstimator",
     "HardInference",
+    "InitVocab",
     "LossConfig",
     "ModelConfig",
     "NetConfig",
