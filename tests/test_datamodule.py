@@ -108,8 +108,8 @@ def test_the_share_of_training_words_read_as_unk_is_logged_and_above_5_percent_w
         (
             logging.WARNING,
             f"training captions: 5 of 12 words (41.7%) read as <unk> by the vocabulary of data.vocab_file={path}: "
-            "more than 5%; the most frequent: red (2), box (1), green (1), blue (1); init_vocab=grow adds the "
-            "training words to the vocabulary of the model that init_from starts from",
+            "more than 5%; the most frequent: red (2), box (1), green (1), blue (1); init_vocab=grow (with init_from) "
+            "adds them to the model's vocabulary",
         )
     ]
     assert fixed.vocab.itos[4:] == ["a", "square"]

@@ -1,4 +1,5 @@
-"""Tokenizer and vocabulary: built from training captions only, saved as JSON (never pickled)."""
+"""Tokenizer and vocabulary: built from training captions only (or a trained model's grown with their new words),
+saved as JSON (never pickled)."""
 
 from __future__ import annotations
 

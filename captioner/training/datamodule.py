@@ -136,7 +136,7 @@ class CaptionDataModule(L.LightningDataModule):
         remedy = (
             f"each is seen fewer than data.min_word_count={data.min_word_count} times"
             if self.grow_vocab
-            else "init_vocab=grow adds the training words to the vocabulary of the model that init_from starts from"
+            else "init_vocab=grow (with init_from) adds them to the model's vocabulary"
         )
         words = [f"{word} ({n:,})" for word, n in unknown.most_common()]
         log.warning(
