@@ -57,6 +57,7 @@ def train(cfg: DictConfig) -> float | None:
     import lightning as L
 
     from captioner.evaluation.results import write_metrics, write_results
+    from captioner.model.vocab_transfer import load_trained_weights
     from captioner.run_files import BUNDLE_NAME, CURVES_FILE, METRICS_FILE, VAL_CAPTIONS_FILE
     from captioner.training import quick_checks
     from captioner.training.datamodule import CaptionDataModule
@@ -64,7 +65,7 @@ def train(cfg: DictConfig) -> float | None:
     from captioner.training.metrics import PROGRESS, TEST, VAL, metric
     from captioner.training.module import CaptionerModule
     from captioner.training.run_folder import print_config_tree
-    from captioner.training.start import model_settings, resolve_start
+    from captioner.training.start import model_settings, resolve_start, vocab_grows
     from captioner.training.validate import validate_config
 
     route_lightning_logs()
@@ -79,16 +80,17 @@ def train(cfg: DictConfig) -> float | None:
         plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         print_config_tree(plain, output_dir)  # the config that runs
     settings = validate_config(plain)  # the typed config, from here on
+    grow_vocab = vocab_grows(start, settings)
     ckpt_path = start.resume
     L.seed_everything(settings.seed, workers=True)
     trainer = build_trainer(plain)  # before any data work: Lightning checks its arguments as it builds
     with building("data"):
-        datamodule = CaptionDataModule(source, settings.data)
+        datamodule = CaptionDataModule(source, settings.data, grow_vocab=grow_vocab)
         datamodule.setup("fit")
     with building("model"):
         module = CaptionerModule(datamodule.vocab, settings.model)
-    if start.init is not None:
-        module.model.load_state_dict(start.model.model.state_dict())
+    if start.init is not None:  # with init_vocab=grow, the new words' rows as the new model drew them
+        load_trained_weights(module.model, start.model.model, datamodule.vocab.itos, start.model.vocab.itos)
 
     checkpoint_note = None
     if settings.train:

@@ -434,3 +434,17 @@ def test_ensemble_scores_each_run_alone_and_their_ensemble(
     rows = table(stdout, "models alone and as an ensemble", 4)
     assert [row["model"] for row in rows] == ["one", "two", "mean of the 2 alone", "ensemble of the 2"]
     assert all(0.0 <= float(row["val BLEU-4"]) <= 1.0 and row["test CIDEr-D"] == "n/a" for row in rows)
+
+
+def test_init_vocab_counts_the_words_each_setting_reads_as_unk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bundle = write_bundle(tmp_path / "shapes.pt", ["a", "red", "circle", "and"])
+    importlib.import_module("init_vocab").main(["--bundle", str(bundle), "--epochs", "0", "--sizes", "8,16"])
+    sys.modules.pop("init_vocab")
+    (small, large) = table(capsys.readouterr().out, "Training words read as <unk>", 2)
+    assert (small["training images"], large["training images"]) == ("8", "16")
+    for row in (small, large):
+        keep, grow = (float(row[f"{name}: <unk>"].split("(")[1].rstrip("%)")) for name in ("keep", "grow"))
+        assert keep > 50 > grow and int(row["words grow adds"]) > 5  # the scenes' words, most seen 5 times or more

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,80 @@ def test_a_vocabulary_file_is_used_as_it_is(source: ListSource, tmp_path: Path) 
     datamodule = _datamodule(source, vocab_file=str(tmp_path / "vocab.json"))
     datamodule.setup("fit")
     assert datamodule.vocab == saved
+
+
+def _unknown_lines(caplog: pytest.LogCaptureFixture, datamodule: CaptionDataModule) -> list[tuple[int, str]]:
+    """Set ``datamodule`` up; the level and text of each line it logged about the vocabulary."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="captioner.training.datamodule"):
+        datamodule.setup("fit")
+    return [(r.levelno, r.getMessage()) for r in caplog.records if "vocabulary" in r.getMessage()]
+
+
+def test_the_share_of_training_words_read_as_unk_is_logged_and_above_5_percent_warned_of(
+    source: ListSource, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # training words: a 4, square 3, red 2, box 1, green 1, blue 1 (12)
+    path = tmp_path / "vocab.json"
+    Vocabulary(["a", "square"]).save(path)
+    fixed = _datamodule(source, vocab_file=str(path))
+    assert _unknown_lines(caplog, fixed) == [
+        (
+            logging.WARNING,
+            f"training captions: 5 of 12 words (41.7%) read as <unk> by the vocabulary of data.vocab_file={path}: "
+            "more than 5%; the most frequent: red (2), box (1), green (1), blue (1); init_vocab=grow (with init_from) "
+            "adds them to the model's vocabulary",
+        )
+    ]
+    assert fixed.vocab.itos[4:] == ["a", "square"]
+    built = _datamodule(source, min_word_count=2)  # the vocabulary's own rule: said, not warned of
+    assert _unknown_lines(caplog, built) == [
+        (
+            logging.INFO,
+            "training captions: 3 of 12 words (25.0%) read as <unk> by the vocabulary built from them (words seen at "
+            "least data.min_word_count=2 times)",
+        )
+    ]
+    capped = _datamodule(source, min_word_count=1, max_vocab=4)
+    assert _unknown_lines(caplog, capped)[0][1].endswith(
+        "2 of 12 words (16.7%) read as <unk> by the vocabulary built from them (words seen at least "
+        "data.min_word_count=1 times, the data.max_vocab=4 most frequent)"
+    )
+    Vocabulary(["a", "square", "red", "green", "blue", "box"]).save(path)
+    assert _unknown_lines(caplog, _datamodule(source, vocab_file=str(path))) == [
+        (
+            logging.INFO,
+            f"training captions: 0 of 12 words (0.0%) read as <unk> by the vocabulary of data.vocab_file={path}",
+        )
+    ]
+
+
+def test_grow_vocab_appends_the_training_words_a_vocabulary_file_lacks(
+    source: ListSource, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "vocab.json"
+    Vocabulary(["square", "purple", "a"]).save(path)
+    settings = from_dict(DataConfig, {"vocab_file": str(path), "min_word_count": 1, "num_workers": 0}, "data")
+    grown = CaptionDataModule(source, settings, grow_vocab=True)
+    assert _unknown_lines(caplog, grown) == [
+        (
+            logging.INFO,
+            "init_vocab=grow: the vocabulary of 7 tokens keeps their ids and gains 4 training words seen at least "
+            "data.min_word_count=1 times, ids 7..10, which start untrained: red, blue, box, green",
+        ),
+        (
+            logging.INFO,
+            f"training captions: 0 of 12 words (0.0%) read as <unk> by the vocabulary of data.vocab_file={path}, grown",
+        ),
+    ]
+    assert grown.vocab.itos[4:] == ["square", "purple", "a", "red", "blue", "box", "green"]
+    settings.min_word_count, settings.max_vocab = 2, 3  # red, the one new word seen twice, finds no room
+    capped = CaptionDataModule(source, settings, grow_vocab=True)
+    assert _unknown_lines(caplog, capped)[0][1] == (
+        "init_vocab=grow: the vocabulary of 7 tokens keeps their ids and gains no training word seen at least "
+        "data.min_word_count=2 times; data.max_vocab=3 leaves out 1"
+    )
+    assert capped.vocab.itos[4:] == ["square", "purple", "a"]
 
 
 def test_a_training_split_without_images_is_refused(source: ListSource) -> None:

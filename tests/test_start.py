@@ -9,13 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from captioner.config import ARCHITECTURE, ModelConfig, from_dict, to_dict
+from captioner.config import ARCHITECTURE, ModelConfig, TrainConfig, from_dict, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
 from captioner.fileio import save_torch
 from captioner.model.captioner import build_captioner
-from captioner.training.start import model_settings, resolve_start
-from conftest import RUN_NET, net_v1, write_run
+from captioner.training.start import model_settings, resolve_start, vocab_grows
+from captioner.training.validate import validate_config
+from conftest import RUN_NET, compose_plain, net_v1, write_run
 
 
 @pytest.mark.parametrize(
@@ -154,3 +155,21 @@ def _leaf_keys(values: dict, prefix: str = "") -> list[str]:
     for key, value in values.items():
         keys += _leaf_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
     return keys
+
+
+def test_init_vocab_grow_grows_the_vocabulary_of_a_new_run_only(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"^init_vocab=grow grows the vocabulary of the model a new run starts from: give"
+    ):
+        validate_config(compose_plain(["init_vocab=grow"], tmp_path))  # nothing to start from
+    with pytest.raises(ConfigError, match=r"^init_vocab='extend' is not valid; choose one of: keep, grow$"):
+        from_dict(TrainConfig, {"init_vocab": "extend"})
+    ce = write_run(tmp_path / "ce", None)
+    new_run = resolve_start(None, str(ce), "cross_entropy", 0)
+    assert vocab_grows(new_run, TrainConfig(init_from=str(ce), init_vocab="grow"))
+    assert not vocab_grows(new_run, TrainConfig(init_from=str(ce)))  # keep, the default
+    scst = resolve_start(str(ce), None, "scst", 0)  # a ckpt_path taken as init_from: a new run, which grows too
+    assert vocab_grows(scst, TrainConfig(ckpt_path=str(ce), init_vocab="grow"))
+    resumed = resolve_start(str(ce), None, "cross_entropy", 0)
+    with pytest.raises(ConfigError, match=r"ckpt_path=\S+ resumes a run, whose vocabulary is its checkpoint's: leave"):
+        vocab_grows(resumed, TrainConfig(ckpt_path=str(ce), init_vocab="grow"))

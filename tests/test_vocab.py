@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import nltk
 import pytest
 import torch
 
 from captioner.config import MAX_VOCAB_SIZE
-from captioner.data.vocab import END, END_ID, PAD_ID, SPECIALS, START_ID, UNK_ID, Vocabulary, tokenize
+from captioner.data.vocab import END, END_ID, PAD_ID, SPECIALS, START_ID, UNK_ID, Vocabulary, tokenize, word_counts
 from captioner.errors import ConfigError, DataError
 
 CAPTIONS = ["A dog runs.", "a dog sits", "The DOG, a cat!", "a cat sleeps", "a bird"]
@@ -72,6 +73,28 @@ def test_build_rejects_bad_arguments():
         Vocabulary.build(CAPTIONS, min_count=0)
     with pytest.raises(ConfigError):
         Vocabulary.build(CAPTIONS, max_size=-1)
+
+
+def test_grow_keeps_the_words_and_their_ids_and_appends_the_new_ones_the_build_rule_admits():
+    base = Vocabulary(["fish", "dog", "the"])  # not in build's order: growing never reorders
+    counts = word_counts(CAPTIONS)  # a 5, dog 3, cat 2, the/runs/sits/sleeps/bird 1
+    grown = base.grow(counts, min_count=2)
+    assert grown.itos == [*base.itos, "a", "cat"]  # dog and the are there already; words seen once are not admitted
+    assert base.grow(counts, min_count=1).itos[len(base) :] == ["a", "cat", "bird", "runs", "sits", "sleeps"]
+    assert base.grow(counts, min_count=1, max_size=4).itos[4:] == ["fish", "dog", "the", "a"]  # room for one
+    assert base.grow(counts, min_count=1, max_size=2) == base  # no room: a vocabulary is never cut
+    assert grown.grow(counts, min_count=2) == grown  # nothing new: the same words and ids
+    assert Vocabulary([]).grow(counts, min_count=2) == Vocabulary.build(CAPTIONS, min_count=2)
+    with pytest.raises(ConfigError):
+        base.grow(counts, min_count=0)
+
+
+def test_unknown_counts_what_encode_reads_as_unk():
+    vocab = Vocabulary(["a", "dog", "cat"])
+    unknown = vocab.unknown(word_counts(CAPTIONS))
+    assert unknown == Counter({"runs": 1, "sits": 1, "the": 1, "sleeps": 1, "bird": 1})
+    assert sum(vocab.encode(c, max_len=20).count(UNK_ID) for c in CAPTIONS) == unknown.total() == 5
+    assert vocab.grow(word_counts(CAPTIONS), min_count=1).unknown(word_counts(CAPTIONS)) == Counter()
 
 
 def test_encode_unknown_words_and_max_len():

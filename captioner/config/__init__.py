@@ -15,6 +15,7 @@ from captioner.config.data import (
     MAX_AUTO_WORKERS,
     MAX_IMAGE_SIZE,
     MIN_IMAGE_SIZE,
+    UNKNOWN_WORDS_WARNING,
     CaptionsSpec,
     DataConfig,
     FeatureDtype,
@@ -64,7 +65,7 @@ from captioner.config.network import (
     SelfAttentionConfig,
 )
 from captioner.config.settings import Settings, from_dict, to_dict
-from captioner.config.train import SCHEMAS, SamplesConfig, TrainConfig
+from captioner.config.train import SCHEMAS, InitVocab, SamplesConfig, TrainConfig
 
 __all__ = [
     "ARCHITECTURE",
@@ -81,6 +82,7 @@ __all__ = [
     "MIN_IMAGE_SIZE",
     "PER_WORD_GRAPHS",
     "SCHEMAS",
+    "UNKNOWN_WORDS_WARNING",
     "Attention",
     "CaptionsSpec",
     "Compile",
@@ -94,6 +96,7 @@ __all__ = [
     "HardEstimator",
     "HardInference",
     "ImageDecoding",
+    "InitVocab",
     "LossConfig",
     "ModelConfig",
     "NetConfig",

@@ -14,6 +14,9 @@ from captioner.errors import ConfigError, check_choice, check_range
 MIN_IMAGE_SIZE = 32  # pixels per side at least: every image the model reads, generates or stores
 MAX_IMAGE_SIZE = 4096  # ... and at most (a bound on what a config or a bundle can make us allocate)
 MAX_AUTO_WORKERS = 8  # DataConfig.num_workers=None uses at most this many loader workers
+# A vocabulary fixed in advance (a model's, data.vocab_file) that reads more than this share of the training
+# captions' words as <unk> is warned of when training starts, its most frequent missing words named.
+UNKNOWN_WORDS_WARNING = 0.05
 
 
 class ImageDecoding(enum.StrEnum):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -9,6 +10,13 @@ from captioner.config.data import DataConfig
 from captioner.config.model import ModelConfig
 from captioner.config.settings import Settings
 from captioner.errors import ConfigError, check_range
+
+
+class InitVocab(enum.StrEnum):
+    """The vocabulary of a new run started from another's model (``init_from``)."""
+
+    keep = "keep"  # the model's: a training word it lacks reads as <unk>
+    grow = "grow"  # the model's words in their order, then the training words it lacks (``Vocabulary.grow``)
 
 
 @dataclass
@@ -29,9 +37,14 @@ class TrainConfig(Settings):
     # at once (model.scst.after_epochs=0); the run's config then says init_from.
     ckpt_path: str | None = None
     # Start a NEW run from the model of another: a run folder (its bundle.pt, the checkpoint it selected), a
-    # .ckpt or a bundle.pt. Its architecture, vocabulary, image size and weights are used with this config's
-    # training settings; epoch, optimiser and schedule start afresh.
+    # .ckpt or a bundle.pt. Its architecture, vocabulary (grown with init_vocab=grow), image size and weights are
+    # used with this config's training settings; epoch, optimiser and schedule start afresh.
     init_from: str | None = None
+    # The vocabulary of the run init_from starts: keep (the model's; the share of training words it lacks, read
+    # as <unk>, is logged when training starts) or grow (the model's words in their order and ids, then the
+    # training words it lacks that data.min_word_count and data.max_vocab admit; a shared word keeps its trained
+    # embedding and output row, a new word starts from the new model's initialisation).
+    init_vocab: InitVocab = InitVocab.keep
     train: bool = True  # False: only validate (and test) the checkpoint in ckpt_path
     test: bool = True  # evaluate the best checkpoint on the test split after training
     data: DataConfig = field(default_factory=DataConfig)
@@ -44,6 +57,11 @@ class TrainConfig(Settings):
 
     def check(self) -> None:
         check_range("seed", self.seed, 0, 2**32 - 1, kind=int)
+        if self.init_vocab is InitVocab.grow and self.init_from is None and self.ckpt_path is None:
+            raise ConfigError(
+                "init_vocab=grow grows the vocabulary of the model a new run starts from: give init_from=<a run "
+                "folder, its checkpoint or bundle.pt> (without one the vocabulary is built from the training captions)"
+            )
         if self.demo and self.data.recipe is not None:
             raise ConfigError(
                 "the demo's recipe (a small model with random weights, SCST after a few epochs) is for the "

@@ -1,4 +1,5 @@
-"""Tokenizer and vocabulary: built from training captions only, saved as JSON (never pickled)."""
+"""Tokenizer and vocabulary: built from training captions only (or a trained model's grown with their new words),
+saved as JSON (never pickled)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def tokenize(text: str) -> list[str]:
     return _TOKENIZER.tokenize(text.lower())
 
 
+def word_counts(captions: Iterable[str]) -> Counter[str]:
+    """How often each word (``tokenize``'s) occurs in ``captions``."""
+    return Counter(word for caption in captions for word in tokenize(caption))
+
+
 class Vocabulary:
     """Word <-> id mapping; ids 0..3 are ``<pad>``, ``<start>``, ``<end>``, ``<unk>``."""
 
@@ -53,12 +59,28 @@ class Vocabulary:
 
         ``max_size`` caps the number of words besides the four specials. Pass training captions only.
         """
+        return cls([]).grow(word_counts(captions), min_count, max_size)
+
+    def grow(
+        self, counts: Counter[str], min_count: int = DataConfig.min_word_count, max_size: int | None = None
+    ) -> Vocabulary:
+        """This vocabulary's words in their order (their ids unchanged), then the words of ``counts`` (word ->
+        occurrences in the training captions: ``word_counts``) it lacks that occur at least ``min_count`` times,
+        most frequent first (ties by word), as many as bring the words besides the specials to ``max_size`` (None:
+        all; a vocabulary already that large gains none)."""
         check_range("min_count", min_count, 1, kind=int)
         if max_size is not None:
             check_range("max_size", max_size, 0, kind=int)
-        counts = Counter(word for caption in captions for word in tokenize(caption))
-        words = sorted((w for w, n in counts.items() if n >= min_count), key=lambda w: (-counts[w], w))
-        return cls(words[:max_size])
+        new = sorted(
+            (w for w, n in counts.items() if n >= min_count and w not in self.stoi), key=lambda w: (-counts[w], w)
+        )
+        room = None if max_size is None else max(0, max_size - (len(self) - len(SPECIALS)))
+        return type(self)([*self.itos, *new[:room]])
+
+    def unknown(self, counts: Counter[str]) -> Counter[str]:
+        """The words of ``counts`` (word -> occurrences: ``word_counts``) that this vocabulary lacks, each with its
+        occurrences: what ``encode`` reads as ``<unk>``."""
+        return Counter({w: n for w, n in counts.items() if w not in self.stoi})
 
     def encode(self, caption: str, max_len: int) -> list[int]:
         """``[<start>] + ids of the first max_len words (unknown -> <unk>) + [<end>]``."""

@@ -50,6 +50,10 @@ class ShowAttendTellDecoder(nn.Module):
     are not read. ``vocab_size`` words, ``feature_dim`` channels per grid location.
     """
 
+    # The parameters with a row per word id (V, ...): the embedding E and the output layer L_o (weight and bias).
+    # Every other parameter and buffer is the same size whatever the vocabulary (``model.vocab_transfer``).
+    WORD_ROWS = ("embedding.weight", "classifier.weight", "classifier.bias")
+
     def __init__(self, vocab_size: int, feature_dim: int, config: NetConfig) -> None:
         super().__init__()
         settings = config.decoder

@@ -14,17 +14,19 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from captioner.config import MAX_AUTO_WORKERS, DataConfig
+from captioner.config import MAX_AUTO_WORKERS, UNKNOWN_WORDS_WARNING, DataConfig
 from captioner.data.dataset import CaptionDataset, Undecoded, build_transform, collate, defer
 from captioner.data.device_decoding import DecodeTally, on_device
 from captioner.data.features import Batches, FeatureCache, FeatureCaptionDataset, Share, cache_key
 from captioner.data.readers import SPLITS, Box, Record
 from captioner.data.sources import Source
 from captioner.data.stream import Padding, ShardStream
-from captioner.data.vocab import Vocabulary, tokenize
+from captioner.data.vocab import SPECIALS, Vocabulary, tokenize, word_counts
 from captioner.errors import DataError
 
 log = logging.getLogger(__name__)
+
+NAMED_WORDS = 10  # the words a line about the vocabulary names at most
 
 
 class FeatureEncoder(Protocol):
@@ -49,17 +51,20 @@ class CaptionDataModule(L.LightningDataModule):
     is computed once by the model being trained (``FeatureEncoder``, the processes of each node sharing the work)
     and the loaders yield ``features`` instead of ``images``; the model runs the stages it trains on them. A source
     that ``streams`` (``data=webdataset``) gives the training split as a stream of shards instead of records
-    (``_train_stream``); its vocabulary and its images' caption counts come from one pass over their captions.
-    Where the model's device decodes JPEGs (``data.decode``; on CUDA by default), the loaders' workers only read
-    the files and the device decodes each batch's JPEGs as it receives the batch (``transfer_batch_to_device``),
-    counted in ``decoded``; a feature cache is filled from images the workers decode.
+    (``_train_stream``). The vocabulary, the share of the training words it reads as ``<unk>`` (logged) and the
+    images' caption counts come from one pass over the training captions. Where the model's device decodes JPEGs
+    (``data.decode``; on CUDA by default), the loaders' workers only read the files and the device decodes each
+    batch's JPEGs as it receives the batch (``transfer_batch_to_device``), counted in ``decoded``; a feature cache
+    is filled from images the workers decode.
     """
 
-    def __init__(self, source: Source, settings: DataConfig) -> None:
+    def __init__(self, source: Source, settings: DataConfig, grow_vocab: bool = False) -> None:
         """Batches of the dataset ``source`` (built from ``settings.source``) as ``settings`` (the ``data``
-        config, typed) say."""
+        config, typed) say. ``grow_vocab`` (``init_vocab=grow``): the vocabulary of ``settings.vocab_file`` gains
+        the training words it lacks (``Vocabulary.grow``) instead of being used as it is."""
         super().__init__()
         self.settings = settings
+        self.grow_vocab = grow_vocab
         self.source = source
         self.eval_batch_size = self.settings.eval_batch_size or self.settings.batch_size
         self.vocab: Vocabulary | None = None
@@ -74,7 +79,8 @@ class CaptionDataModule(L.LightningDataModule):
         self.source.prepare()
 
     def setup(self, stage: str | None = None) -> None:
-        """Read the records and build (or load) the vocabulary from the training captions only."""
+        """Read the records and build (or load, and with ``grow_vocab`` grow) the vocabulary from the training
+        captions only; log the share of their words it reads as ``<unk>``."""
         if self.vocab is not None:
             return
         self.source.prepare()
@@ -82,12 +88,65 @@ class CaptionDataModule(L.LightningDataModule):
             self.splits[split] = [] if self.streams and split == "train" else self.source.records(split)
         if not self.streams and not self.splits["train"]:
             raise DataError("the training split has no images")
-        if self.settings.vocab_file:
-            self.vocab = Vocabulary.load(self.settings.vocab_file)
-        else:
-            self.vocab = Vocabulary.build(
-                self._counted_captions(), min_count=self.settings.min_word_count, max_size=self.settings.max_vocab
+        counts = word_counts(self._counted_captions())  # word -> occurrences, one pass
+        given = Vocabulary.load(self.settings.vocab_file) if self.settings.vocab_file else None
+        self.vocab = given
+        if given is None or self.grow_vocab:
+            self.vocab = (given or Vocabulary([])).grow(counts, self.settings.min_word_count, self.settings.max_vocab)
+        if given is not None and self.grow_vocab:
+            log.info(self._grown(given, counts))
+        self._report_unknown(counts, fixed=given is not None)
+
+    def _grown(self, given: Vocabulary, counts: Counter[str]) -> str:
+        """What growing the vocabulary ``given`` with the training words of ``counts`` added, and left out."""
+        added = self.vocab.itos[len(given) :]
+        left_out = len(given.grow(counts, self.settings.min_word_count)) - len(self.vocab)  # by data.max_vocab
+        rule = f"seen at least data.min_word_count={self.settings.min_word_count} times"
+        line = f"init_vocab=grow: the vocabulary of {len(given)} tokens keeps their ids and "
+        if added:
+            line += (
+                f"gains {len(added)} training words {rule}, ids {len(given)}..{len(self.vocab) - 1}, which start "
+                f"untrained: {_named(added)}"
             )
+        else:
+            line += f"gains no training word {rule}" + ("" if left_out else ": it holds every one")
+        if left_out:
+            line += f"; data.max_vocab={self.settings.max_vocab} leaves out {left_out}{' more' if added else ''}"
+        return line
+
+    def _report_unknown(self, counts: Counter[str], fixed: bool) -> None:
+        """Log the share of the training words (``counts``: word -> occurrences) the vocabulary reads as ``<unk>``;
+        a warning naming the most frequent of them above ``UNKNOWN_WORDS_WARNING`` for a vocabulary ``fixed`` in
+        advance (``data.vocab_file``: init_from's model's, or the user's)."""
+        unknown = self.vocab.unknown(counts)
+        missing, total = unknown.total(), counts.total()
+        share = missing / total if total else 0.0
+        data = self.settings
+        if not fixed:
+            admitted = sum(n >= data.min_word_count for n in counts.values())
+            cap = (
+                f", the data.max_vocab={data.max_vocab} most frequent"
+                if admitted > len(self.vocab) - len(SPECIALS)
+                else ""
+            )
+            whose = f"built from them (words seen at least data.min_word_count={data.min_word_count} times{cap})"
+        else:
+            whose = f"of data.vocab_file={data.vocab_file}" + (", grown" if self.grow_vocab else "")
+        line = (
+            f"training captions: {missing:,} of {total:,} words ({share:.1%}) read as <unk> by the vocabulary {whose}"
+        )
+        if not fixed or share <= UNKNOWN_WORDS_WARNING:
+            log.info(line)
+            return
+        remedy = (
+            f"each is seen fewer than data.min_word_count={data.min_word_count} times"
+            if self.grow_vocab
+            else "init_vocab=grow (with init_from) adds them to the model's vocabulary"
+        )
+        words = [f"{word} ({n:,})" for word, n in unknown.most_common()]
+        log.warning(
+            "%s: more than %.0f%%; the most frequent: %s; %s", line, UNKNOWN_WORDS_WARNING * 100, _named(words), remedy
+        )
 
     def _training_captions(self) -> Iterator[Sequence[str]]:
         """Each training image's captions: its record's, or a stream's in one pass over the shards."""
@@ -221,7 +280,7 @@ class CaptionDataModule(L.LightningDataModule):
             return 1
         if self.settings.captions_per_image is not None:
             return self.settings.captions_per_image
-        if not self.caption_counts:  # the vocabulary came from a file: the counts need a pass of their own
+        if not self.caption_counts:  # setup counts them in its pass; records given without setup are counted here
             self.caption_counts.update(len(captions) for captions in self._training_captions() if captions)
         counts = self.caption_counts
         k = max(counts, key=lambda n: (counts[n], n))
@@ -303,6 +362,12 @@ class CaptionDataModule(L.LightningDataModule):
                     "the checkpoint's vocabulary differs from the one built from this dataset; "
                     "resume with the same data configuration"
                 )
+
+
+def _named(words: Sequence[str]) -> str:
+    """``words`` joined, the first ``NAMED_WORDS`` of them and how many more."""
+    more = f" and {len(words) - NAMED_WORDS} more" if len(words) > NAMED_WORDS else ""
+    return ", ".join(words[:NAMED_WORDS]) + more
 
 
 def loader_workers(num_workers: int | None) -> int:

@@ -11,7 +11,8 @@ cross-entropy run refuses a bundle as ``ckpt_path``: it cannot be resumed, and `
 ``python train.py experiment=demo_scst ckpt_path=<cross-entropy run>`` starts self-critical training from
 the cross-entropy model, and ``ckpt_path=<that SCST run>`` resumes it.
 
-Either way the run's network (its architecture, vocabulary and image size) is the checkpoint's and how it
+Either way the run's network (its architecture, vocabulary and image size) is the checkpoint's (with
+``init_vocab=grow`` a new run's vocabulary grows with the training words it lacks: ``vocab_grows``) and how it
 trains (dropout, the hard-attention estimator and schedule, which stages train) is the run's config's:
 ``model_settings`` gives the config values that describe the network, and for a ``ckpt_path`` taken as
 ``init_from`` the run's config says so (``init_from`` set to it, ``ckpt_path`` null).
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from captioner.bundle import TrainedModel, is_bundle, is_lightning_checkpoint, load_trained
-from captioner.config import ARCHITECTURE, Objective, to_dict
+from captioner.config import ARCHITECTURE, InitVocab, Objective, TrainConfig, to_dict
 from captioner.errors import ConfigError
 from captioner.fileio import load_torch
 from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, LAST_CHECKPOINT, VOCAB_FILE
@@ -145,6 +146,20 @@ def model_settings(start: Start, config: dict[str, Any], output_dir: Path) -> di
     if kept:
         log.info("from the config (how this run trains), not the checkpoint: %s", ", ".join(kept))
     return settings
+
+
+def vocab_grows(start: Start, settings: TrainConfig) -> bool:
+    """Whether the vocabulary of the model the run starts from grows with the training words (``init_vocab=grow``
+    with ``init_from``, or a ``ckpt_path`` taken as it). ConfigError for a run that resumes: its vocabulary is its
+    checkpoint's (one without ``init_from`` or ``ckpt_path`` is refused by ``TrainConfig.check``)."""
+    if settings.init_vocab is not InitVocab.grow:
+        return False
+    if start.init is None:
+        raise ConfigError(
+            "init_vocab=grow grows the vocabulary of the model a new run starts from (init_from); "
+            f"ckpt_path={settings.ckpt_path} resumes a run, whose vocabulary is its checkpoint's: leave init_vocab=keep"
+        )
+    return True
 
 
 def _at(values: Any, key: str) -> Any:
