@@ -103,6 +103,40 @@ def test_the_files_the_config_names_and_the_loggers_packages(tmp_path: Path, mon
     check(compose_plain([f"data.source.root={tmp_path}/shapes"], tmp_path))  # the demo needs nothing: no error
 
 
+def _flickr_split(folder: Path, splits: tuple[str, ...], sentence: object) -> Path:
+    """A Karpathy split file (Flickr's layout) of two images per split, each with ``sentence``, and their images."""
+    (folder / "images").mkdir(parents=True)
+    entries = []
+    for split in splits:
+        for k in range(2):
+            name = f"{split}{k}.jpg"
+            Image.new("RGB", (8, 8), (k, 0, 0)).save(folder / "images" / name)
+            entries.append({"filename": name, "imgid": len(entries), "split": split, "sentences": [sentence]})
+    (folder / "split.json").write_text(json.dumps({"images": entries}))
+    return folder
+
+
+def test_a_split_file_s_problems_are_listed_once_each_with_the_fix(tmp_path: Path) -> None:
+    def lines(folder: Path, *overrides: str) -> list[str]:
+        source = [f"data.source.split_file={folder / 'split.json'}", f"data.source.image_root={folder / 'images'}"]
+        return _lines(["experiment=flickr8k_soft", NO_WEIGHTS, "trainer=cpu", *source, *overrides], tmp_path)
+
+    sentence = {"raw": "a red square", "tokens": ["a", "red", "square"]}
+    no_test = _flickr_split(tmp_path / "no_test", ("train", "val"), sentence)
+    assert lines(no_test) == [
+        f"test: the dataset lists no image of this split; give it test images, or train without a test split: "
+        f"test=false ({GUIDE}#split-files)"
+    ]
+    assert lines(no_test, "test=false") == []
+    strings = _flickr_split(tmp_path / "strings", ("train", "val", "test"), "a red square")
+    assert lines(strings) == [  # once, not once per split read from the file
+        f"{strings / 'split.json'}: image 0 sentence 0 is a JSON str, expected an object: each sentence is an object "
+        'with its caption under "raw", as in {"raw": "A dog runs.", "tokens": ["a", "dog", "runs"]}; give the '
+        f"dataset's own annotation files, or write yours in their format ({GUIDE}#split-files)"
+    ]
+    assert lines(_flickr_split(tmp_path / "fixed", ("train", "val", "test"), sentence)) == []
+
+
 def test_a_missing_weight_file_says_where_to_save_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no weight file there
     lines = _lines(["model.encoder.weights=IMAGENET1K_V1", f"data.source.root={tmp_path}/s"], tmp_path)

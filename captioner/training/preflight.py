@@ -29,6 +29,12 @@ from captioner.errors import CaptionerError, ConfigError, DataProblems, first_li
 
 GUIDE = "docs/datasets.md"
 SAMPLES = 3  # images of each split decoded: the first, the middle and the last found; refused when none decodes
+# How to fix a split without images: the test split is optional, the validation split is not.
+EMPTY_SPLIT = {
+    "train": "give it training images, or only evaluate a checkpoint: train=false ckpt_path=<run folder>",
+    "val": "give it validation images: every run validates on them (checkpoint selection, early stopping)",
+    "test": "give it test images, or train without a test split: test=false",
+}
 # The optional package each logger needs, and the extra of pyproject.toml that installs it.
 LOGGER_PACKAGES: dict[str, str] = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
 
@@ -82,11 +88,12 @@ def _split_problems(source: Any, split: str) -> Iterator[Problem]:
     except DataProblems as exc:  # every problem of a captions file, each on its line
         yield from (Problem(line, exc.remedy, Section.own_images) for line in exc.problems)
         return
-    except CaptionerError as exc:
-        yield Problem(f"{split}: {first_line(exc)}", "give the dataset's own annotation files", "split-files")
+    except CaptionerError as exc:  # the file's own problem, which each split read from it meets: no split named
+        remedy = "give the dataset's own annotation files, or write yours in their format"
+        yield Problem(first_line(exc), remedy, "split-files")
         return
     if not records:
-        yield Problem(f"{split}: the split file lists no image of this split", "check the split file", "split-files")
+        yield Problem(f"{split}: the dataset lists no image of this split", EMPTY_SPLIT[split], "split-files")
         return
     paths = [record.image_path for record in records]
     found = images_present(paths)
