@@ -285,6 +285,32 @@ def _no_bundle(folder: str | os.PathLike) -> str:
     )
 
 
+def _model_parts(raw: object, path: str | os.PathLike) -> tuple[str, dict, object]:
+    """What the loaded model file ``raw`` (read from ``path``) is, as messages name it (``bundle <path>``,
+    ``checkpoint <path>``), its metadata and its weights; BundleError for a file of neither kind, or without the
+    metadata of its kind."""
+    if is_bundle(raw):
+        where = f"bundle {path}"
+        return (where, *_bundle_parts(raw, where))
+    if is_lightning_checkpoint(raw):
+        where = f"checkpoint {path}"
+        return (where, *_checkpoint_parts(raw, where))
+    raise BundleError(
+        f"{path}: neither a captioner bundle nor a training checkpoint "
+        f"(give the {BUNDLE_NAME} or a .ckpt file that train.py wrote)"
+    )
+
+
+def peek_model_file(path: str | os.PathLike, what: str = "model file") -> dict:
+    """The top level of the bundle or training checkpoint at ``path`` (a file ``load_trained`` reads), its tensors
+    mapped from the file, never read: which kind of file it is and its metadata, at the cost of its zip directory
+    and pickled structure whatever its size. BundleError as ``load_trained`` raises it for a file that cannot be
+    read (named ``what``), is of neither kind or lacks its kind's metadata."""
+    raw = load_torch(path, what=what, max_bytes=_max_file_bytes(), mmap=True)
+    _model_parts(raw, path)
+    return raw
+
+
 def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> TrainedModel:
     """Load an inference bundle (``save_bundle``), a Lightning checkpoint written by training, or the
     bundle of a training run's folder (``<run>/bundle.pt``); ``captioner.inference.load_model`` captions with it.
@@ -299,17 +325,7 @@ def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cp
         if not os.path.isfile(path):
             raise BundleError(_no_bundle(folder))
     raw = load_torch(path, what="model file", map_location=map_location, max_bytes=_max_file_bytes())
-    if is_bundle(raw):
-        where = f"bundle {path}"
-        metadata, state_dict = _bundle_parts(raw, where)
-    elif is_lightning_checkpoint(raw):
-        where = f"checkpoint {path}"
-        metadata, state_dict = _checkpoint_parts(raw, where)
-    else:
-        raise BundleError(
-            f"{path}: neither a captioner bundle nor a training checkpoint "
-            f"(give the {BUNDLE_NAME} or a .ckpt file that train.py wrote)"
-        )
+    where, metadata, state_dict = _model_parts(raw, path)
     if "preprocess" not in metadata:
         raise BundleError(
             f"{where}: has no preprocessing settings (the image size the model was trained "

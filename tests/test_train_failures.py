@@ -18,7 +18,7 @@ import yaml
 
 from captioner.errors import stop_reason
 from captioner.training.logs import finish_wandb
-from conftest import CONF, TINY, error_line, net_v1, run_train, subprocess_env, tiny_overrides
+from conftest import CONF, TINY, error_line, run_train, subprocess_env, tiny_overrides, write_bundle
 
 # ``python -c SCRIPT OUT ARGS...``: train.py with ARGS; at exit, whether torch was imported is written to OUT.
 TORCH_IMPORTED = f"""import atexit, runpy, sys
@@ -78,43 +78,55 @@ def test_a_check_that_fails_unexpectedly_refuses_the_run_with_one_line(monkeypat
     assert str(refused.value.error) == "the config could not be checked: KeyError: 'somewhere'"
 
 
-def test_a_missing_file_is_one_line_before_any_run_folder(tmp_path: Path) -> None:
-    missing = tmp_path / "missing.ckpt"
-    proc = run_train([f"ckpt_path={missing}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    assert error_line(proc) == (
-        f"error: ckpt_path='{missing}' does not exist; give a run folder, a .ckpt or a bundle (docs/datasets.md#train)"
-    )
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # preflight: no run folder, no FAILED litter
+@pytest.mark.parametrize(
+    "start, message",
+    [
+        (
+            "ckpt_path={t}/missing.ckpt",
+            "ckpt_path='{t}/missing.ckpt' does not exist; give a run folder or a .ckpt that train.py wrote "
+            "(docs/datasets.md#train)",
+        ),
+        (
+            "ckpt_path={t}/run",  # a run stopped before its first checkpoint
+            "ckpt_path='{t}/run' is a folder without checkpoints/last.ckpt, the checkpoint a run resumes from (a run "
+            "saves it as it trains); give the folder of a run that saved one, or one of its .ckpt files "
+            "(docs/datasets.md#train)",
+        ),
+        (
+            "ckpt_path={t}/bundle.pt",
+            "ckpt_path='{t}/bundle.pt' is an inference bundle (weights for captioning, no optimiser or training "
+            "state), which no run resumes; to resume a run give its folder or its checkpoints/last.ckpt; to start a "
+            "new run from this bundle's weights give init_from={t}/bundle.pt instead (docs/datasets.md#train)",
+        ),
+        (
+            "+trainer.limit_train_batch=2",
+            "trainer.limit_train_batch is not an argument of lightning.pytorch.trainer.Trainer; did you mean "
+            "trainer.limit_train_batches?",
+        ),
+    ],
+    ids=["missing", "no-checkpoint", "bundle", "misspelt-trainer-key"],
+)
+def test_a_mistyped_command_is_one_line_before_the_config_tree_and_any_run_folder(
+    start: str, message: str, tmp_path: Path
+) -> None:
+    (tmp_path / "run").mkdir()
+    write_bundle(tmp_path / "bundle.pt", ["a", "circle"])
+    logs = tmp_path / "logs"
+    proc = run_train([start.format(t=tmp_path), f"paths.log_dir={logs}"], check=False, timeout=300)
+    assert error_line(proc) == f"error: {message.format(t=tmp_path)}"
+    assert "config (saved as" not in proc.stdout  # no config tree
+    assert not logs.exists()  # no run folder, no FAILED litter
 
 
 def test_a_run_that_fails_after_it_started_marks_its_folder_failed(tmp_path: Path) -> None:
-    junk = tmp_path / "junk.ckpt"
-    junk.write_bytes(b"\x80\x04K\x01.")  # a pickle, not a checkpoint
-    proc = run_train([f"ckpt_path={junk}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    message = f"checkpoint {junk} is truncated or corrupt"
+    proc = run_train(["trainer.precision=17", f"paths.log_dir={tmp_path}"], check=False, timeout=300)
+    message = "trainer: Precision 17 is invalid"  # a value that Lightning refuses as it builds the trainer
     assert error_line(proc).startswith(f"error: {message}")
     (run,) = (tmp_path / "train" / "runs").iterdir()  # the failed run's folder says why it failed
     assert (run / "FAILED").read_text().startswith(message)
     assert f"[ERROR] - run failed: {message}" in (run / "train.log").read_text()
-    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == str(junk)
-
-
-def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
-    from captioner.bundle import save_bundle
-    from captioner.data.vocab import Vocabulary
-    from captioner.model.captioner import build_captioner
-
-    vocab = Vocabulary(["a", "circle"])
-    config = {"encoder": {"name": "resnet18"}, "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8}}
-    net = net_v1(config)
-    model = build_captioner(net, len(vocab))
-    save_bundle(tmp_path / "bundle.pt", model, vocab, net, {"image_size": 64})
-    proc = run_train([f"ckpt_path={tmp_path / 'bundle.pt'}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    assert error_line(proc) == (
-        f"error: ckpt_path='{tmp_path / 'bundle.pt'}' is an inference bundle (weights for captioning, no "
-        "optimiser or training state); to resume a run give its folder or its checkpoints/last.ckpt, to start a "
-        "new run from its weights give init_from"
-    )
+    assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["precision"] == 17
+    assert not (run / "STOPPED").exists()
 
 
 def test_a_crash_or_interrupt_is_one_line_stop_reason() -> None:

@@ -3,11 +3,12 @@
 ``problems(cfg)`` takes the resolved config (plain data) and returns every problem at once, one line each with
 its remedy and the section of ``docs/datasets.md`` that explains it: the dataset's split or caption files and
 image folders, how many of each split's images are there (``val: 0 of 5,000 images found under
-data/coco/val2014``), whether a sample of each split decodes, the vocabulary, checkpoint and logger packages the
-config names, the encoder's weights file, whether the encoder's feature map holds the attention grid asked for
-and the accelerator the trainer asks for; a check that fails in a way
-it does not expect (a folder this user cannot list, a null where a path goes) is a problem too, naming the error,
-so the run never starts on a traceback turned into a warning by Hydra. ``ValidateConfig``
+data/coco/val2014``), whether a sample of each split decodes, the vocabulary and logger packages the config names,
+the checkpoint or bundle it starts from (that it is one, of the kind ``ckpt_path`` or ``init_from`` takes), the
+encoder's weights file, whether the encoder's feature map holds the attention grid asked for and the accelerator
+the trainer asks for; a check that fails in a way it does not expect (a folder this user cannot list, a null where
+a path goes) is a problem too, naming the error, so the run never starts on a traceback turned into a warning by
+Hydra. ``ValidateConfig``
 (``training/validate.py``) runs it once the config's values are valid; ``train.py`` prints the lines and exits
 with status 2 before any run folder exists.
 """
@@ -150,11 +151,12 @@ def _file_problems(cfg: dict[str, Any]) -> list[Problem]:
                 "train",
             )
         )
-    for key in ("ckpt_path", "init_from"):
-        if cfg.get(key) is not None and not Path(cfg[key]).exists():
-            found.append(
-                Problem(f"{key}={cfg[key]!r} does not exist", "give a run folder, a .ckpt or a bundle", "train")
-            )
+    from captioner.training.start import TAKES
+
+    missing = [key for key in TAKES if cfg.get(key) is not None and not Path(cfg[key]).exists()]
+    found += [Problem(f"{key}={cfg[key]!r} does not exist", f"give {TAKES[key]}", "train") for key in missing]
+    if not missing:
+        found += _start_problems(cfg)
     for name, node in (cfg.get("logger") or {}).items():
         package = LOGGER_PACKAGES.get(node["_target_"].rsplit(".", 1)[-1]) if node else None
         if package and importlib.util.find_spec(package) is None:
@@ -166,6 +168,19 @@ def _file_problems(cfg: dict[str, Any]) -> list[Problem]:
                 )
             )
     return found
+
+
+def _start_problems(cfg: dict[str, Any]) -> list[Problem]:
+    """The run can start from the files ``ckpt_path`` and ``init_from`` name, as its objective needs
+    (``start.plan_start``: each file's top level read, never its weights)."""
+    from captioner.training.start import StartError, plan_start
+
+    model = cfg["model"]
+    try:
+        plan_start(cfg.get("ckpt_path"), cfg.get("init_from"), model["objective"], model["scst"]["after_epochs"])
+    except StartError as exc:
+        return [Problem(exc.what, exc.remedy, Section.train)]
+    return []
 
 
 def _encoder_problems(cfg: dict[str, Any]) -> list[Problem]:
