@@ -35,7 +35,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
 from captioner.model.captioner import Captioner, build_captioner
-from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, FAILED_FILE
+from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, FAILED_FILE, STOPPED_FILE
 
 BUNDLE_FORMAT = "captioner-bundle"
 _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
@@ -270,15 +270,17 @@ class TrainedModel:
 
 
 def _no_bundle(folder: str | os.PathLike) -> str:
-    """Why the run folder ``folder`` has no bundle: a run that failed (its ``FAILED`` line) or one that has not
-    finished; the checkpoints it has, to load instead."""
+    """Why the run folder ``folder`` has no bundle: a run that failed (its ``FAILED`` line), one that was stopped
+    (its ``STOPPED`` line: how to resume it) or one that has not finished; the checkpoints it has, to load
+    instead."""
     checkpoints = sorted(glob.glob(os.path.join(folder, CHECKPOINT_DIR, "*.ckpt")))
     instead = f", or one of its checkpoints ({', '.join(checkpoints)})" if checkpoints else ""
-    failed = os.path.join(folder, FAILED_FILE)
-    if os.path.isfile(failed):
-        with open(failed, encoding="utf-8", errors="replace") as handle:
-            reason = handle.readline().strip() or "no reason written"
-        return f"{folder}: this run failed ({reason}), so it has no {BUNDLE_NAME}; give a run that finished{instead}"
+    for marker, how in ((FAILED_FILE, "failed"), (STOPPED_FILE, "was stopped")):
+        path = os.path.join(folder, marker)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                reason = handle.readline().strip() or "no reason written"
+            return f"{folder}: this run {how} ({reason}), so it has no {BUNDLE_NAME}; give a run that finished{instead}"
     return (
         f"{folder} is a folder without {BUNDLE_NAME} (a run writes it when training ends); give a run folder "
         f"that finished{instead}"

@@ -18,7 +18,7 @@ import yaml
 
 from captioner.errors import stop_reason
 from captioner.training.logs import finish_wandb
-from conftest import CONF, TINY, error_line, run_train, subprocess_env, tiny_overrides, write_bundle
+from conftest import CONF, TINY, error_line, run_train, run_train_here, subprocess_env, tiny_overrides, write_bundle
 
 # ``python -c SCRIPT OUT ARGS...``: train.py with ARGS; at exit, whether torch was imported is written to OUT.
 TORCH_IMPORTED = f"""import atexit, runpy, sys
@@ -129,12 +129,11 @@ def test_a_run_that_fails_after_it_started_marks_its_folder_failed(tmp_path: Pat
     assert not (run / "STOPPED").exists()
 
 
-def test_a_crash_or_interrupt_is_one_line_stop_reason() -> None:
+def test_a_crash_is_one_line_stop_reason() -> None:
     assert (
         stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore"))
         == "RuntimeError: CUDA out of memory. Tried to allocate"
     )
-    assert stop_reason(KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
     assert stop_reason(SystemExit(1)) == "stopped with exit status 1"
     assert stop_reason(SystemExit(0)) is None
 
@@ -180,7 +179,8 @@ def test_a_run_stopped_by_a_signal_exits_non_zero_and_says_how_to_resume(
         line,
     )
     assert match and 0 < int(match[1]) < TINY_STEPS, line
-    assert (first / "FAILED").read_text() == line.removeprefix("error: ") + "\n"
+    assert (first / "STOPPED").read_text() == line.removeprefix("error: ") + "\n"  # stopped, not failed
+    assert not (first / "FAILED").exists()
     assert not (first / "bundle.pt").exists()
     resume = shlex.split(match[2])[2:]  # the run's own overrides (Hydra's own left out) and ckpt_path=<its folder>
     assert resume == [*(o for o in common if not o.startswith("hydra.")), f"ckpt_path={first}"]
@@ -189,3 +189,52 @@ def test_a_run_stopped_by_a_signal_exits_non_zero_and_says_how_to_resume(
     resumed = run_train([*resume, f"hydra.run.dir={second}"])
     assert f"Restored all states from the checkpoint at {last}" in resumed.stdout
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == TINY_STEPS
+
+
+@pytest.mark.slow
+def test_a_run_interrupted_by_ctrl_c_is_marked_stopped_and_resumes(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    from captioner.training.module import CaptionerModule
+    from captioner.training.start import plan_start
+
+    step = CaptionerModule.training_step
+
+    def interrupted(self: CaptionerModule, batch: dict, batch_idx: int) -> object:
+        if self.global_step == 2:  # Ctrl-C as the third step starts: Lightning handles it (trainer.interrupted)
+            raise KeyboardInterrupt
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(CaptionerModule, "training_step", interrupted)
+    run = tmp_path / "run"
+    args = [*tiny_overrides(tiny_shapes, tmp_path), "test=false", "callbacks.last_checkpoint.every_n_train_steps=1"]
+    assert run_train_here(args, monkeypatch) == 128 + signal.SIGINT
+    (line,) = capfd.readouterr().err.splitlines()
+    last = run / "checkpoints" / "last.ckpt"
+    resume = shlex.join(["python", "train.py", *(a for a in args if not a.startswith("hydra.")), f"ckpt_path={run}"])
+    assert line == (
+        f"error: training stopped by SIGINT at epoch 0, step 2; its last checkpoint is {last}: resume it with {resume}"
+    )
+    assert (run / "STOPPED").read_text() == line.removeprefix("error: ") + "\n"
+    assert not (run / "FAILED").exists() and not (run / "bundle.pt").exists()
+    assert f"[ERROR] - run stopped: {line.removeprefix('error: ')}" in (run / "train.log").read_text()
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    model = yaml.safe_load((run / "config.yaml").read_text())["model"]  # the run's, which the command repeats
+    assert plan_start(str(run), None, model["objective"], model["scst"]["after_epochs"]).resume == str(last)
+
+
+def test_ctrl_c_outside_the_trainer_s_loops_marks_the_run_stopped(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    from captioner.training.datamodule import CaptionDataModule
+
+    def interrupted(self: CaptionDataModule, stage: str) -> None:
+        raise KeyboardInterrupt  # while the data is read, before Lightning runs
+
+    monkeypatch.setattr(CaptionDataModule, "setup", interrupted)
+    run = tmp_path / "run"
+    assert run_train_here(tiny_overrides(tiny_shapes, tmp_path), monkeypatch) == 128 + signal.SIGINT
+    message = "run stopped by SIGINT, before its first checkpoint: nothing to resume, run it again"
+    assert capfd.readouterr().err.splitlines() == [f"error: {message}"]  # no traceback
+    assert (run / "STOPPED").read_text() == message + "\n"
+    assert not (run / "FAILED").exists()
