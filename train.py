@@ -13,12 +13,13 @@
 Everything is composed from conf/ by Hydra; this file only wires the pieces together. Every run writes
 into a new folder (its composed config printed and saved there as config.yaml), checkpoints are written
 atomically, and a user error (a config value, an override, a file) prints one line ``error: ...`` on
-stderr and exits with status 2; a wrong value is found before the run's folder is created
-(``training/validate.py``), and so is every missing file or device, all listed at once
+stderr and exits with status 2; a wrong value (an argument the trainer, a callback or a logger does not take
+included) is found before the config is printed and the run's folder is created (``training/validate.py``), and so
+is every missing file or device and a checkpoint the run cannot start from, all listed at once
 (``training/preflight.py``). A run that fails says so in its folder: the error in ``train.log`` and in a
-``FAILED`` file. A run stopped by SIGTERM or Ctrl-C says how to resume it and exits with 128 + the signal's
-number (143, 130). A job of a sweep that fails is marked so and the sweep goes on; the sweep then ends with
-every failed job's error (``training/run_folder.py``), status 2.
+``FAILED`` file. A run stopped by SIGTERM or Ctrl-C says how to resume it (in its folder too: a ``STOPPED`` file)
+and exits with 128 + the signal's number (143, 130). A job of a sweep that fails is marked so and the sweep goes
+on; the sweep then ends with every failed or stopped job's line (``training/run_folder.py``), status 2.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def train(cfg: DictConfig) -> float | None:
         for note in [fraction, *quick_checks.start_notes(trainer, module.settings, datamodule)]:
             if note is not None:
                 log.warning(note)
-        fit(trainer, module, datamodule, ckpt_path)
+        with stoppable(trainer, "training"):
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         ckpt_path = (
             best
@@ -109,9 +111,11 @@ def train(cfg: DictConfig) -> float | None:
     epochs_decoding = module.settings.decoding
     module.settings.decoding = epochs_decoding.for_captioning()  # the scores `captioner evaluate` gives
     evaluate = {"datamodule": datamodule, "ckpt_path": ckpt_path, "weights_only": True, "verbose": False}
-    metrics = next(iter(trainer.validate(module, **evaluate)), {})  # none: no validation batch
+    with stoppable(trainer, "validation"):
+        metrics = next(iter(trainer.validate(module, **evaluate)), {})  # none: no validation batch
     if settings.test:
-        metrics.update(next(iter(trainer.test(module, **evaluate)), {}))
+        with stoppable(trainer, "test"):
+            metrics.update(next(iter(trainer.test(module, **evaluate)), {}))
     if not trainer.is_global_zero:
         return metrics.get(metric(VAL, PROGRESS))
 
@@ -136,14 +140,16 @@ def train(cfg: DictConfig) -> float | None:
     return metrics.get(metric(VAL, PROGRESS))
 
 
-def fit(trainer: object, module: object, datamodule: object, ckpt_path: str | None) -> None:
-    """``trainer.fit``; a stop by SIGTERM or Ctrl-C becomes RunStopped, whose message resumes the run."""
+@contextmanager
+def stoppable(trainer: object, stage: str) -> Iterator[None]:
+    """A stop by SIGTERM or Ctrl-C while ``trainer`` runs ``stage`` ("training", "validation", "test") becomes
+    RunStopped, whose message resumes the run."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from captioner.training.logs import stopped_message
 
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+        yield
     except SystemExit as exc:  # Lightning raises SIGTERMException on SIGTERM, and exits with 1 after Ctrl-C
         if isinstance(exc, SIGTERMException):
             signum = signal.SIGTERM
@@ -154,8 +160,8 @@ def fit(trainer: object, module: object, datamodule: object, ckpt_path: str | No
         saved = (p for cb in trainer.checkpoint_callbacks for p in (cb.last_model_path, cb.best_model_path) if p)
         checkpoint = next((p for p in saved if Path(p).is_file()), None)
         run = HydraConfig.get()
-        where = (trainer.current_epoch, trainer.global_step)
-        message = stopped_message(signum.name, *where, checkpoint, run.runtime.output_dir, run.overrides.task)
+        stop = f"{stage} stopped by {signum.name} at epoch {trainer.current_epoch}, step {trainer.global_step}"
+        message = stopped_message(stop, checkpoint, run.runtime.output_dir, run.overrides.task)
         raise RunStopped(message, signum) from None
 
 
@@ -207,18 +213,20 @@ def main(cfg: DictConfig) -> float | None:
     line and 128 + its number.
 
     Python warnings go to the run's log (stdout and ``train.log``), so stderr holds errors only. A run
-    that fails, whatever the reason, is marked so in its folder (``run_folder.mark_failed``). A job of a
+    that fails, whatever the reason, is marked so in its folder (``run_folder.mark_failed``), and one stopped by
+    SIGTERM or Ctrl-C, wherever it was, is marked stopped (``run_folder.mark_stopped``: how to resume it). A job of a
     sweep is checked as a single run is before it starts (``validate.check_run``); when it fails the sweep
     goes on (``sweep_goes_on``) and reports it at its end. A launcher that runs a job in a process of its own
     (submitit's) pickles this function by value, with the functions of this file it calls; the job's process
     imports the rest (captioner, Lightning) from the same installation.
     """
-    from captioner.training.logs import finish_wandb
-    from captioner.training.run_folder import mark_failed
+    from captioner.run_files import CHECKPOINT_DIR, LAST_CHECKPOINT
+    from captioner.training.logs import finish_wandb, stopped_message
+    from captioner.training.run_folder import mark_failed, mark_stopped
 
     run = HydraConfig.get()
     failure: str | None = None
-    status = 2
+    status, stopped = 2, False
     if own_process(run):
         share_ranks()
     try:
@@ -228,7 +236,12 @@ def main(cfg: DictConfig) -> float | None:
     except CaptionerError as exc:
         failure = str(exc)
     except RunStopped as exc:
-        failure, status = str(exc), exc.status
+        failure, status, stopped = str(exc), exc.status, True
+    except KeyboardInterrupt:  # Ctrl-C outside the trainer's loops (``stoppable``'s): reading data, exporting
+        last = Path(run.runtime.output_dir) / CHECKPOINT_DIR / LAST_CHECKPOINT
+        checkpoint = str(last) if last.is_file() else None
+        failure = stopped_message("run stopped by SIGINT", checkpoint, run.runtime.output_dir, run.overrides.task)
+        status, stopped = 128 + signal.SIGINT, True
     except (CompactHydraException, OmegaConfBaseException) as exc:
         failure = error_line(exc)
     except BaseException as exc:  # a crash: marked, then reported as Python reports it
@@ -240,7 +253,7 @@ def main(cfg: DictConfig) -> float | None:
         raise
     finally:
         finish_wandb(failed=failure is not None)
-    mark_failed(run.runtime.output_dir, failure)
+    (mark_stopped if stopped else mark_failed)(run.runtime.output_dir, failure)
     if sweep_goes_on(run, status):
         return None
     fail(failure, status)

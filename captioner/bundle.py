@@ -35,7 +35,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError, DataError, check_range
 from captioner.fileio import load_torch, save_torch
 from captioner.model.captioner import Captioner, build_captioner
-from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, FAILED_FILE
+from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, FAILED_FILE, STOPPED_FILE
 
 BUNDLE_FORMAT = "captioner-bundle"
 _METADATA_KEYS = ("config", "vocab", "vocab_fingerprint")
@@ -270,19 +270,47 @@ class TrainedModel:
 
 
 def _no_bundle(folder: str | os.PathLike) -> str:
-    """Why the run folder ``folder`` has no bundle: a run that failed (its ``FAILED`` line) or one that has not
-    finished; the checkpoints it has, to load instead."""
+    """Why the run folder ``folder`` has no bundle: a run that failed (its ``FAILED`` line), one that was stopped
+    (its ``STOPPED`` line: how to resume it) or one that has not finished; the checkpoints it has, to load
+    instead."""
     checkpoints = sorted(glob.glob(os.path.join(folder, CHECKPOINT_DIR, "*.ckpt")))
     instead = f", or one of its checkpoints ({', '.join(checkpoints)})" if checkpoints else ""
-    failed = os.path.join(folder, FAILED_FILE)
-    if os.path.isfile(failed):
-        with open(failed, encoding="utf-8", errors="replace") as handle:
-            reason = handle.readline().strip() or "no reason written"
-        return f"{folder}: this run failed ({reason}), so it has no {BUNDLE_NAME}; give a run that finished{instead}"
+    for marker, how in ((FAILED_FILE, "failed"), (STOPPED_FILE, "was stopped")):
+        path = os.path.join(folder, marker)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                reason = handle.readline().strip() or "no reason written"
+            return f"{folder}: this run {how} ({reason}), so it has no {BUNDLE_NAME}; give a run that finished{instead}"
     return (
         f"{folder} is a folder without {BUNDLE_NAME} (a run writes it when training ends); give a run folder "
         f"that finished{instead}"
     )
+
+
+def _model_parts(raw: object, path: str | os.PathLike) -> tuple[str, dict, object]:
+    """What the loaded model file ``raw`` (read from ``path``) is, as messages name it (``bundle <path>``,
+    ``checkpoint <path>``), its metadata and its weights; BundleError for a file of neither kind, or without the
+    metadata of its kind."""
+    if is_bundle(raw):
+        where = f"bundle {path}"
+        return (where, *_bundle_parts(raw, where))
+    if is_lightning_checkpoint(raw):
+        where = f"checkpoint {path}"
+        return (where, *_checkpoint_parts(raw, where))
+    raise BundleError(
+        f"{path}: neither a captioner bundle nor a training checkpoint "
+        f"(give the {BUNDLE_NAME} or a .ckpt file that train.py wrote)"
+    )
+
+
+def peek_model_file(path: str | os.PathLike, what: str = "model file") -> dict:
+    """The top level of the bundle or training checkpoint at ``path`` (a file ``load_trained`` reads), its tensors
+    mapped from the file, never read: which kind of file it is and its metadata, at the cost of its zip directory
+    and pickled structure whatever its size. BundleError as ``load_trained`` raises it for a file that cannot be
+    read (named ``what``), is of neither kind or lacks its kind's metadata."""
+    raw = load_torch(path, what=what, max_bytes=_max_file_bytes(), mmap=True)
+    _model_parts(raw, path)
+    return raw
 
 
 def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> TrainedModel:
@@ -299,17 +327,7 @@ def load_trained(path: str | os.PathLike, map_location: str | torch.device = "cp
         if not os.path.isfile(path):
             raise BundleError(_no_bundle(folder))
     raw = load_torch(path, what="model file", map_location=map_location, max_bytes=_max_file_bytes())
-    if is_bundle(raw):
-        where = f"bundle {path}"
-        metadata, state_dict = _bundle_parts(raw, where)
-    elif is_lightning_checkpoint(raw):
-        where = f"checkpoint {path}"
-        metadata, state_dict = _checkpoint_parts(raw, where)
-    else:
-        raise BundleError(
-            f"{path}: neither a captioner bundle nor a training checkpoint "
-            f"(give the {BUNDLE_NAME} or a .ckpt file that train.py wrote)"
-        )
+    where, metadata, state_dict = _model_parts(raw, path)
     if "preprocess" not in metadata:
         raise BundleError(
             f"{where}: has no preprocessing settings (the image size the model was trained "

@@ -96,6 +96,4 @@ def stop_reason(exc: BaseException) -> str | None:
     """One line for an exception that ends a run (None for a clean ``SystemExit``)."""
     if isinstance(exc, SystemExit):
         return None if exc.code in (0, None) else f"stopped with exit status {exc.code}"
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted (KeyboardInterrupt)"
     return first_line(exc, with_type=True)

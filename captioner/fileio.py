@@ -147,7 +147,11 @@ def _check_archive(path: Path, what: str, max_bytes: int | None) -> None:
 
 
 def load_torch(
-    path: str | os.PathLike, what: str = "file", map_location: Any = "cpu", max_bytes: int | None = None
+    path: str | os.PathLike,
+    what: str = "file",
+    map_location: Any = "cpu",
+    max_bytes: int | None = None,
+    mmap: bool = False,
 ) -> Any:
     """``torch.load(weights_only=True)`` with one clear BundleError for every way it can fail.
 
@@ -184,7 +188,7 @@ def load_torch(
     try:
         with warnings.catch_warnings():  # torch warns about the pickle protocol of files it then refuses
             warnings.simplefilter("ignore", UserWarning)
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and head == b"PK")
     except pickle.UnpicklingError as exc:
         code = re.search(r"GLOBAL ([\w.]+)", str(exc))
         if code:

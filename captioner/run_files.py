@@ -13,6 +13,7 @@ LAST_CHECKPOINT = "last.ckpt"  # in CHECKPOINT_DIR: what ckpt_path=<run folder> 
 VOCAB_FILE = "vocab.json"  # the vocabulary of the checkpoint a run starts from (data.vocab_file)
 CONFIG_FILE = "config.yaml"  # the composed config, resolved
 FAILED_FILE = "FAILED"  # written by a run that failed: its one-line error
+STOPPED_FILE = "STOPPED"  # written by a run stopped by a signal (Ctrl-C, SIGTERM): how to resume it, in one line
 METRICS_FILE = "metrics.json"  # the final validation (and test) metrics; also what `captioner evaluate` writes
 VAL_CAPTIONS_FILE = "val_captions.json"  # the selected checkpoint's validation captions, COCO results format
 SAMPLES_DIR = "samples"  # a few validation images captioned and attended after every validation (epoch_NNN.png)

@@ -131,6 +131,13 @@ def test_model_takes_a_run_folder(bundles, inputs, tmp_path, capsys):
         f"error: {run}: this run failed (RuntimeError: CUDA out of memory.), so it has no bundle.pt; give a run "
         f"that finished, or one of its checkpoints ({run / 'checkpoints' / 'last.ckpt'})\n"
     )
+    (run / "FAILED").unlink()
+    (run / "STOPPED").write_text("training stopped by SIGINT at epoch 0, step 3; ...\n")  # as a Ctrl-C'd run leaves it
+    assert cli.main(["caption", *common, "--model", str(run)]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: {run}: this run was stopped (training stopped by SIGINT at epoch 0, step 3; ...), so it has no "
+        "bundle.pt; give a run that finished, or one of its checkpoints"
+    )
 
 
 def test_max_pixels_lets_a_large_image_through(bundles, tmp_path, monkeypatch, capsys):

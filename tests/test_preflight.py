@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from captioner.training.preflight import GUIDE, PreflightError, check, problems
-from conftest import ROOT, compose_plain, subprocess_env
+from conftest import ROOT, compose_plain, subprocess_env, write_bundle, write_run
 
 NO_WEIGHTS = "model.encoder.weights=null"
 
@@ -104,6 +104,63 @@ def test_the_files_the_config_names_and_the_loggers_packages(tmp_path: Path, mon
         f"there on first use ({GUIDE}#images)"
     ]
     check(compose_plain([f"data.source.root={tmp_path}/shapes"], tmp_path))  # the demo needs nothing: no error
+
+
+def test_the_checkpoint_or_bundle_a_run_starts_from_is_checked_without_loading_it(tmp_path: Path) -> None:
+    root = f"data.source.root={tmp_path}/s"
+    bundle = write_bundle(tmp_path / "bundle.pt", ["a", "circle"])
+    (tmp_path / "empty").mkdir()
+    assert _lines([root, f"ckpt_path={bundle}"], tmp_path) == [
+        f"ckpt_path='{bundle}' is an inference bundle (weights for captioning, no optimiser or training state), "
+        "which no run resumes; to resume a run give its folder or its checkpoints/last.ckpt; to start a new run "
+        f"from this bundle's weights give init_from={bundle} instead ({GUIDE}#train)"
+    ]
+    assert _lines([root, f"ckpt_path={tmp_path / 'empty'}"], tmp_path) == [
+        f"ckpt_path='{tmp_path / 'empty'}' is a folder without checkpoints/last.ckpt, the checkpoint a run resumes "
+        "from (a run saves it as it trains); give the folder of a run that saved one, or one of its .ckpt files "
+        f"({GUIDE}#train)"
+    ]
+    assert _lines(["experiment=demo_scst", root], tmp_path) == [
+        "model.objective=scst fine-tunes a trained captioner; give ckpt_path=<a cross-entropy run folder, its "
+        "checkpoint or bundle.pt>, or train with cross-entropy first in the same run (model.scst.after_epochs=N) "
+        f"({GUIDE}#train)"
+    ]
+    assert _lines(["experiment=demo_scst", root, f"ckpt_path={bundle}"], tmp_path) == []  # SCST starts from it
+    assert _lines([root, f"init_from={bundle}"], tmp_path) == []
+
+
+def _flickr_split(folder: Path, splits: tuple[str, ...], sentence: object) -> Path:
+    """A Karpathy split file (Flickr's layout) of two images per split, each with ``sentence``, and their images."""
+    (folder / "images").mkdir(parents=True)
+    entries = []
+    for split in splits:
+        for k in range(2):
+            name = f"{split}{k}.jpg"
+            Image.new("RGB", (8, 8), (k, 0, 0)).save(folder / "images" / name)
+            entries.append({"filename": name, "imgid": len(entries), "split": split, "sentences": [sentence]})
+    (folder / "split.json").write_text(json.dumps({"images": entries}))
+    return folder
+
+
+def test_a_split_file_s_problems_are_listed_once_each_with_the_fix(tmp_path: Path) -> None:
+    def lines(folder: Path, *overrides: str) -> list[str]:
+        source = [f"data.source.split_file={folder / 'split.json'}", f"data.source.image_root={folder / 'images'}"]
+        return _lines(["experiment=flickr8k_soft", NO_WEIGHTS, "trainer=cpu", *source, *overrides], tmp_path)
+
+    sentence = {"raw": "a red square", "tokens": ["a", "red", "square"]}
+    no_test = _flickr_split(tmp_path / "no_test", ("train", "val"), sentence)
+    assert lines(no_test) == [
+        f"test: the dataset lists no image of this split; give it test images, or train without a test split: "
+        f"test=false ({GUIDE}#split-files)"
+    ]
+    assert lines(no_test, "test=false") == []
+    strings = _flickr_split(tmp_path / "strings", ("train", "val", "test"), "a red square")
+    assert lines(strings) == [  # once, not once per split read from the file
+        f"{strings / 'split.json'}: image 0 sentence 0 is a JSON str, expected an object: each sentence is an object "
+        'with its caption under "raw", as in {"raw": "A dog runs.", "tokens": ["a", "dog", "runs"]}; give the '
+        f"dataset's own annotation files, or write yours in their format ({GUIDE}#split-files)"
+    ]
+    assert lines(_flickr_split(tmp_path / "fixed", ("train", "val", "test"), sentence)) == []
 
 
 def test_a_missing_weight_file_says_where_to_save_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,4 +285,5 @@ def test_a_grid_larger_than_the_feature_map_is_refused_before_the_run_starts(tmp
     root = f"data.source.root={tmp_path}/s"
     assert _lines(["model.encoder.grid=40", root], tmp_path) == [message]
     assert _lines(["model.encoder.grid=12", root], tmp_path) == []
-    assert _lines(["model.encoder.grid=40", root, f"init_from={tmp_path}"], tmp_path) == []  # the checkpoint's grid
+    run = f"init_from={write_run(tmp_path / 'run', None)}"
+    assert _lines(["model.encoder.grid=40", root, run], tmp_path) == []  # the checkpoint's grid

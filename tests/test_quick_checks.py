@@ -9,8 +9,6 @@ what ``python train.py ARGS`` does, exit status included (``cli`` returns: statu
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from captioner.config import ShapesSpec
 from captioner.data.shapes import generate_shapes
 from captioner.training.callbacks import BestCheckpoint
-from conftest import ROOT
+from conftest import run_train_here
 
 SPEC = ShapesSpec(n_train=40, n_val=8, n_test=8)  # 10 training batches of 4: an epoch that max_steps can cut
 BASE = [
@@ -87,18 +85,6 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def run_script(args: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
-    """``python train.py ARGS`` in this process: its exit status. The environment variable its ``cli()`` sets
-    (HYDRA_FULL_ERROR) is restored afterwards, as a process of its own would leave it."""
-    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *args])
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
-    try:
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 1
-    return 0
-
-
 @pytest.mark.parametrize("override", CASES)
 def test_a_quick_check_override_finishes_and_says_what_it_left_out(
     override: str, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
@@ -112,7 +98,7 @@ def test_a_quick_check_override_finishes_and_says_what_it_left_out(
         f"hydra.run.dir={run}",
         override,
     ]
-    status = run_script(args, monkeypatch)
+    status = run_train_here(args, monkeypatch)
     out, err = capfd.readouterr()
     assert status == 0, err[-3000:]
     assert "Traceback" not in out + err and "error:" not in err, err[-3000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,22 @@ def test_read_image_info_lists_every_image_without_captions(tmp_path):
         read_image_info(write(path, info), tmp_path)
     with pytest.raises(DataError, match="image 0 has no 'file_name'"):
         read_image_info(write(path, {"images": [{"id": 1}]}), tmp_path)
+
+
+def test_a_sentence_that_is_no_object_shows_the_object_it_must_be(tmp_path):
+    path = write(tmp_path / "split.json", karpathy_broken(lambda d: d["images"][2]["sentences"].__setitem__(1, "a")))
+    with pytest.raises(DataError) as info:
+        read_karpathy(path, tmp_path)
+    assert str(info.value) == (
+        f"{path}: image 2 sentence 1 is a JSON str, expected an object: each sentence is an object with its caption "
+        'under "raw", as in {"raw": "A dog runs.", "tokens": ["a", "dog", "runs"]}'
+    )
+
+
+def test_the_split_file_format_the_datasets_guide_shows_is_read(tmp_path):
+    guide = (Path(__file__).parents[1] / "docs" / "datasets.md").read_text()
+    (example,) = re.findall(r"```json\n(.*?)```", guide, flags=re.DOTALL)
+    path = write(tmp_path / "split.json", example)
+    (record,) = read_karpathy(path, tmp_path / "images")
+    assert record == Record(str(tmp_path / "images" / "1000268201_693b08cb0e.jpg"), 0,
+                            ("A child in a pink dress.",), "train")  # fmt: skip

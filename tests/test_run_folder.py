@@ -1,4 +1,5 @@
-"""A run's folder: claimed new by the first process, holding the composed config, marked when the run fails."""
+"""A run's folder: claimed new by the first process, holding the composed config, marked when the run fails or is
+stopped."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
-from captioner.training.run_folder import RANK_VARIABLES, first_process, mark_failed, print_config_tree
+from captioner.training.run_folder import (
+    RANK_VARIABLES,
+    JobsFailed,
+    NewRunFolder,
+    first_process,
+    mark_failed,
+    mark_stopped,
+    print_config_tree,
+)
 from conftest import compose_plain
 
 
@@ -58,6 +68,30 @@ def test_a_failed_run_says_so_in_its_log_and_its_folder(tmp_path: Path, monkeypa
     assert (tmp_path / "FAILED").read_text() == "RuntimeError: boom\n"
     assert log_file.read_text() == "run failed: RuntimeError: boom\n"
     assert not (tmp_path / "rank1").exists()
+
+
+def test_a_stopped_run_says_so_and_a_sweep_ends_with_its_failed_and_stopped_jobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for job in ("0", "1", "2", "10"):
+        (tmp_path / job).mkdir()
+    mark_stopped(tmp_path / "10", "training stopped by SIGTERM at epoch 1, step 9; ... resume it with ...")
+    mark_failed(tmp_path / "2", "RuntimeError: boom")
+    mark_stopped(tmp_path / "1", "run stopped by SIGINT, before its first checkpoint: nothing to resume, run it again")
+    assert not (tmp_path / "1" / "FAILED").exists() and not (tmp_path / "10" / "FAILED").exists()
+    with pytest.raises(JobsFailed) as ended:
+        NewRunFolder().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    assert ended.value.code == 2
+    assert ended.value.message.splitlines() == [
+        "run stopped by SIGINT, before its first checkpoint: nothing to resume, run it again",
+        "RuntimeError: boom",
+        "training stopped by SIGTERM at epoch 1, step 9; ... resume it with ...",
+    ]
+    assert capsys.readouterr().out.splitlines() == [
+        f"job 1 of the sweep was stopped: {tmp_path / '1' / 'STOPPED'}",
+        f"job 2 of the sweep failed: {tmp_path / '2' / 'FAILED'}",
+        f"job 10 of the sweep was stopped: {tmp_path / '10' / 'STOPPED'}",
+    ]
 
 
 @pytest.mark.parametrize("variable", RANK_VARIABLES)

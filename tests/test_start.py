@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from captioner.data.vocab import Vocabulary
 from captioner.errors import BundleError, ConfigError
 from captioner.fileio import save_torch
 from captioner.model.captioner import build_captioner
-from captioner.training.start import model_settings, resolve_start, vocab_grows
+from captioner.training.start import Start, StartError, model_settings, plan_start, resolve_start, vocab_grows
 from captioner.training.validate import validate_config
 from conftest import RUN_NET, compose_plain, net_v1, write_run
 
@@ -24,8 +25,12 @@ from conftest import RUN_NET, compose_plain, net_v1, write_run
     [
         (lambda p: p.write_bytes(b""), "is empty"),
         (lambda p: p.write_bytes(b"\x80\x04K\x01."), "is truncated or corrupt"),
-        (lambda p: save_torch({"weights": torch.ones(2)}, p), "is not a Lightning checkpoint of this project"),
-        (lambda p: (p / "checkpoints").mkdir(parents=True), "checkpoint not found"),
+        (lambda p: save_torch({"weights": torch.ones(2)}, p), "neither a captioner bundle nor a training checkpoint"),
+        (
+            lambda p: save_torch({"pytorch-lightning_version": "2.6.0", "state_dict": {}}, p),
+            'has no "captioner" entry',  # a Lightning checkpoint, but not one train.py wrote
+        ),
+        (lambda p: (p / "checkpoints").mkdir(parents=True), "is a folder without checkpoints/last.ckpt"),
     ],
 )
 def test_resolve_checkpoint_refuses_every_kind_of_bad_file(write, message: str, tmp_path: Path) -> None:
@@ -61,7 +66,7 @@ def test_ckpt_path_resumes_a_run_of_the_same_objective_and_starts_scst_from_anot
 @pytest.mark.parametrize(
     "ckpt,init,message",
     [
-        (None, None, "model.objective=scst fine-tunes a trained captioner: give ckpt_path="),
+        (None, None, "model.objective=scst fine-tunes a trained captioner; give ckpt_path="),
         ("ce", "ce", "cannot be resumed by a model.objective=scst run and would start it from its weights"),
     ],
 )
@@ -69,6 +74,82 @@ def test_scst_needs_one_model_to_start_from(ckpt: str | None, init: str | None, 
     write_run(tmp_path / "ce", None)
     with pytest.raises(ConfigError, match=message):
         resolve_start(ckpt and str(tmp_path / ckpt), init and str(tmp_path / init), "scst", 0)
+
+
+def _damage_weights(path: Path) -> None:
+    """Overwrite the local header of each tensor's member of the zip archive at ``path`` (torch.save's): its
+    structure still reads, its weights do not."""
+    with zipfile.ZipFile(path) as archive:
+        offsets = [member.header_offset for member in archive.infolist() if "/data/" in member.filename]
+    raw = bytearray(path.read_bytes())
+    for offset in offsets:
+        raw[offset : offset + 4] = b"XXXX"  # not PK\x03\x04
+    path.write_bytes(bytes(raw))
+
+
+def test_plan_start_decides_from_each_file_s_structure_without_reading_its_weights(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "ce", None)
+    for name in ("checkpoints/last.ckpt", "bundle.pt"):
+        _damage_weights(run / name)
+    assert plan_start(str(run), None, "cross_entropy", 0) == Start(resume=str(run / "checkpoints" / "last.ckpt"))
+    assert plan_start(str(run), None, "scst", 0) == Start(init=str(run / "bundle.pt"), init_from_ckpt_path=True)
+    assert plan_start(None, str(run), "cross_entropy", 0) == Start(init=str(run / "bundle.pt"))
+    with pytest.raises(BundleError, match="is truncated or corrupt"):  # loading the model reads them
+        resolve_start(str(run), None, "cross_entropy", 0)
+
+
+@pytest.mark.parametrize(
+    "ckpt,init,what,remedy",
+    [
+        (
+            "ce/bundle.pt",
+            None,
+            "ckpt_path='{t}/ce/bundle.pt' is an inference bundle (weights for captioning, no optimiser or training "
+            "state), which no run resumes",
+            "to resume a run give its folder or its checkpoints/last.ckpt; to start a new run from this bundle's "
+            "weights give init_from={t}/ce/bundle.pt instead",
+        ),
+        (
+            "stopped",
+            None,
+            "ckpt_path='{t}/stopped' is a folder without checkpoints/last.ckpt, the checkpoint a run resumes from (a "
+            "run saves it as it trains)",
+            "give the folder of a run that saved one, or one of its .ckpt files",
+        ),
+        (
+            "exported",
+            None,
+            "ckpt_path='{t}/exported' is a folder without checkpoints/last.ckpt, the checkpoint a run resumes from (a "
+            "run saves it as it trains)",
+            "give the folder of a run that saved one, or one of its .ckpt files; to start a new run from its "
+            "bundle.pt give init_from={t}/exported instead",
+        ),
+        (
+            "notes.txt",
+            None,
+            "ckpt_path='{t}/notes.txt': checkpoint {t}/notes.txt is not a model file (torch.save did not write it); "
+            "give a training run's folder, its bundle.pt or a checkpoint",
+            "give a run folder or a .ckpt that train.py wrote",
+        ),
+        (
+            None,
+            "stopped",
+            "init_from='{t}/stopped' is a folder with neither bundle.pt nor checkpoints/last.ckpt",
+            "give the folder of a run that saved a checkpoint, a .ckpt or a bundle",
+        ),
+    ],
+)
+def test_what_a_run_cannot_start_from_is_what_and_how_to_fix_it(
+    ckpt: str | None, init: str | None, what: str, remedy: str, tmp_path: Path
+) -> None:
+    write_run(tmp_path / "ce", None)
+    (tmp_path / "stopped").mkdir()  # stopped before its first checkpoint
+    (write_run(tmp_path / "exported", None) / "checkpoints" / "last.ckpt").unlink()  # its bundle only
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(StartError) as info:
+        plan_start(ckpt and str(tmp_path / ckpt), init and str(tmp_path / init), "cross_entropy", 0)
+    assert (info.value.what, info.value.remedy) == (what.format(t=tmp_path), remedy.format(t=tmp_path))
+    assert str(info.value) == f"{info.value.what}; {info.value.remedy}"
 
 
 def test_the_checkpoints_model_replaces_the_configs(tmp_path: Path) -> None:

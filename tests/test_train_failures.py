@@ -18,7 +18,7 @@ import yaml
 
 from captioner.errors import stop_reason
 from captioner.training.logs import finish_wandb
-from conftest import CONF, TINY, error_line, net_v1, run_train, subprocess_env, tiny_overrides
+from conftest import CONF, TINY, error_line, run_train, run_train_here, subprocess_env, tiny_overrides, write_bundle
 
 # ``python -c SCRIPT OUT ARGS...``: train.py with ARGS; at exit, whether torch was imported is written to OUT.
 TORCH_IMPORTED = f"""import atexit, runpy, sys
@@ -78,51 +78,62 @@ def test_a_check_that_fails_unexpectedly_refuses_the_run_with_one_line(monkeypat
     assert str(refused.value.error) == "the config could not be checked: KeyError: 'somewhere'"
 
 
-def test_a_missing_file_is_one_line_before_any_run_folder(tmp_path: Path) -> None:
-    missing = tmp_path / "missing.ckpt"
-    proc = run_train([f"ckpt_path={missing}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    assert error_line(proc) == (
-        f"error: ckpt_path='{missing}' does not exist; give a run folder, a .ckpt or a bundle (docs/datasets.md#train)"
-    )
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # preflight: no run folder, no FAILED litter
+@pytest.mark.parametrize(
+    "start, message",
+    [
+        (
+            "ckpt_path={t}/missing.ckpt",
+            "ckpt_path='{t}/missing.ckpt' does not exist; give a run folder or a .ckpt that train.py wrote "
+            "(docs/datasets.md#train)",
+        ),
+        (
+            "ckpt_path={t}/run",  # a run stopped before its first checkpoint
+            "ckpt_path='{t}/run' is a folder without checkpoints/last.ckpt, the checkpoint a run resumes from (a run "
+            "saves it as it trains); give the folder of a run that saved one, or one of its .ckpt files "
+            "(docs/datasets.md#train)",
+        ),
+        (
+            "ckpt_path={t}/bundle.pt",
+            "ckpt_path='{t}/bundle.pt' is an inference bundle (weights for captioning, no optimiser or training "
+            "state), which no run resumes; to resume a run give its folder or its checkpoints/last.ckpt; to start a "
+            "new run from this bundle's weights give init_from={t}/bundle.pt instead (docs/datasets.md#train)",
+        ),
+        (
+            "+trainer.limit_train_batch=2",
+            "trainer.limit_train_batch is not an argument of lightning.pytorch.trainer.Trainer; did you mean "
+            "trainer.limit_train_batches?",
+        ),
+    ],
+    ids=["missing", "no-checkpoint", "bundle", "misspelt-trainer-key"],
+)
+def test_a_mistyped_command_is_one_line_before_the_config_tree_and_any_run_folder(
+    start: str, message: str, tmp_path: Path
+) -> None:
+    (tmp_path / "run").mkdir()
+    write_bundle(tmp_path / "bundle.pt", ["a", "circle"])
+    logs = tmp_path / "logs"
+    proc = run_train([start.format(t=tmp_path), f"paths.log_dir={logs}"], check=False, timeout=300)
+    assert error_line(proc) == f"error: {message.format(t=tmp_path)}"
+    assert "config (saved as" not in proc.stdout  # no config tree
+    assert not logs.exists()  # no run folder, no FAILED litter
 
 
 def test_a_run_that_fails_after_it_started_marks_its_folder_failed(tmp_path: Path) -> None:
-    junk = tmp_path / "junk.ckpt"
-    junk.write_bytes(b"\x80\x04K\x01.")  # a pickle, not a checkpoint
-    proc = run_train([f"ckpt_path={junk}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    message = f"checkpoint {junk} is truncated or corrupt"
+    proc = run_train(["trainer.precision=17", f"paths.log_dir={tmp_path}"], check=False, timeout=300)
+    message = "trainer: Precision 17 is invalid"  # a value that Lightning refuses as it builds the trainer
     assert error_line(proc).startswith(f"error: {message}")
     (run,) = (tmp_path / "train" / "runs").iterdir()  # the failed run's folder says why it failed
     assert (run / "FAILED").read_text().startswith(message)
     assert f"[ERROR] - run failed: {message}" in (run / "train.log").read_text()
-    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == str(junk)
+    assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["precision"] == 17
+    assert not (run / "STOPPED").exists()
 
 
-def test_resuming_from_an_inference_bundle_is_one_line(tmp_path: Path) -> None:
-    from captioner.bundle import save_bundle
-    from captioner.data.vocab import Vocabulary
-    from captioner.model.captioner import build_captioner
-
-    vocab = Vocabulary(["a", "circle"])
-    config = {"encoder": {"name": "resnet18"}, "decoder": {"embed_dim": 8, "hidden_dim": 8, "attention_dim": 8}}
-    net = net_v1(config)
-    model = build_captioner(net, len(vocab))
-    save_bundle(tmp_path / "bundle.pt", model, vocab, net, {"image_size": 64})
-    proc = run_train([f"ckpt_path={tmp_path / 'bundle.pt'}", f"paths.log_dir={tmp_path}"], check=False, timeout=120)
-    assert error_line(proc) == (
-        f"error: ckpt_path='{tmp_path / 'bundle.pt'}' is an inference bundle (weights for captioning, no "
-        "optimiser or training state); to resume a run give its folder or its checkpoints/last.ckpt, to start a "
-        "new run from its weights give init_from"
-    )
-
-
-def test_a_crash_or_interrupt_is_one_line_stop_reason() -> None:
+def test_a_crash_is_one_line_stop_reason() -> None:
     assert (
         stop_reason(RuntimeError("CUDA out of memory. Tried to allocate\nmore"))
         == "RuntimeError: CUDA out of memory. Tried to allocate"
     )
-    assert stop_reason(KeyboardInterrupt()) == "interrupted (KeyboardInterrupt)"
     assert stop_reason(SystemExit(1)) == "stopped with exit status 1"
     assert stop_reason(SystemExit(0)) is None
 
@@ -168,7 +179,8 @@ def test_a_run_stopped_by_a_signal_exits_non_zero_and_says_how_to_resume(
         line,
     )
     assert match and 0 < int(match[1]) < TINY_STEPS, line
-    assert (first / "FAILED").read_text() == line.removeprefix("error: ") + "\n"
+    assert (first / "STOPPED").read_text() == line.removeprefix("error: ") + "\n"  # stopped, not failed
+    assert not (first / "FAILED").exists()
     assert not (first / "bundle.pt").exists()
     resume = shlex.split(match[2])[2:]  # the run's own overrides (Hydra's own left out) and ckpt_path=<its folder>
     assert resume == [*(o for o in common if not o.startswith("hydra.")), f"ckpt_path={first}"]
@@ -177,3 +189,52 @@ def test_a_run_stopped_by_a_signal_exits_non_zero_and_says_how_to_resume(
     resumed = run_train([*resume, f"hydra.run.dir={second}"])
     assert f"Restored all states from the checkpoint at {last}" in resumed.stdout
     assert torch.load(second / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == TINY_STEPS
+
+
+@pytest.mark.slow
+def test_a_run_interrupted_by_ctrl_c_is_marked_stopped_and_resumes(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    from captioner.training.module import CaptionerModule
+    from captioner.training.start import plan_start
+
+    step = CaptionerModule.training_step
+
+    def interrupted(self: CaptionerModule, batch: dict, batch_idx: int) -> object:
+        if self.global_step == 2:  # Ctrl-C as the third step starts: Lightning handles it (trainer.interrupted)
+            raise KeyboardInterrupt
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(CaptionerModule, "training_step", interrupted)
+    run = tmp_path / "run"
+    args = [*tiny_overrides(tiny_shapes, tmp_path), "test=false", "callbacks.last_checkpoint.every_n_train_steps=1"]
+    assert run_train_here(args, monkeypatch) == 128 + signal.SIGINT
+    (line,) = capfd.readouterr().err.splitlines()
+    last = run / "checkpoints" / "last.ckpt"
+    resume = shlex.join(["python", "train.py", *(a for a in args if not a.startswith("hydra.")), f"ckpt_path={run}"])
+    assert line == (
+        f"error: training stopped by SIGINT at epoch 0, step 2; its last checkpoint is {last}: resume it with {resume}"
+    )
+    assert (run / "STOPPED").read_text() == line.removeprefix("error: ") + "\n"
+    assert not (run / "FAILED").exists() and not (run / "bundle.pt").exists()
+    assert f"[ERROR] - run stopped: {line.removeprefix('error: ')}" in (run / "train.log").read_text()
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    model = yaml.safe_load((run / "config.yaml").read_text())["model"]  # the run's, which the command repeats
+    assert plan_start(str(run), None, model["objective"], model["scst"]["after_epochs"]).resume == str(last)
+
+
+def test_ctrl_c_outside_the_trainer_s_loops_marks_the_run_stopped(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    from captioner.training.datamodule import CaptionDataModule
+
+    def interrupted(self: CaptionDataModule, stage: str) -> None:
+        raise KeyboardInterrupt  # while the data is read, before Lightning runs
+
+    monkeypatch.setattr(CaptionDataModule, "setup", interrupted)
+    run = tmp_path / "run"
+    assert run_train_here(tiny_overrides(tiny_shapes, tmp_path), monkeypatch) == 128 + signal.SIGINT
+    message = "run stopped by SIGINT, before its first checkpoint: nothing to resume, run it again"
+    assert capfd.readouterr().err.splitlines() == [f"error: {message}"]  # no traceback
+    assert (run / "STOPPED").read_text() == message + "\n"
+    assert not (run / "FAILED").exists()

@@ -17,14 +17,15 @@ from omegaconf.errors import OmegaConfBaseException
 import train
 from captioner.errors import ConfigError
 from captioner.training.command_line import error_line, section_error
-from captioner.training.validate import validate_config
+from captioner.training.validate import check_arguments, validate_config
 from conftest import ROOT, compose_cfg, compose_plain, run_train, subprocess_env
 
 
 def config_error(overrides: list[str], tmp_path: Path) -> str:
     """The one-line error train.py reports for ``overrides`` before any data work: Hydra's composition
-    (schemas), ``validate_config``, then building the dataset source and the trainer with its callbacks and
-    loggers (Lightning checks its own arguments)."""
+    (schemas), ``validate_config``, ``check_arguments`` (the names of the trainer's, callbacks' and loggers'
+    arguments), then building the dataset source and the trainer with its callbacks and loggers (Lightning checks
+    its own values)."""
     try:
         cfg = compose_cfg(overrides, tmp_path)
     except (CompactHydraException, OmegaConfBaseException) as exc:
@@ -32,6 +33,7 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
     plain = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     with pytest.raises(ConfigError) as info:  # noqa: PT012  the checks train.py runs, in its order
         validate_config(plain)
+        check_arguments(plain)
         train.build("data.source", plain["data"]["source"])
         train.build_trainer(plain)
     return str(info.value)
@@ -58,7 +60,16 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
         ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 must be >= 0.0"),
         ("+trainer.strategy=ddpp", "trainer: You selected an invalid strategy name: `strategy='ddpp'`"),
         ("trainer.min_epochs=5000", "trainer.min_epochs=5000 must be <= trainer.max_epochs="),
-        ("+trainer.max_epoch=3", "trainer: Trainer.__init__() got an unexpected keyword argument 'max_epoch'"),
+        (
+            "+trainer.max_epoch=3",
+            "trainer.max_epoch is not an argument of lightning.pytorch.trainer.Trainer; did you mean "
+            "trainer.max_epochs?",
+        ),
+        (
+            "+trainer.qwerty=3",
+            "trainer.qwerty is not an argument of lightning.pytorch.trainer.Trainer; it takes: accelerator, strategy, "
+            "devices,",
+        ),
         ("+trainer.logger=false", "trainer.logger is passed by train.py itself"),
         (
             "callbacks.last_checkpoint.every_n_train_steps=-5",
@@ -69,13 +80,24 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
             "callbacks.model_checkpoint.mode=maximum",
             "callbacks.model_checkpoint: `mode` can be min, max but got maximum",
         ),
-        (
-            "+callbacks.model_checkpoint.save_best=true",
-            "callbacks.model_checkpoint: ModelCheckpoint.__init__() got an unexpected keyword argument 'save_best'",
+        (  # BestCheckpoint(*args, **kwargs) passes them on: ModelCheckpoint's are the ones it takes
+            "+callbacks.model_checkpoint.every_n_epoch=2",
+            "callbacks.model_checkpoint.every_n_epoch is not an argument of captioner.training.callbacks."
+            "BestCheckpoint; did you mean callbacks.model_checkpoint.every_n_epochs?",
         ),
         (
-            "logger.csv._target_=lightning.CSVLoger",
-            "logger.csv: Error loading 'lightning.CSVLoger': ModuleNotFoundError",
+            "+callbacks.early_stopping.patiance=2",
+            "callbacks.early_stopping.patiance is not an argument of captioner.training.callbacks."
+            "WarmupEarlyStopping; did you mean callbacks.early_stopping.patience?",
+        ),
+        (
+            "logger.csv._target_=lightning.pytorch.loggers.CSVLoger",
+            "logger.csv._target_='lightning.pytorch.loggers.CSVLoger': lightning.pytorch.loggers has no CSVLoger; "
+            "did you mean CSVLogger?",
+        ),
+        (
+            "logger.csv._target_=lightning_loggers.CSVLogger",
+            "logger.csv._target_='lightning_loggers.CSVLogger' cannot be imported: No module named 'lightning_loggers'",
         ),
         ("data.source.n_train=0", "data.source.n_train=0 must be >= 1"),
         ("+data.source.size=3", "data.source.size is not a known key; valid keys: root, n_train, n_val, n_test"),
@@ -86,6 +108,14 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
 )
 def test_every_config_value_is_checked(override: str, message: str, tmp_path: Path) -> None:
     assert config_error([override], tmp_path).startswith(message)
+
+
+def test_a_class_that_takes_any_keyword_gets_it_and_its_values_are_lightning_s_to_check(tmp_path: Path) -> None:
+    # TensorBoardLogger passes **kwargs on to its SummaryWriter: any name is taken
+    check_arguments(compose_plain(["+logger.tensorboard.flush_secs=5", "+trainer.limit_train_batches=2"], tmp_path))
+    assert config_error(["+trainer.limit_train_batches=-1"], tmp_path).startswith(
+        "trainer: You have passed invalid value -1 for limit_train_batches"  # a name it takes: Lightning's value
+    )
 
 
 def test_scst_settings_are_checked(tmp_path: Path) -> None:

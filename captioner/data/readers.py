@@ -20,6 +20,11 @@ from captioner.errors import DataError, check_choice
 from captioner.fileio import read_json
 
 KARPATHY_SPLITS = ("train", "restval", "val", "test")
+# What each of an image's ``sentences`` is in a Karpathy split file (only ``raw`` is read; ``tokens`` is Karpathy's).
+SENTENCE_FORMAT = (
+    'each sentence is an object with its caption under "raw", as in {"raw": "A dog runs.", "tokens": ["a", "dog", '
+    '"runs"]}'
+)
 
 
 @dataclass(frozen=True)
@@ -119,8 +124,16 @@ def _karpathy_record(entry: Any, where: str, file: str | Path, image_root: Path,
     folder = image_root / _field(entry, "filepath", str, where, file) if "filepath" in entry else image_root
     path = folder / _field(entry, "filename", str, where, file)
     sentences = _field(entry, "sentences", list, where, file)
-    captions = tuple(_field(s, "raw", str, f"{where} sentence {k}", file).strip() for k, s in enumerate(sentences))
+    captions = tuple(_caption(sentence, f"{where} sentence {k}", file) for k, sentence in enumerate(sentences))
     return Record(str(path), image_id, captions, split)
+
+
+def _caption(sentence: Any, where: str, file: str | Path) -> str:
+    """The caption of a Karpathy ``sentences[]`` entry (its ``raw``); DataError showing the object it must be."""
+    try:
+        return _field(sentence, "raw", str, where, file).strip()
+    except DataError as exc:
+        raise DataError(f"{exc}: {SENTENCE_FORMAT}") from None
 
 
 def _read_boxes(instances_file: str | Path) -> dict[int, tuple[Box, ...]]:

@@ -45,10 +45,10 @@ def groups() -> list[str]:
     return sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra")
 
 
-def nearest(word: str, choices: Iterable[str]) -> str:
-    """``"; did you mean X?"`` for the choice closest to ``word``, or "" when none is close."""
+def nearest(word: str, choices: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean <prefix>X?"`` for the choice X closest to ``word``, or "" when none is close."""
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {match[0]}?" if match else ""
+    return f"; did you mean {prefix}{match[0]}?" if match else ""
 
 
 def refused_override(overrides: Sequence[str]) -> str | None:
@@ -74,9 +74,7 @@ def _unknown_key(exc: ConfigKeyError | ConfigAttributeError, schema: type | None
     if "." not in exc.full_key:
         keys = sorted({*keys, *groups()})
     prefix = exc.full_key.rpartition(".")[0]
-    match = nearest(str(exc.key), keys)
-    if match and prefix:
-        match = match.replace("mean ", f"mean {prefix}.")
+    match = nearest(str(exc.key), keys, f"{prefix}." if prefix else "")
     line = f"{exc.full_key} is not a known key; valid keys: {', '.join(keys)}{match}"
     if schema is None and prefix:
         line += f" (a key the config does not set is added with +{exc.full_key}=VALUE)"

@@ -107,17 +107,14 @@ def _bleu(metrics: dict, split: str) -> str:
     return "  ".join(f"BLEU-{n} {metrics[metric(split, name)]:.4f}" for n, name in enumerate(BLEU, 1))
 
 
-def stopped_message(
-    how: str, epoch: int, step: int, checkpoint: str | None, folder: str, overrides: Sequence[str]
-) -> str:
-    """One line for a run stopped by a signal (``how``: "SIGTERM", "SIGINT") at ``epoch`` and ``step``: the
-    command that resumes it from its ``checkpoint``, or that none was written yet."""
-    where = f"training stopped by {how} at epoch {epoch}, step {step}"
+def stopped_message(stop: str, checkpoint: str | None, folder: str, overrides: Sequence[str]) -> str:
+    """One line for a run stopped by a signal, ``stop`` saying how and where ("training stopped by SIGTERM at epoch
+    2, step 310"): the command that resumes it from its ``checkpoint``, or that none was written yet."""
     if not checkpoint:
-        return f"{where}, before its first checkpoint: nothing to resume, run it again"
+        return f"{stop}, before its first checkpoint: nothing to resume, run it again"
     kept = [o for o in overrides if not o.startswith(_NOT_REPEATED)]
     command = shlex.join(["python", "train.py", *kept, f"ckpt_path={folder}"])
-    return f"{where}; its last checkpoint is {checkpoint}: resume it with {command}"
+    return f"{stop}; its last checkpoint is {checkpoint}: resume it with {command}"
 
 
 def finish_wandb(failed: bool) -> None:

@@ -3,11 +3,12 @@
 ``problems(cfg)`` takes the resolved config (plain data) and returns every problem at once, one line each with
 its remedy and the section of ``docs/datasets.md`` that explains it: the dataset's split or caption files and
 image folders, how many of each split's images are there (``val: 0 of 5,000 images found under
-data/coco/val2014``), whether a sample of each split decodes, the vocabulary, checkpoint and logger packages the
-config names, the encoder's weights (its file where ``model.encoder.download`` is false), whether the encoder's
-feature map holds the attention grid asked for and the accelerator the trainer asks for; a check that fails in a way
-it does not expect (a folder this user cannot list, a null where a path goes) is a problem too, naming the error,
-so the run never starts on a traceback turned into a warning by Hydra. ``ValidateConfig``
+data/coco/val2014``), whether a sample of each split decodes, the vocabulary and logger packages the config names,
+the checkpoint or bundle it starts from (that it is one, of the kind ``ckpt_path`` or ``init_from`` takes), the
+encoder's weights (its file where ``model.encoder.download`` is false), whether the encoder's feature map holds the
+attention grid asked for and the accelerator the trainer asks for; a check that fails in a way it does not expect
+(a folder this user cannot list, a null where a path goes) is a problem too, naming the error, so the run never
+starts on a traceback turned into a warning by Hydra. ``ValidateConfig``
 (``training/validate.py``) runs it once the config's values are valid; ``train.py`` prints the lines and exits
 with status 2 before any run folder exists. When nothing stops the run, ``check`` downloads the encoder's weights
 file if it is missing and ``model.encoder.download`` is on, in the process that starts the run, before Lightning
@@ -32,6 +33,12 @@ from captioner.errors import CaptionerError, ConfigError, DataProblems, first_li
 
 GUIDE = "docs/datasets.md"
 SAMPLES = 3  # images of each split decoded: the first, the middle and the last found; refused when none decodes
+# How to fix a split without images: the test split is optional, the validation split is not.
+EMPTY_SPLIT = {
+    "train": "give it training images, or only evaluate a checkpoint: train=false ckpt_path=<run folder>",
+    "val": "give it validation images: every run validates on them (checkpoint selection, early stopping)",
+    "test": "give it test images, or train without a test split: test=false",
+}
 # The optional package each logger needs, and the extra of pyproject.toml that installs it.
 LOGGER_PACKAGES: dict[str, str] = {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}
 
@@ -85,11 +92,12 @@ def _split_problems(source: Any, split: str) -> Iterator[Problem]:
     except DataProblems as exc:  # every problem of a captions file, each on its line
         yield from (Problem(line, exc.remedy, Section.own_images) for line in exc.problems)
         return
-    except CaptionerError as exc:
-        yield Problem(f"{split}: {first_line(exc)}", "give the dataset's own annotation files", "split-files")
+    except CaptionerError as exc:  # the file's own problem, which each split read from it meets: no split named
+        remedy = "give the dataset's own annotation files, or write yours in their format"
+        yield Problem(first_line(exc), remedy, "split-files")
         return
     if not records:
-        yield Problem(f"{split}: the split file lists no image of this split", "check the split file", "split-files")
+        yield Problem(f"{split}: the dataset lists no image of this split", EMPTY_SPLIT[split], "split-files")
         return
     paths = [record.image_path for record in records]
     found = images_present(paths)
@@ -151,11 +159,12 @@ def _file_problems(cfg: dict[str, Any]) -> list[Problem]:
                 "train",
             )
         )
-    for key in ("ckpt_path", "init_from"):
-        if cfg.get(key) is not None and not Path(cfg[key]).exists():
-            found.append(
-                Problem(f"{key}={cfg[key]!r} does not exist", "give a run folder, a .ckpt or a bundle", "train")
-            )
+    from captioner.training.start import TAKES
+
+    missing = [key for key in TAKES if cfg.get(key) is not None and not Path(cfg[key]).exists()]
+    found += [Problem(f"{key}={cfg[key]!r} does not exist", f"give {TAKES[key]}", "train") for key in missing]
+    if not missing:
+        found += _start_problems(cfg)
     for name, node in (cfg.get("logger") or {}).items():
         package = LOGGER_PACKAGES.get(node["_target_"].rsplit(".", 1)[-1]) if node else None
         if package and importlib.util.find_spec(package) is None:
@@ -167,6 +176,19 @@ def _file_problems(cfg: dict[str, Any]) -> list[Problem]:
                 )
             )
     return found
+
+
+def _start_problems(cfg: dict[str, Any]) -> list[Problem]:
+    """The run can start from the files ``ckpt_path`` and ``init_from`` name, as its objective needs
+    (``start.plan_start``: each file's top level read, never its weights)."""
+    from captioner.training.start import StartError, plan_start
+
+    model = cfg["model"]
+    try:
+        plan_start(cfg.get("ckpt_path"), cfg.get("init_from"), model["objective"], model["scst"]["after_epochs"])
+    except StartError as exc:
+        return [Problem(exc.what, exc.remedy, Section.train)]
+    return []
 
 
 def _weights_problem(cfg: dict[str, Any], why: str) -> Problem:

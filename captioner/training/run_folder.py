@@ -10,12 +10,14 @@ creates the folder first (``fileio.new_folder``): when it already exists the run
 non-zero ranks of an external launcher reuse the folder of the process that started the run.
 
 The run prints its composed config as a tree and saves it (resolved) as ``config.yaml``; a run that fails
-writes its one-line error into its log file and into ``FAILED``, so a failed run's folder says so.
+writes its one-line error into its log file and into ``FAILED``, so a failed run's folder says so, and a run
+stopped by a signal (Ctrl-C, SIGTERM) writes how to resume it into its log file and into ``STOPPED``.
 
 A sweep (``-m``) gets a folder of its own the same way, each job a numbered folder inside it
 (``conf/hydra/default.yaml``). A job that fails is marked so and the sweep goes on with the others, wherever
 the launcher runs them (``conf/hydra/launcher``: one after another in the sweep's process, or each in a
-process of its own); when the sweep ends, its process ends with every failed job's error (``JobsFailed``).
+process of its own); when the sweep ends, its process ends with every failed or stopped job's line
+(``JobsFailed``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from captioner.fileio import atomic_write, new_folder
-from captioner.run_files import CONFIG_FILE, FAILED_FILE
+from captioner.run_files import CONFIG_FILE, FAILED_FILE, STOPPED_FILE
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
 TREE_ORDER = ("data", "model", "trainer", "callbacks", "logger", "paths")  # printed first, in this order
@@ -58,20 +60,24 @@ class NewRunFolder(Callback):
         _claim(config, "sweep")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Say which jobs of the sweep failed (their folders, on stdout) and raise JobsFailed with their errors."""
+        """Say which jobs of the sweep failed or were stopped (their folders, on stdout) and raise JobsFailed with
+        their lines (a stopped job's: how to resume it)."""
         if not first_process():
             return
-        markers = Path(config.hydra.sweep.dir).glob(f"*/{FAILED_FILE}")
-        failed = sorted(markers, key=lambda p: (len(p.parent.name), p.parent.name))  # by job number: 10 after 9
-        for marker in failed:
-            print(f"job {marker.parent.name} of the sweep failed: {marker}", flush=True)
-        if failed:
-            raise JobsFailed("".join(marker.read_text() for marker in failed))
+        sweep = Path(config.hydra.sweep.dir)
+        markers = [*sweep.glob(f"*/{FAILED_FILE}"), *sweep.glob(f"*/{STOPPED_FILE}")]
+        ended = sorted(markers, key=lambda p: (len(p.parent.name), p.parent.name))  # by job number: 10 after 9
+        for marker in ended:
+            how = "failed" if marker.name == FAILED_FILE else "was stopped"
+            print(f"job {marker.parent.name} of the sweep {how}: {marker}", flush=True)
+        if ended:
+            raise JobsFailed("".join(marker.read_text() for marker in ended))
 
 
 class JobsFailed(SystemExit):
-    """Jobs of a sweep failed: their errors (each job's ``FAILED``, in job order), carried past Hydra, which turns
-    a callback's Exception into a warning; ``train.py`` prints them. A SystemExit with status 2."""
+    """Jobs of a sweep failed or were stopped: their lines (each job's ``FAILED`` or ``STOPPED``, in job order),
+    carried past Hydra, which turns a callback's Exception into a warning; ``train.py`` prints them. A SystemExit
+    with status 2."""
 
     def __init__(self, message: str) -> None:
         super().__init__(2)
@@ -135,11 +141,24 @@ def mark_failed(folder: str | os.PathLike, message: str) -> None:
     Only the log files get the line (the console has it on stderr already). Only the first process of a
     run writes.
     """
+    _mark(folder, FAILED_FILE, "failed", message)
+
+
+def mark_stopped(folder: str | os.PathLike, message: str) -> None:
+    """Record that the run in ``folder`` was stopped by a signal (Ctrl-C, SIGTERM), as ``mark_failed`` records a
+    failure: ``message`` (one line: how to resume it) into its log files and ``STOPPED``. A stopped run has not
+    failed: it resumes from its last checkpoint."""
+    _mark(folder, STOPPED_FILE, "stopped", message)
+
+
+def _mark(folder: str | os.PathLike, marker: str, how: str, message: str) -> None:
+    """``message`` into the log files (``run <how>: <message>``) and the file ``marker`` of the run in ``folder``,
+    by the first process of the run only."""
     if not first_process():
         return
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "run failed: %s", (message,), None)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, f"run {how}: %s", (message,), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
-    with atomic_write(Path(folder) / FAILED_FILE, "w") as handle:
+    with atomic_write(Path(folder) / marker, "w") as handle:
         handle.write(message + "\n")

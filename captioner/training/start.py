@@ -16,24 +16,40 @@ Either way the run's network (its architecture, vocabulary and image size) is th
 trains (dropout, the hard-attention estimator and schedule, which stages train) is the run's config's:
 ``model_settings`` gives the config values that describe the network, and for a ``ckpt_path`` taken as
 ``init_from`` the run's config says so (``init_from`` set to it, ``ckpt_path`` null).
+
+``plan_start`` decides all this from the top level of each file (never its weights), so preflight refuses a file
+a run cannot start from before the run's folder exists; ``resolve_start`` then loads the model.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from captioner.bundle import TrainedModel, is_bundle, is_lightning_checkpoint, load_trained
 from captioner.config import ARCHITECTURE, InitVocab, Objective, TrainConfig, to_dict
-from captioner.errors import ConfigError
-from captioner.fileio import load_torch
+from captioner.errors import BundleError, ConfigError
 from captioner.run_files import BUNDLE_NAME, CHECKPOINT_DIR, LAST_CHECKPOINT, VOCAB_FILE
+
+if TYPE_CHECKING:
+    from captioner.bundle import TrainedModel
 
 log = logging.getLogger(__name__)
 
 DEFAULT_OBJECTIVE = Objective.cross_entropy  # what checkpoints written before model.objective existed trained
+# What each key names, as a remedy says it (a bundle given as ckpt_path starts SCST only).
+TAKES = {"ckpt_path": "a run folder or a .ckpt that train.py wrote", "init_from": "a run folder, a .ckpt or a bundle"}
+
+
+class StartError(ConfigError):
+    """A ``ckpt_path`` or ``init_from`` a run cannot start from: what is wrong (``what``) and what to give instead
+    (``remedy``), which preflight lists as one of its problems."""
+
+    def __init__(self, what: str, remedy: str) -> None:
+        super().__init__(f"{what}; {remedy}")
+        self.what = what
+        self.remedy = remedy
 
 
 @dataclass(frozen=True)
@@ -61,59 +77,106 @@ def _weights_file(path: str) -> str:
 
 
 def resolve_start(ckpt_path: str | None, init_from: str | None, objective: str, scst_after_epochs: int) -> Start:
-    """Decide how a run with ``model.objective=objective`` starts from ``ckpt_path`` and ``init_from``.
+    """Decide how a run with ``model.objective=objective`` starts from ``ckpt_path`` and ``init_from``
+    (``plan_start``) and load the model it starts from.
 
-    Raises ConfigError (or BundleError) for a file that is neither a checkpoint nor a bundle of this
-    project, when ``init_from`` is given beside a ``ckpt_path`` that cannot be resumed, and for SCST
-    with neither and no cross-entropy epochs first (``scst_after_epochs``: it fine-tunes a trained model).
+    Raises StartError as ``plan_start`` does, and BundleError for a model file that cannot be loaded.
     """
+    start = plan_start(ckpt_path, init_from, objective, scst_after_epochs)
+    source = start.init or start.resume
+    if source is None:
+        return start
+    from captioner.bundle import load_trained
+
+    if start.init_from_ckpt_path:
+        log.info(
+            "ckpt_path=%s was not written by a model.objective=%s run: a new run starts from its "
+            "weights, as init_from=%s (the run's config says so)",
+            ckpt_path,
+            objective,
+            start.init,
+        )
+    log.info(
+        "%s %s, with its architecture, vocabulary and image size",
+        "starting from the weights of" if start.init else "resuming",
+        source,
+    )
+    return replace(start, model=load_trained(source))
+
+
+def plan_start(ckpt_path: str | None, init_from: str | None, objective: str, scst_after_epochs: int) -> Start:
+    """How a run with ``model.objective=objective`` starts from ``ckpt_path`` and ``init_from``, its model not
+    loaded: each file's top level only is read (``bundle.peek_model_file``, whatever its size), so preflight
+    refuses what a run cannot start from before the run's folder exists.
+
+    Raises StartError for a run folder without the file it would read, a file that is neither a checkpoint nor a
+    bundle of this project, a bundle given to resume a run, ``init_from`` beside a ``ckpt_path`` that cannot be
+    resumed, and SCST with neither and no cross-entropy epochs first (``scst_after_epochs``: it fine-tunes a
+    trained model).
+    """
+    from captioner.bundle import is_bundle
+
     resume = init = None
     from_ckpt_path = False
     if init_from is not None:
         init = _weights_file(init_from)
+        _peek("init_from", init_from, Path(init))
     if ckpt_path is not None:
         ckpt = _checkpoint_file(ckpt_path)
-        raw = load_torch(ckpt, "checkpoint")
+        raw = _peek("ckpt_path", ckpt_path, ckpt)
         bundle = is_bundle(raw)
-        if not bundle and not is_lightning_checkpoint(raw):
-            raise ConfigError(f"ckpt_path={ckpt_path!r}: {ckpt} is not a Lightning checkpoint of this project")
         if bundle and (objective != Objective.scst or scst_after_epochs > 0):  # a run that starts with cross-entropy
-            raise ConfigError(
-                f"ckpt_path={ckpt_path!r} is an inference bundle (weights for captioning, no "
-                "optimiser or training state); to resume a run give its folder or its "
-                f"{CHECKPOINT_DIR}/{LAST_CHECKPOINT}, to start a new run from its weights give init_from"
+            raise StartError(
+                f"ckpt_path={ckpt_path!r} is an inference bundle (weights for captioning, no optimiser or training "
+                "state), which no run resumes",
+                f"to resume a run give its folder or its {CHECKPOINT_DIR}/{LAST_CHECKPOINT}; to start a new run "
+                f"from this bundle's weights give init_from={ckpt_path} instead",
             )
         if not bundle and (raw.get("hyper_parameters") or {}).get("objective", DEFAULT_OBJECTIVE) == objective:
             resume = str(ckpt)
         elif init is not None:
-            raise ConfigError(
+            raise StartError(
                 f"ckpt_path={ckpt_path!r} cannot be resumed by a model.objective={objective} run "
-                f"and would start it from its weights, as init_from={init_from!r} does: give one"
+                f"and would start it from its weights, as init_from={init_from!r} does",
+                "give one of the two",
             )
         else:
             init, from_ckpt_path = _weights_file(ckpt_path), True
-            log.info(
-                "ckpt_path=%s was not written by a model.objective=%s run: a new run starts from its "
-                "weights, as init_from=%s (the run's config says so)",
-                ckpt_path,
-                objective,
-                init,
-            )
-    source = init or resume
-    if source is None and objective == Objective.scst and scst_after_epochs == 0:
-        raise ConfigError(
-            "model.objective=scst fine-tunes a trained captioner: give ckpt_path=<a cross-entropy "
-            f"run folder, its checkpoint or {BUNDLE_NAME}>, or train with cross-entropy first in the same "
-            "run (model.scst.after_epochs=N)"
+    if init is None and resume is None and objective == Objective.scst and scst_after_epochs == 0:
+        raise StartError(
+            "model.objective=scst fine-tunes a trained captioner",
+            f"give ckpt_path=<a cross-entropy run folder, its checkpoint or {BUNDLE_NAME}>, or train with "
+            "cross-entropy first in the same run (model.scst.after_epochs=N)",
         )
-    if source is None:
-        return Start()
-    log.info(
-        "%s %s, with its architecture, vocabulary and image size",
-        "starting from the weights of" if init else "resuming",
-        source,
-    )
-    return Start(resume=resume, init=init, model=load_trained(source), init_from_ckpt_path=from_ckpt_path)
+    return Start(resume=resume, init=init, init_from_ckpt_path=from_ckpt_path)
+
+
+def _peek(key: str, given: str, file: Path) -> dict:
+    """The top level of ``file``, the model file that ``key``'s value ``given`` names (a run folder names a file
+    in it); StartError when it is not there or is no bundle or checkpoint of this project."""
+    from captioner.bundle import peek_model_file
+
+    folder = Path(given)
+    if folder.is_dir() and not file.is_file():
+        if key == "init_from":
+            raise StartError(
+                f"init_from={given!r} is a folder with neither {BUNDLE_NAME} nor {CHECKPOINT_DIR}/{LAST_CHECKPOINT}",
+                "give the folder of a run that saved a checkpoint, a .ckpt or a bundle",
+            )
+        instead = (
+            f"; to start a new run from its {BUNDLE_NAME} give init_from={given} instead"
+            if (folder / BUNDLE_NAME).is_file()
+            else ""
+        )
+        raise StartError(
+            f"ckpt_path={given!r} is a folder without {CHECKPOINT_DIR}/{LAST_CHECKPOINT}, the checkpoint a run "
+            "resumes from (a run saves it as it trains)",
+            f"give the folder of a run that saved one, or one of its .ckpt files{instead}",
+        )
+    try:
+        return peek_model_file(file, "checkpoint" if key == "ckpt_path" else "model file")
+    except BundleError as exc:
+        raise StartError(f"{key}={given!r}: {exc}", f"give {TAKES[key]}") from None
 
 
 def model_settings(start: Start, config: dict[str, Any], output_dir: Path) -> dict[str, Any]:

@@ -5,8 +5,10 @@ a value of the wrong type when it composes the config, ``validate_config`` build
 runs their range checks). What is left here: rules across sections (a metric to monitor must be one the
 module logs, a schedule needs a run of known length: ``ModelConfig.unscheduled``) and the few trainer values
 Lightning accepts without a word (``max_epochs=0`` trains nothing).
-The files and devices the config needs are ``training/preflight.py``'s. Lightning checks the rest of the
-trainer's, callbacks' and loggers' arguments when ``train.py`` builds them.
+The names of the trainer's, callbacks' and loggers' arguments are checked against their classes' signatures
+(``check_arguments``: ``+trainer.limit_train_batch=2`` is refused, naming ``trainer.limit_train_batches``); the files
+and devices the config needs are ``training/preflight.py``'s. Lightning checks the rest of their values when
+``train.py`` builds them.
 
 ``ValidateConfig`` (a Hydra callback, listed first in ``conf/hydra/default.yaml``) runs ``check_run`` (the values,
 then the preflight) as soon as Hydra has composed the config: a wrong value or a missing file stops the run before
@@ -18,6 +20,8 @@ what stopped it (``training/command_line.py`` turns Hydra's and OmegaConf's erro
 from __future__ import annotations
 
 import copy
+import importlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from captioner.config import Objective, TrainConfig, from_dict
 from captioner.errors import CaptionerError, ConfigError, check_choice, check_range, first_line
+from captioner.training.command_line import nearest
 from captioner.training.metrics import MONITORS  # what CaptionerModule logs, so what a callback can monitor
 from captioner.training.run_folder import first_process
 
@@ -96,13 +101,68 @@ def validate_config(cfg: dict[str, Any]) -> TrainConfig:
     return settings
 
 
+def _target(key: str, target: str) -> Any:
+    """The class (or function) that the ``_target_`` of config node ``key`` names; ConfigError when it cannot be
+    imported."""
+    module_name, _, name = target.rpartition(".")
+    if not module_name:
+        raise ConfigError(f"{key}._target_={target!r} is not a dotted path to a class (package.module.Class)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}._target_={target!r} cannot be imported: {first_line(exc)}") from None
+    if not hasattr(module, name):
+        raise ConfigError(f"{key}._target_={target!r}: {module_name} has no {name}{nearest(name, dir(module))}")
+    return getattr(module, name)
+
+
+def _keywords(target: Any) -> list[str] | None:
+    """The keyword arguments that ``target`` (a class or a function) takes; None when it takes any (``**kwargs``).
+    A constructor that takes nothing but ``*args, **kwargs`` passes them on: its base class's are taken."""
+    if isinstance(target, type):  # each constructor of its classes (object's left out), without ``self``
+        functions = [vars(c)["__init__"] for c in target.__mro__[:-1] if "__init__" in vars(c)]
+    else:
+        functions = [target]
+    for function in functions:
+        parameters = list(inspect.signature(function).parameters.values())[isinstance(target, type) :]
+        kinds = {parameter.kind for parameter in parameters}
+        if kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+            continue
+        if inspect.Parameter.VAR_KEYWORD in kinds:
+            return None
+        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return [parameter.name for parameter in parameters if parameter.kind in named]
+    return None
+
+
+def check_arguments(cfg: dict[str, Any]) -> None:
+    """Each argument that a resolved training config gives the trainer, a callback or a logger is one its class
+    takes (their signatures: Lightning's ``Trainer`` and the rest); ConfigError naming the nearest one. Built by
+    ``train.py`` only once the run has started, the class would refuse it after the run's folder is made."""
+    nodes = [("trainer", cfg.get("trainer"))]
+    for section in ("callbacks", "logger"):
+        nodes += [(f"{section}.{name}", node) for name, node in (cfg.get(section) or {}).items()]
+    for key, node in nodes:
+        if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+            continue
+        target = _target(key, node["_target_"])
+        taken = _keywords(target)
+        given = [name for name in node if not (name.startswith("_") and name.endswith("_"))]  # Hydra's own keys
+        unknown = [name for name in given if taken is not None and name not in taken]
+        if unknown:
+            match = nearest(unknown[0], taken, f"{key}.")
+            valid = match or f"; it takes: {', '.join(taken)}"
+            raise ConfigError(f"{key}.{unknown[0]} is not an argument of {node['_target_']}{valid}")
+
+
 def check_run(cfg: dict[str, Any]) -> None:
-    """``validate_config`` of a resolved training config, then (in the process that starts the run)
-    ``preflight.check``: ConfigError with the first invalid value, or preflight's error with every problem; a
+    """``validate_config`` of a resolved training config, ``check_arguments``, then (in the process that starts the
+    run) ``preflight.check``: ConfigError with the first invalid value, or preflight's error with every problem; a
     check that fails in a way it does not expect is a ConfigError too, naming the error (as preflight's own checks
     are), never a traceback."""
     try:
         validate_config(cfg)
+        check_arguments(cfg)  # imports Lightning (and torch): once the values are valid
         if first_process():
             from captioner.training import preflight  # reads datasets and imports torch: once the values are valid
 
