@@ -191,3 +191,31 @@ def test_hard_inference_is_read_by_each_hard_attention_member_and_refused_withou
     args.model = [str(bundles["a"])] * 2
     with pytest.raises(ConfigError, match=r"a\.pt uses soft attention, .*a\.pt uses soft attention; the option"):
         load(args, torch.device("cpu"))
+
+
+def _teacher_forced(decoders, features, tokens: torch.Tensor) -> torch.Tensor:
+    """The ensemble's normalised mean log-probability (B, T) of each word of ``tokens`` (B, T) given the words
+    before it, each member stepped on its own state: the reference the decoding functions must reproduce."""
+    states = [d.init_state(f) for d, f in zip(decoders, features)]
+    previous, scores = torch.full((tokens.shape[0],), START_ID), []
+    for t in range(tokens.shape[1]):
+        steps = [d.step(previous, s, f, d.attention.keys(f)) for d, s, f in zip(decoders, states, features)]
+        states = [out[1] for out in steps]
+        mean = torch.stack([out[0].log_softmax(dim=1) for out in steps]).mean(0)  # (B, V)
+        words = word_log_probs(mean - mean.logsumexp(dim=1, keepdim=True), UNK_ID)
+        scores.append(words.gather(1, tokens[:, t : t + 1]).squeeze(1))
+        previous = tokens[:, t]
+    return torch.stack(scores, dim=1)
+
+
+@pytest.mark.parametrize("settings", [METHODS[0], METHODS[2]], ids=["greedy", "beam-3"])
+def test_two_different_models_decode_whole_captions_as_each_member_stepped_on_its_own_state(settings) -> None:
+    decoders, features = [make_decoder(seed=0), make_decoder(seed=7)], [_features(1), _features(2)]
+    ensemble = EnsembleDecoder(decoders, [LAYOUT, LAYOUT])
+    with torch.no_grad():
+        got = decode(ensemble, ensemble.pack(features), settings, unk_id=UNK_ID)
+        reference = _teacher_forced(decoders, features, got.tokens)
+    words = got.tokens != PAD_ID  # (B, T): the words of each caption, <end> included
+    # greedy: the sum of its words' reference scores; beam (no length penalty): its best caption's, whose every
+    # step reordered the members' states with the beams: a member given another's state or row would differ
+    assert torch.allclose(got.scores, reference.where(words, 0).sum(1), atol=1e-4)
