@@ -57,11 +57,13 @@ def train(cfg: DictConfig) -> float | None:
     # Imported here, not at the top: a config error is reported before torch is imported.
     import lightning as L
 
+    from captioner.config import to_dict
     from captioner.evaluation.results import write_metrics, write_results
     from captioner.model.vocab_transfer import load_trained_weights
     from captioner.run_files import BUNDLE_NAME, CURVES_FILE, METRICS_FILE, VAL_CAPTIONS_FILE
     from captioner.training import quick_checks
     from captioner.training.datamodule import CaptionDataModule
+    from captioner.training.loggers import log_final, loggers_aside
     from captioner.training.logs import route_lightning_logs, summary
     from captioner.training.metrics import PROGRESS, TEST, VAL, metric
     from captioner.training.module import CaptionerModule
@@ -111,17 +113,24 @@ def train(cfg: DictConfig) -> float | None:
     epochs_decoding = module.settings.decoding
     module.settings.decoding = epochs_decoding.for_captioning()  # the scores `captioner evaluate` gives
     evaluate = {"datamodule": datamodule, "ckpt_path": ckpt_path, "weights_only": True, "verbose": False}
-    with stoppable(trainer, "validation"):
-        metrics = next(iter(trainer.validate(module, **evaluate)), {})  # none: no validation batch
-    if settings.test:
-        with stoppable(trainer, "test"):
-            metrics.update(next(iter(trainer.test(module, **evaluate)), {}))
+    with loggers_aside(trainer) as run_loggers:  # logged below as final/<split>/<name>, not as another epoch
+        with stoppable(trainer, "validation"):
+            metrics = next(iter(trainer.validate(module, **evaluate)), {})  # none: no validation batch
+        if settings.test:
+            with stoppable(trainer, "test"):
+                metrics.update(next(iter(trainer.test(module, **evaluate)), {}))
     if not trainer.is_global_zero:
         return metrics.get(metric(VAL, PROGRESS))
 
+    decoded = f"{module.settings.decoding.describe()} as `captioner evaluate` decodes"
+    if settings.train and epochs_decoding != module.settings.decoding:
+        decoded += f"; each epoch's validation, which picked the checkpoint: {epochs_decoding.describe()}"
+    if (read := module.model.decoder.hard_read) is not None:
+        decoded += f"; {read.describe()}"
     if VAL in module.predictions:
         write_results(output_dir / VAL_CAPTIONS_FILE, {i: " ".join(w) for i, w in module.predictions[VAL].items()})
-    write_metrics(output_dir / METRICS_FILE, {k: float(v) for k, v in metrics.items()})
+    final_scores = log_final(run_loggers, metrics, trainer.global_step, decoded)
+    write_metrics(output_dir / METRICS_FILE, {"decoding": to_dict(module.settings.decoding), **final_scores})
     bundle = output_dir / BUNDLE_NAME
     module.export_bundle(str(bundle))
     missing = {
@@ -129,11 +138,6 @@ def train(cfg: DictConfig) -> float | None:
         for split, wanted in ((VAL, True), (TEST, settings.test))
         if (reason := quick_checks.not_computed(metrics, split, wanted, trainer)) is not None
     }
-    decoded = f"{module.settings.decoding.describe()} as `captioner evaluate` decodes"
-    if settings.train and epochs_decoding != module.settings.decoding:
-        decoded += f"; each epoch's validation, which picked the checkpoint: {epochs_decoding.describe()}"
-    if (read := module.model.decoder.hard_read) is not None:
-        decoded += f"; {read.describe()}"
     curves = output_dir / CURVES_FILE  # callbacks.samples draws it when training ends
     curves = curves if curves.is_file() else None
     print(summary(metrics, ckpt_path, bundle, output_dir, missing, checkpoint_note, decoded, curves))

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         return lambda images: model.encode(images)[0].to(dtype).float()  # stored in dtype, read as fp32
 
     rows: list[tuple[str, float]] = []
-    logged = json.loads((args.run / METRICS_FILE).read_text()).get(f"{args.split}/bleu4")
+    logged = json.loads((args.run / METRICS_FILE).read_text()).get(f"final/{args.split}/bleu4")
     if logged is not None:
         rows.append(("the run's metrics.json (its final validation of the exported checkpoint)", logged))
     captions: dict[tuple[str, str], dict[int, list[str]]] = {}

@@ -287,7 +287,7 @@ def test_validation_agreement_scores_a_run_every_way(
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     run = write_run(tmp_path / "run", None)  # an untrained model's bundle
     OmegaConf.save(compose_cfg(tiny_overrides(tiny_shapes, tmp_path), tmp_path), run / CONFIG_FILE, resolve=True)
-    write_json(run / METRICS_FILE, {"val/bleu4": 0.25})
+    write_json(run / METRICS_FILE, {"final/val/bleu4": 0.25})
     importlib.import_module("validation_agreement").main([str(run)])
     sys.modules.pop("validation_agreement")
     lines = capsys.readouterr().out.splitlines()

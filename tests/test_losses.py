@@ -66,6 +66,13 @@ def test_doubly_stochastic_penalty():
     assert_close(terms["ds"], 0.5 * torch.stack(per_sample).sum() / 9)  # per real token, like ce
 
 
+def test_a_doubly_stochastic_weight_of_0_leaves_the_term_out():
+    output = random_output()
+    terms = make_loss(ds_lambda=0.0)(output, CAPTIONS)
+    assert set(terms) == {"loss", "ce"}  # no "ds" that would be 0 whatever the attention (nor a flat train/ds)
+    assert_close(terms["loss"], make_loss()(output, CAPTIONS)["ce"])
+
+
 def test_appending_pad_steps_changes_no_term():
     torch.manual_seed(0)
     decoder = ShowAttendTellDecoder(V, 5, net_config(embed_dim=8, hidden_dim=8, attention_dim=8, dropout=0.3)).eval()
@@ -195,7 +202,7 @@ def test_reinforce_is_the_path_from_the_loss_to_hard_attention():
     terms = loss(decoder(features, CAPTIONS, torch.tensor([0, 1, 1])), CAPTIONS)
     terms["ce"].backward(retain_graph=True)  # z_t = a_{s_t}: no gradient reaches the scorer
     assert all(g is None or not g.any() for g in attention_gradients(decoder))
-    (terms["loss"] - terms["ce"] - terms["ds"]).backward()
+    (terms["loss"] - terms["ce"]).backward()
     gradients = attention_gradients(decoder)
     assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in gradients)
 

@@ -111,10 +111,10 @@ def test_a_quick_check_override_finishes_and_says_what_it_left_out(
     assert (run / "config.yaml").is_file() and not (run / "FAILED").exists()
     metrics = json.loads((run / "metrics.json").read_text())
     validated = override != "+trainer.limit_val_batches=0"
-    assert (VALIDATED in out) == validated and ("val/bleu4" in metrics) == validated
+    assert (VALIDATED in out) == validated and ("final/val/bleu4" in metrics) == validated
     assert (run / "val_captions.json").is_file() == validated
     tested = override != "debug=fast"
-    assert (TESTED in out) == tested and ("test/bleu4" in metrics) == tested
+    assert (TESTED in out) == tested and ("final/test/bleu4" in metrics) == tested
 
 
 def test_a_validation_without_the_monitored_metric_is_no_candidate_for_the_best(
@@ -133,3 +133,29 @@ def test_a_validation_without_the_monitored_metric_is_no_candidate_for_the_best(
     best._save_topk_checkpoint(trainer, metrics)
     assert best.best_model_path == "" and list(tmp_path.iterdir()) == []
     assert "epoch 2, step 30: no val/attention_correctness, so no candidate for the best checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "batches, accumulate, every, interval",
+    [(10, 1, 10, 2), (15, 1, 10, 3), (2, 1, 10, 1), (20, 2, 10, 2), (40, 1, 10, 10), (94, 1, 10, 10), (10, 1, 1, 1)],
+)
+def test_an_epoch_of_few_steps_logs_several_points(batches: int, accumulate: int, every: int, interval: int) -> None:
+    from captioner.training.quick_checks import fit_log_interval
+
+    trainer = SimpleNamespace(num_training_batches=batches, accumulate_grad_batches=accumulate, log_every_n_steps=every)
+    note = fit_log_interval(trainer)
+    assert trainer.log_every_n_steps == interval
+    steps = batches // accumulate
+    assert (note is None) == (interval == every)
+    if note is not None:
+        assert note == (
+            f"trainer.log_every_n_steps={every} with {steps} optimiser steps an epoch: the training metrics are "
+            f"logged every {interval} step(s) instead, {steps // interval} points an epoch"
+        )
+
+
+def test_an_epoch_without_a_length_keeps_its_log_interval() -> None:
+    from captioner.training.quick_checks import fit_log_interval
+
+    trainer = SimpleNamespace(num_training_batches=float("inf"), accumulate_grad_batches=1, log_every_n_steps=10)
+    assert fit_log_interval(trainer) is None and trainer.log_every_n_steps == 10

@@ -60,16 +60,16 @@ def test_tensorboard_gets_an_image_and_a_text_per_sample_at_each_validations_ste
     run, _ = runs["on"]
     events = _events(run)
     picked = json.loads((run / "samples" / "picked.json").read_text())
-    tags = [f"samples/image_{p['image_id']}" for p in picked]
+    tags = [f"val/samples/image_{p['image_id']}" for p in picked]  # after val/'s scalars, TensorBoard sorting tags
     assert len(tags) == 4 and sorted(events.Tags()["images"]) == sorted(tags)
-    # the fit's validations, then train.py's final validation of the picked checkpoint (no pictures)
-    validation_steps = [e.step for e in events.Scalars("val/bleu4")][:EPOCHS]
+    # the fit's validations (train.py's final one of the picked checkpoint is final/..., no pictures)
+    validation_steps = [e.step for e in events.Scalars("val/bleu4")]
     assert len(validation_steps) == EPOCHS
     for tag, entry in zip(tags, picked):
         images = events.Images(tag)
         assert [i.step for i in images] == validation_steps  # beside the scalars of the same validation
         picture = Image.open(io.BytesIO(images[-1].encoded_image_string))
-        assert picture.width == images[-1].width > 400 and picture.height > 200
+        assert picture.width == images[-1].width == 384 and picture.height > 200  # drawn for the images tab
         texts = events.Tensors(f"{tag}/text_summary")  # the text plugin's entries: string tensors
         assert [t.step for t in texts] == validation_steps
         text = texts[-1].tensor_proto.string_val[0].decode()
@@ -224,3 +224,21 @@ def test_a_sample_picture_is_the_sheet_the_cli_draws_under_its_two_line_heading(
     with Image.open(sheet) as drawn:
         assert drawn.size == (picture.width, 2 * picture.height + 24)
     assert [p.size for p in pictures] == [picture.size] * 2
+
+
+def test_tensorboard_gets_a_sample_drawn_narrow_enough_to_read_in_its_images_tab() -> None:
+    """TensorBoard's images tab shows every picture 348 px wide (benchmarks/tensorboard_view.py): the sheet's
+    picture of a 10-word caption (1226 px) came out at 0.28 of its size, its 16 px text 4.5 px high."""
+    from captioner.viz.sheet import GAP, TEXT
+    from captioner.viz.training import TENSORBOARD, sample_picture
+
+    words = "a purple square above a red circle next to it".split()
+    sample = Sample(7, Image.new("RGB", (160, 120), (200, 0, 0)), words, torch.full((10, 4), 0.25), (2, 2), ("r",))
+    wide, narrow = sample_picture(sample, 3), sample_picture(sample, 3, TENSORBOARD)
+    assert wide.width > 1200 and narrow.width == 3 * 112 + 4 * GAP == 384  # three panels a row, no colour bar
+    assert 348 / narrow.width * TEXT > 14  # its text as the images tab shows it, in pixels
+    red = (np.asarray(narrow) == (200, 0, 0)).all(axis=-1)  # uniform attention: every panel is the image as is
+    columns = [GAP + c * (112 + GAP) for c in range(3)]
+    assert all(red[:, left : left + 112].any(axis=0).all() for left in columns)  # each column 112 px wide
+    rows = red.any(axis=1).nonzero()[0]
+    assert red.sum() == 11 * 112 * 84 and rows[0] > 3 * (TEXT + 6)  # 11 panels of 112 x 84 under a 3-line heading

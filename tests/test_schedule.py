@@ -163,3 +163,25 @@ def test_a_loader_without_a_length_lays_the_schedule_over_max_steps() -> None:
     assert [(p.start, p.end) for p in plan.phases] == [(0, 300)]  # its one epoch never ends: no SCST in it
     assert plan.factor(150) == pytest.approx(cosine(0.5))
     assert phase_of(settings(), max_epochs=-1, max_steps=300, batches=math.inf).steps == 300
+
+
+def test_a_warm_up_longer_than_the_run_says_so_with_its_numbers() -> None:
+    """The issue's run: 3 epochs of 10 steps, the default warm-up of 50 steps: the rate only rises, over all 30."""
+    model = from_dict(ModelConfig, {})
+    plan = plan_of(model, max_epochs=3, batches=10)
+    assert plan.factor(29) == 1.0 and plan.factor(0) == pytest.approx(1e-3)  # the warm-up takes every step
+    assert plan.warmup_note(0.002) == (
+        "model.scheduler.warmup_steps=50 warms up over all 30 optimiser steps of this run's cross-entropy training: "
+        "its learning rate only rises, from 2e-06 to 0.002 at its last step, and the cosine schedule never decays it "
+        "(a warm-up of at most 3 step(s), a tenth of them, leaves it room)"
+    )
+    assert plan_of(model, max_epochs=6, batches=10).warmup_note(0.002) is None  # 50 of 60 steps: it decays after
+    flat = from_dict(ModelConfig, {"scheduler": {"name": "none", "warmup_steps": 29}})
+    note = plan_of(flat, max_epochs=3, batches=10).warmup_note(0.01)
+    assert note.endswith(
+        "from 1e-05 to 0.01 at its last step (a warm-up of at most 3 step(s), a tenth of them, leaves it room)"
+    )
+    # SCST at once: no cross-entropy phase to warm up; cross-entropy for 1 epoch, then SCST: the first epoch's
+    assert plan_of(settings(**{**SCST, "scst": {"after_epochs": 0}}), max_epochs=3, batches=10).warmup_note(1) is None
+    scst = settings(objective="scst", scst={"after_epochs": 1})
+    assert "over all 10 optimiser steps" in plan_of(scst, max_epochs=3, batches=10).warmup_note(1)

@@ -263,7 +263,7 @@ def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(
     ]  # save_top_k=-1: of the earlier epochs only the best
     ddp = torch.load(tmp_path / "ddp" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ddp["epoch"] == 2 and ddp["global_step"] == last["global_step"] + math.ceil(120 / 16)
-    assert json.loads((tmp_path / "ddp" / "metrics.json").read_text())["val/cider"] > 0
+    assert json.loads((tmp_path / "ddp" / "metrics.json").read_text())["final/val/cider"] > 0
 
 
 @pytest.mark.slow

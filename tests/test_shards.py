@@ -392,7 +392,7 @@ def test_train_py_trains_from_shards_with_the_built_in_set_for_validation(
     losses = logged(tmp_path / "run", "train/loss")
     assert sorted(losses) == [0, 1, 2, 3] and all(loss > 0 for loss in losses.values())  # 60 samples: 4 batches of 16
     assert "skipped 1 unreadable image: " in run.stdout and f"#{CORRUPT:09d}.jpg" in run.stdout  # not the padding
-    assert "val/bleu4" in json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert "final/val/bleu4" in json.loads((tmp_path / "run" / "metrics.json").read_text())
 
 
 if __name__ == "__main__":

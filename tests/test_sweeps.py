@@ -74,7 +74,7 @@ def test_a_local_sweep_runs_each_job_in_a_process_of_its_own_into_a_complete_run
         assert (run / CHECKPOINT_DIR / LAST_CHECKPOINT).is_file()
         assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())[0] == f"model={mode}"
         assert yaml.safe_load((run / CONFIG_FILE).read_text())["model"]["attention"] == mode
-        assert "val/bleu4" in json.loads((run / METRICS_FILE).read_text())
+        assert "final/val/bleu4" in json.loads((run / METRICS_FILE).read_text())
         assert load_trained(run).config.attention.value == mode  # the bundle of the job's own model
         # the closing summary, in the job's own log
         assert sum(f"inference bundle: {run / BUNDLE_NAME}\n" in log for log in logs) == 1
@@ -163,7 +163,7 @@ def test_a_sweeps_job_trains_with_the_tasks_its_launcher_started_as_its_ranks(
     sweep = _sweep(tmp_path)
     run = sweep / "0"
     assert (run / BUNDLE_NAME).is_file() and (run / CHECKPOINT_DIR / LAST_CHECKPOINT).is_file()
-    assert "val/bleu4" in json.loads((run / METRICS_FILE).read_text()) and not (run / FAILED_FILE).exists()
+    assert "final/val/bleu4" in json.loads((run / METRICS_FILE).read_text()) and not (run / FAILED_FILE).exists()
     (job,) = (p for p in (sweep / ".submitit").iterdir() if p.name.isdigit())
     logs = [(job / f"{job.name}_{task}_log.out").read_text() for task in (0, 1)]
     for rank, log in enumerate(logs):  # the launcher's two tasks are the two ranks: Lightning started no process

@@ -62,7 +62,7 @@ def test_mlflow_logger_to_a_local_folder(tiny_shapes: Path, tmp_path: Path) -> N
     assert cfg.logger.mlflow.tracking_uri == f"sqlite:///{tmp_path}/mlflow/mlflow.db"
     (run,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
     metrics = json.loads((Path(cfg.paths.output_dir) / "metrics.json").read_text())
-    assert run.data.metrics["val/bleu4"] == pytest.approx(metrics["val/bleu4"])
+    assert run.data.metrics["final/val/bleu4"] == pytest.approx(metrics["final/val/bleu4"])
     assert run.data.tags["run_folder"] == cfg.paths.output_dir
     assert run.info.status == "FINISHED"
 
@@ -94,7 +94,7 @@ def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path, capsy
     assert load_trained(out / "bundle.pt").decoding == decoding.for_captioning()  # as its final scores decoded
     assert yaml.safe_load((out / "config.yaml").read_text()) == OmegaConf.to_container(cfg, resolve=True)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert 0.0 <= metrics["val/bleu1"] <= 1.0
+    assert 0.0 <= metrics["final/val/bleu1"] <= 1.0
 
 
 @pytest.mark.slow
@@ -113,11 +113,11 @@ def test_training_improves_bleu_far_above_an_untrained_model(tiny_shapes: Path, 
     )
     before = json.loads((tmp_path / "untrained" / "metrics.json").read_text())
     after = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert before["val/bleu4"] < 0.05
-    assert after["val/bleu4"] > 0.3, trained.stdout[-2000:]
-    assert after["val/bleu1"] > before["val/bleu1"] + 0.3
+    assert before["final/val/bleu4"] < 0.05
+    assert after["final/val/bleu4"] > 0.3, trained.stdout[-2000:]
+    assert after["final/val/bleu1"] > before["final/val/bleu1"] + 0.3
     assert "inference bundle:" in trained.stdout and "BLEU-4" in trained.stdout
-    assert after["val/attention_correctness"] > 0.0
+    assert after["final/val/attention_correctness"] > 0.0
     assert re.search(r"val/bleu4(=|: )0\.\d{3}\b", trained.stdout)  # in the progress bar (tqdm's or rich's)
     output = trained.stdout + trained.stderr
     assert "GPU available" in output  # Lightning's own messages stay, its advertisement and torch's
@@ -185,8 +185,8 @@ def test_ddp_with_two_cpu_processes_gives_the_single_process_bleu(tiny_shapes: P
     single = json.loads((tmp_path / "single" / "metrics.json").read_text())
     ddp = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
     for n in range(1, 5):
-        assert ddp[f"val/bleu{n}"] == pytest.approx(single[f"val/bleu{n}"], abs=1e-9)
-    assert single["val/bleu1"] > 0.0
+        assert ddp[f"final/val/bleu{n}"] == pytest.approx(single[f"final/val/bleu{n}"], abs=1e-9)
+    assert single["final/val/bleu1"] > 0.0
     single_caps = json.loads((tmp_path / "single" / "val_captions.json").read_text())
     ddp_caps = json.loads((tmp_path / "ddp" / "val_captions.json").read_text())
     assert len(ddp_caps) == 24 and ddp_caps == single_caps

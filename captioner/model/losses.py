@@ -59,23 +59,26 @@ class CaptionLoss(nn.Module):
         weighted real target tokens (``target_mask``); under DDP the module passes the whole global batch's
         divided by the ranks, so that DDP's mean of the ranks' gradients is the global batch's.
 
-        Keys: "ce" (mean cross-entropy per real token), "ds" (doubly stochastic penalty, eq. 14),
-        "loss" (the total to minimise) and, for hard attention in training, "entropy" (the bonus,
-        weighted and subtracted in "loss") and, with the REINFORCE estimator, "reinforce" (the
-        surrogate whose gradient is the REINFORCE term of eq. 12; "loss" carries its gradient only).
+        Keys: "ce" (mean cross-entropy per real token), "ds" (doubly stochastic penalty, eq. 14, weighted; absent
+        with ``ds_lambda`` 0, where it would be 0 whatever the attention), "loss" (the total to minimise) and, for
+        hard attention in training, "entropy" (the bonus, weighted and subtracted in "loss") and, with the
+        REINFORCE estimator, "reinforce" (the surrogate whose gradient is the REINFORCE term of eq. 12; "loss"
+        carries its gradient only).
         """
         targets = captions[:, 1:]  # (N, T)
         mask = self.target_mask(captions, weights).to(output.alphas.dtype)  # (N, T)
         tokens = mask.sum().clamp_min(1.0) if tokens is None else tokens
         nll = F.cross_entropy(output.logits.transpose(1, 2), targets, reduction="none") * mask  # (N, T)
         ce = nll.sum() / tokens
-        coverage = (output.alphas * mask.unsqueeze(-1)).sum(dim=1)  # (N, L): sum_t alpha_ti over real steps
-        penalty = (1.0 - coverage).square()  # (N, L)
-        if weights is not None:
-            penalty = penalty * weights.to(penalty.dtype).unsqueeze(1)  # a caption of weight 0 pays none
-        ds = self.ds_lambda * penalty.sum() / tokens  # eq. 14, same normaliser as ce
-        terms = {"ce": ce, "ds": ds}
-        loss = ce + ds
+        terms = {"ce": ce}
+        loss = ce
+        if self.ds_lambda > 0:  # weight 0: no term, rather than a term that is 0 by construction
+            coverage = (output.alphas * mask.unsqueeze(-1)).sum(dim=1)  # (N, L): sum_t alpha_ti over real steps
+            penalty = (1.0 - coverage).square()  # (N, L)
+            if weights is not None:
+                penalty = penalty * weights.to(penalty.dtype).unsqueeze(1)  # a caption of weight 0 pays none
+            terms["ds"] = self.ds_lambda * penalty.sum() / tokens  # eq. 14, same normaliser as ce
+            loss = loss + terms["ds"]
         if output.entropy is not None:
             entropy = (output.entropy * mask * output.sampled.to(mask.dtype).unsqueeze(1)).sum() / tokens
             terms["entropy"] = entropy

@@ -31,7 +31,7 @@ class _NoTips(logging.Filter):
 def route_lightning_logs() -> None:
     """Send Lightning's messages where the run's own go (stdout and ``train.log``), not to stderr, without
     its advertisements for its cloud services (printed on every run whatever the logger), and silence the
-    two warnings that are not the user's to act on.
+    warnings that are not the user's to act on.
 
     On import Lightning gives its loggers stderr handlers of their own, so stderr would mix its progress
     messages with the errors.
@@ -48,6 +48,9 @@ def route_lightning_logs() -> None:
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
     # A streamed training split (data.stream.ShardStream) gives each loader worker its own samples and length.
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+    # An epoch shorter than trainer.log_every_n_steps is logged all the same: CaptionerModule.on_train_start makes
+    # the interval fit it (quick_checks.fit_log_interval) after Lightning warned that it would not be.
+    warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
     # Lightning's CombinedLoader builds torch's deprecated LeafSpec for every loader: its change to make.
     warnings.filterwarnings(
         "ignore",

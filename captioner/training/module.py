@@ -29,7 +29,7 @@ from captioner.model.captioner import Captioner, build_captioner
 from captioner.model.decoding import Generation
 from captioner.model.losses import CaptionLoss, SelfCriticalLoss
 from captioner.model.pretrained import fetch
-from captioner.training import objectives
+from captioner.training import objectives, quick_checks
 from captioner.training.callbacks import NonFiniteLossGuard
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.evaluation import EvaluationEpoch
@@ -41,7 +41,8 @@ from captioner.training.graphed import (
     self_critical_graphs,
     training_graphs,
 )
-from captioner.training.metrics import GRAPH_REPLAYS, LOSS, PROGRESS, TEST, TRAIN, VAL, metric
+from captioner.training.loggers import LEARNING_RATES
+from captioner.training.metrics import EVALUATION, GRAPH_REPLAYS, LOSS, PROGRESS, TEST, TRAIN, VAL, metric
 from captioner.training.optimization import build_optimizer, clip_gradients
 from captioner.training.schedule import CrossEntropyPhase, LearningRatePlan, build_scheduler, self_critical_epoch
 
@@ -175,11 +176,19 @@ class CaptionerModule(L.LightningModule):
         return self.graphed_scst if self.scst_epoch else self.graphed_steps
 
     def on_train_start(self) -> None:
-        """Measure the cross-entropy phase the decoder anneals over, unless the resumed checkpoint holds it."""
+        """Measure the cross-entropy phase the decoder anneals over, unless the resumed checkpoint holds it; say when
+        the learning rate's warm-up takes the whole run, and when the training loss is logged more often than
+        ``trainer.log_every_n_steps`` says (``quick_checks.fit_log_interval``)."""
         if self.phase is None:
             self.phase = CrossEntropyPhase.of_run(self.settings, self.trainer)
         if (note := self.phase.warmup_note(self.settings)) is not None:
             log.info(note)
+        interval = quick_checks.fit_log_interval(self.trainer)  # on every rank: they log at the same steps
+        if self.trainer.is_global_zero:
+            if interval is not None:
+                log.info(interval)
+            if (warmup := self.learning_rates.warmup_note(self.settings.optimizer.lr)) is not None:
+                log.warning(warmup)
 
     @property
     def in_warmup(self) -> bool:
@@ -250,7 +259,8 @@ class CaptionerModule(L.LightningModule):
             self._skips_reported = self.skips.count
 
     def configure_optimizers(self) -> dict:
-        """Adam with its own learning rate for the fine-tuned encoder, plus a schedule."""
+        """Adam with its own learning rate for the fine-tuned encoder, plus a schedule, named so that the learning
+        rates are logged as ``train/lr/decoder`` and ``train/lr/encoder`` (``LearningRateMonitor``)."""
         encoder = [p for p in self.model.encoder.parameters() if p.requires_grad]
         encoder_ids = {id(p) for p in encoder}
         rest = [p for p in self.parameters() if p.requires_grad and id(p) not in encoder_ids]
@@ -258,10 +268,8 @@ class CaptionerModule(L.LightningModule):
         self.learning_rates = LearningRatePlan.of_run(self.settings, self.trainer)
         if self._resumed_rates is not None:  # on from the rate the resumed run had reached
             self.learning_rates = self.learning_rates.resumed(*self._resumed_rates)
-        scheduler = build_scheduler(optimizer, self.learning_rates)
-        if scheduler is None:
-            return {"optimizer": optimizer}
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        scheduler = {"scheduler": build_scheduler(optimizer, self.learning_rates), "interval": "step"}
+        return {"optimizer": optimizer, "lr_scheduler": {**scheduler, "name": LEARNING_RATES}}
 
     def configure_gradient_clipping(
         self,
@@ -296,6 +304,11 @@ class CaptionerModule(L.LightningModule):
         self._start_eval(TEST)
 
     def _start_eval(self, split: str) -> None:
+        """A new evaluation of ``split``; the scores of the last one are taken out of the trainer's callback metrics,
+        where Lightning keeps a metric until it is logged again: an epoch whose captions named no boxed object has
+        no attention correctness (not the last epoch's) for the checkpoint, early stopping and the curves."""
+        for name in EVALUATION:
+            self.trainer.callback_metrics.pop(metric(split, name), None)
         datamodule = self.trainer.datamodule
         self._evaluation = EvaluationEpoch(split, datamodule.references(split), datamodule.boxes(split))
 

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 # The param-group entries that say how Adam runs on this device, not what it optimises: never a checkpoint's.
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable")
+# A param group's name, which LearningRateMonitor logs its rate under (train/lr/<name>): this run's, never a
+# checkpoint's (one written before the groups had names has none).
+NAME = "name"
 
 
 def fused_kernels(params: Iterable[torch.Tensor]) -> bool:
@@ -67,9 +70,9 @@ def build_optimizer(
     """Adam over the decoder's (and self-attention's) parameters ``rest`` at ``settings.lr`` and the encoder's
     trained ones at ``settings.encoder_lr``; fused where the parameters' device has the kernels and its fused step
     can be skipped on the device (``fused_takes_found_inf``), else plain (with a warning when only the latter fails)."""
-    groups = [{"params": list(rest), "lr": settings.lr}]
+    groups = [{"params": list(rest), "lr": settings.lr, NAME: "decoder"}]
     if encoder:
-        groups.append({"params": encoder, "lr": settings.encoder_lr})
+        groups.append({"params": encoder, "lr": settings.encoder_lr, NAME: "encoder"})
     params = [p for group in groups for p in group["params"]]
     fused = fused_kernels(params)
     refused = sorted({str(p.device) for p in params if fused and not fused_takes_found_inf(p.device, p.dtype)})
@@ -87,8 +90,8 @@ def build_optimizer(
 
 
 def keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """``state_dict`` (an optimiser state being loaded) with ``optimizer``'s own ``IMPLEMENTATION_KEYS`` in
-    its param groups, so that loading it never turns a fused Adam plain or a plain one fused.
+    """``state_dict`` (an optimiser state being loaded) with ``optimizer``'s own ``IMPLEMENTATION_KEYS`` (and
+    names) in its param groups, so that loading it never turns a fused Adam plain or a plain one fused.
 
     A load-state-dict pre-hook: torch then moves each ``step`` count where the kept choice needs it (on the
     parameters' device in float32 for a fused Adam). The caller's dict is not changed. A state with another
@@ -96,10 +99,12 @@ def keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> d
     """
     if len(state_dict["param_groups"]) != len(optimizer.param_groups):
         return state_dict
-    groups = [
-        {**saved, **{key: current.get(key) for key in IMPLEMENTATION_KEYS}}
-        for saved, current in zip(state_dict["param_groups"], optimizer.param_groups)
-    ]
+    groups = []
+    for saved, current in zip(state_dict["param_groups"], optimizer.param_groups):
+        group = {**saved, **{key: current.get(key) for key in IMPLEMENTATION_KEYS}}
+        if NAME in current:
+            group[NAME] = current[NAME]
+        groups.append(group)
     return {**state_dict, "param_groups": groups}
 
 

@@ -5,7 +5,8 @@ gives one line, before training, for each part an override leaves out (SCST afte
 no validation during training, so no best checkpoint and no early stopping); ``fit_val_fraction`` turns a
 ``limit_val_batches`` fraction of fewer than one batch into one batch (Lightning refuses it after setting
 up). ``not_computed`` says why a metric group is missing from the final scores, ``checkpoint_note`` why
-the checkpoint evaluated is ``last.ckpt``, for the closing summary (``logs.summary``).
+the checkpoint evaluated is ``last.ckpt``, for the closing summary (``logs.summary``). ``fit_log_interval``
+gives an epoch of few steps several points of the training curves where ``log_every_n_steps`` would give it one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import lightning as L
 
 from captioner.config import Objective
 from captioner.training.metrics import PROGRESS, VAL, metric
+from captioner.training.schedule import steps_per_epoch
+
+POINTS_PER_EPOCH = 4  # the fewest points of the training curves an epoch gets (fit_log_interval), if it has the steps
 
 
 def _batches(count: int, limit: int | float) -> int:
@@ -95,6 +99,26 @@ def start_notes(trainer: L.Trainer, settings: Any, datamodule: Any) -> list[str]
             f"(the last one, last.ckpt, is evaluated and exported)"
         )
     return notes
+
+
+def fit_log_interval(trainer: L.Trainer) -> str | None:
+    """Make an epoch of fewer than ``POINTS_PER_EPOCH`` times ``trainer.log_every_n_steps`` optimiser steps log the
+    training metrics (and learning rates) every ``steps // POINTS_PER_EPOCH`` steps (at least every step), and say
+    so; None: nothing to change (the epoch is long enough, or has no length). Lightning logs every
+    ``log_every_n_steps`` steps, so a small run (10 steps an epoch, the default 10) would draw one training-loss
+    point an epoch."""
+    steps, every = steps_per_epoch(trainer), trainer.log_every_n_steps
+    if steps is None or every * POINTS_PER_EPOCH <= steps:
+        return None
+    interval = max(1, steps // POINTS_PER_EPOCH)
+    if interval >= every:
+        return None
+    trainer.log_every_n_steps = interval
+    points = steps // interval
+    return (
+        f"trainer.log_every_n_steps={every} with {steps} optimiser steps an epoch: the training metrics are logged "
+        f"every {interval} step(s) instead, {points} points an epoch"
+    )
 
 
 def checkpoint_note(trainer: L.Trainer, datamodule: Any) -> str | None:

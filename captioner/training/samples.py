@@ -5,9 +5,11 @@ in the run folder and in the run's loggers; at the end the run's curves.
 it off) picks ``count`` validation images once, spread evenly over the split, and keeps their ids in its
 checkpoint state, so every epoch and every resume shows the same ones (listed in ``samples/picked.json``).
 After each validation of a fit it decodes them as validation decodes (``CaptionerModule.generate``) and
-writes ``samples/epoch_<epoch>.png`` (``captioner.viz.training``); TensorBoard gets each overlay as an image
-and its caption and references as text, W&B the overlays with their captions, MLflow the sheet as an
-artifact, under the step of the validation's scalars. When the fit ends (or stops), ``curves.png`` plots
+writes ``samples/epoch_<epoch>.png`` (``captioner.viz.training``); TensorBoard gets each sample as an image
+drawn for its images tab (``viz.training.TENSORBOARD``: narrow enough for its text to be read there) and its
+caption and references as text, under ``val/samples/image_<id>`` (beside the validation's scalars, after them),
+W&B the overlays with their captions, MLflow the sheet as an artifact, under the step of the validation's
+scalars. When the fit ends (or stops), ``curves.png`` plots
 the run's whole history, which the checkpoints carry across a resume.
 
 It never changes training: only rank 0 decodes and draws, in no-grad with every module's mode and every
@@ -41,7 +43,7 @@ from captioner.fileio import atomic_write
 from captioner.inference import attended_cells
 from captioner.run_files import CURVES_FILE, SAMPLES_DIR
 from captioner.training.metrics import CIDER, CORRECTNESS, PROGRESS, VAL, metric
-from captioner.viz.training import TRAIN_LOSS, Sample, draw_curves, draw_sample_sheet
+from captioner.viz.training import TENSORBOARD, TRAIN_LOSS, Sample, draw_curves, draw_sample_sheet, sample_picture
 
 log = logging.getLogger(__name__)
 
@@ -248,14 +250,16 @@ def logged_step(trainer: L.Trainer) -> int:
 
 
 def publish(trainer: L.Trainer, samples: list[Sample], overlays: list[Image.Image], sheet: Path) -> None:
-    """Give the loggers of ``trainer`` the sample ``overlays`` and their ``sheet``: TensorBoard an image and a
-    text (caption and references) per sample, W&B the images with their captions, MLflow the sheet."""
+    """Give the loggers of ``trainer`` the ``samples``: TensorBoard an image (each sample drawn for its images tab,
+    ``viz.training.TENSORBOARD``) and a text (caption and references) per sample, W&B their pictures on the
+    sheet (``overlays``) with their captions, MLflow the ``sheet``."""
     step = logged_step(trainer)
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            for sample, overlay in zip(samples, overlays):
-                tag = f"samples/image_{sample.image_id}"
-                logger.experiment.add_image(tag, np.asarray(overlay), step, dataformats="HWC")
+            for sample in samples:
+                tag = sample_tag(sample)
+                picture = sample_picture(sample, trainer.current_epoch, TENSORBOARD)
+                logger.experiment.add_image(tag, np.asarray(picture), step, dataformats="HWC")
                 logger.experiment.add_text(tag, caption_markdown(sample), step)
             logger.experiment.flush()
         elif isinstance(logger, WandbLogger):
@@ -263,6 +267,11 @@ def publish(trainer: L.Trainer, samples: list[Sample], overlays: list[Image.Imag
             logger.log_image(key="samples", images=overlays, step=step, caption=captions)
         elif isinstance(logger, MLFlowLogger):
             logger.experiment.log_artifact(logger.run_id, str(sheet), SAMPLES_DIR)
+
+
+def sample_tag(sample: Sample) -> str:
+    """The TensorBoard tag of ``sample``'s picture and text: ``val/samples/image_<id>``."""
+    return metric(VAL, f"samples/image_{sample.image_id}")
 
 
 def caption_markdown(sample: Sample) -> str:

@@ -100,10 +100,21 @@ class LearningRatePlan:
             phases.append(Phase.laid(switch, total, settings.scst.lr_scale, 0))
         return cls(schedule, max(1, per_epoch), tuple(phases))
 
-    @property
-    def constant(self) -> bool:
-        """Whether the factor is 1 at every step (no schedule, no SCST phase)."""
-        return self.schedule.name == Schedule.none and all(phase.scale == 1.0 for phase in self.phases)
+    def warmup_note(self, lr: float) -> str | None:
+        """A line saying that the warm-up takes the whole cross-entropy phase, so that the learning rate (``lr``
+        after the warm-up) only rises over it (None: the warm-up is shorter, or there is none)."""
+        first = self.phases[0]
+        steps = first.end - first.start
+        if steps < 2 or first.warmup < steps - 1:
+            return None
+        name = self.schedule.name
+        decay = "" if name == Schedule.none else f", and the {name} schedule never decays it"
+        start, peak = lr * self.factor(first.start), lr * self.factor(first.end - 1)
+        return (
+            f"model.scheduler.warmup_steps={self.schedule.warmup_steps} warms up over all {steps} optimiser steps of "
+            f"this run's cross-entropy training: its learning rate only rises, from {start:.3g} to {peak:.3g} at its "
+            f"last step{decay} (a warm-up of at most {max(1, steps // 10)} step(s), a tenth of them, leaves it room)"
+        )
 
     def factor(self, step: int) -> float:
         """The learning-rate factor at optimiser ``step``."""
@@ -146,12 +157,9 @@ class LearningRatePlan:
         return dataclasses.replace(self, phases=tuple(phases))
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, plan: LearningRatePlan
-) -> torch.optim.lr_scheduler.LambdaLR | None:
-    """The scheduler stepping ``optimizer``'s rates by ``plan`` every optimiser step (None: constant rates)."""
-    if plan.constant:
-        return None
+def build_scheduler(optimizer: torch.optim.Optimizer, plan: LearningRatePlan) -> torch.optim.lr_scheduler.LambdaLR:
+    """The scheduler stepping ``optimizer``'s rates by ``plan`` every optimiser step (constant rates too: every run
+    logs its rates under the scheduler's name, ``training.loggers.LEARNING_RATES``)."""
 
     def factor(step: int) -> float:  # a function, not an object: LambdaLR leaves it out of its state dict
         return plan.factor(step)

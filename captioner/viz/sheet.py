@@ -73,6 +73,19 @@ class Strip:
         return (column * self.stride[0], row * self.stride[1])
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a sheet is laid out: its panels' width, how many a row (the image counts as one), and whether the colour
+    bar is drawn beside them. The text keeps its size (TEXT), so a narrower sheet shown smaller stays legible."""
+
+    cell: int = CELL  # a panel's width (pixels)
+    columns: int = MAX_COLUMNS  # panels a row
+    bar: bool = True  # the colour bar of the caption's brightness scale
+
+
+SHEET = Layout()  # the sheet `captioner attend` writes
+
+
 @functools.lru_cache(maxsize=4)
 def font(size: int) -> ImageFont.FreeTypeFont:
     """DejaVu Sans (matplotlib's own copy) at ``size`` pixels."""
@@ -176,18 +189,20 @@ def write_sheet(shading: Shading, words: Sequence[str], out_path: str | os.PathL
     return save_picture(sheet_picture(shading, words, title), out_path)
 
 
-def sheet_picture(shading: Shading, words: Sequence[str], title: str | None) -> Image.Image:
+def sheet_picture(shading: Shading, words: Sequence[str], title: str | None, layout: Layout = SHEET) -> Image.Image:
     """The sheet of ``shading``: ``title`` (each of its lines wrapped to the sheet's width), the image, one panel
-    per word of ``words`` under its word, and the colour bar of the caption's brightness scale."""
+    per word of ``words`` under its word, and the colour bar of the caption's brightness scale, as ``layout``
+    lays them out."""
     width, height = shading.picture.size
-    cell_height = round(CELL * min(max(height / width, ASPECT_RANGE[0]), ASPECT_RANGE[1]))
+    cell = layout.cell
+    cell_height = round(cell * min(max(height / width, ASPECT_RANGE[0]), ASPECT_RANGE[1]))
     label = TEXT + 8
     pictures = [shading.picture, *shading.panels]
-    columns = min(MAX_COLUMNS, len(pictures))
+    columns = min(layout.columns, len(pictures))
     rows = math.ceil(len(pictures) / columns)
     text = font(TEXT)
-    panels_width = columns * CELL + (columns + 1) * GAP
-    bar_room = BAR[0] + BAR[1] + SMALL + 12 if words else 0
+    panels_width = columns * cell + (columns + 1) * GAP
+    bar_room = BAR[0] + BAR[1] + SMALL + 12 if words and layout.bar else 0
     paragraphs = title.splitlines() if title else []
     title_lines = [line for part in paragraphs for line in _lines(part, panels_width + bar_room - 2 * GAP, text)]
     head = len(title_lines) * (TEXT + 6) + (GAP if title_lines else 0)
@@ -198,13 +213,13 @@ def sheet_picture(shading: Shading, words: Sequence[str], title: str | None) -> 
         draw.text((GAP, GAP + line * (TEXT + 6)), content, fill=INK, font=text)
     for index, picture in enumerate(pictures):
         row, column = divmod(index, columns)
-        left = GAP + column * (CELL + GAP)
+        left = GAP + column * (cell + GAP)
         top = head + GAP + row * (label + cell_height + GAP)
         name = "image" if index == 0 else words[index - 1]
-        _ink(canvas, (120, 120, 120) if index == 0 else INK, (left, top), _label(name, CELL, label, TEXT))
-        shown = _enlarged(picture, (CELL, cell_height))
-        canvas.paste(shown, (left + (CELL - shown.width) // 2, top + label + (cell_height - shown.height) // 2))
-    if words:
+        _ink(canvas, (120, 120, 120) if index == 0 else INK, (left, top), _label(name, cell, label, TEXT))
+        shown = _enlarged(picture, (cell, cell_height))
+        canvas.paste(shown, (left + (cell - shown.width) // 2, top + label + (cell_height - shown.height) // 2))
+    if bar_room:
         bar_height = max(3 * SMALL, round(0.8 * (grid_height - GAP)))
         bar_top = head + GAP + (grid_height - GAP - bar_height) // 2
         _colour_bar(canvas, panels_width + SMALL + 12, bar_top, bar_height, shading)

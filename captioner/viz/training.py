@@ -6,8 +6,10 @@ The sheet stacks one picture per sample, each the sheet ``captioner attend`` dra
 every word on the caption's one brightness scale with its colour bar (the attended cell outlined for hard
 attention), composed with Pillow in milliseconds, so that it can be drawn after every validation.
 The curves picture (matplotlib, on an Agg canvas: no display) plots the training loss (mean per epoch),
-validation BLEU-4, CIDEr-D and attention correctness per epoch, with the switch from cross-entropy to SCST
-and the checkpoint the run picked marked.
+validation BLEU-4, CIDEr-D and attention correctness per epoch, with the switch from cross-entropy to SCST,
+the checkpoint the run picked and the validations without attention correctness marked: each epoch's
+validation as the run logged it (``val/`` in metrics.csv and TensorBoard), never the run's final scores
+(``final/``: another decoding of the picked checkpoint, not another epoch).
 """
 
 from __future__ import annotations
@@ -26,16 +28,24 @@ from torch import Tensor
 
 from captioner.fileio import atomic_write
 from captioner.viz.overlay import shade
-from captioner.viz.sheet import CELL, PNG_LEVEL, sheet_picture
+from captioner.viz.sheet import PNG_LEVEL, SHEET, Layout, sheet_picture
 
 GAP = 24  # white pixels between two samples on a sheet
+# A sample as TensorBoard gets it: its images tab shows every picture 348 pixels wide, so this one is drawn 384
+# wide (the sheet's 1000 and more came out at a third of its size, the text unreadable): three panels a row and
+# no colour bar (the sheet in the run folder has it), the text at its size, shown at 0.9 of it.
+TENSORBOARD = Layout(cell=112, columns=3, bar=False)
 TRAIN_LOSS = "train_loss"  # a history row's key of the epoch's mean training loss
+VALIDATED = "val/bleu4"  # a history row's key that every validation gives
 CURVES = (  # (history key, panel title) of the curves picture, in reading order
     (TRAIN_LOSS, "training loss (mean per epoch)"),
-    ("val/bleu4", "validation BLEU-4"),
+    (VALIDATED, "validation BLEU-4"),
     ("val/cider", "validation CIDEr-D"),
     ("val/attention_correctness", "attention correctness"),
 )
+# Why a validation may have no value of a curve: attention correctness needs a decoded word that names a boxed
+# object (a run's first epochs often decode none: "a yellow a yellow ..."). Such epochs are marked on the axis.
+NOT_COMPUTED = {"val/attention_correctness": "no caption named a boxed object"}
 
 
 @dataclass(frozen=True)
@@ -61,13 +71,13 @@ class Sample:
         return f"image {self.image_id}, epoch {epoch}: {self.caption or '(empty caption)'}\nreference: {reference}"
 
 
-def sample_picture(sample: Sample, epoch: int) -> Image.Image:
-    """One sample drawn as ``captioner attend`` draws a caption (:func:`captioner.viz.sheet.sheet_picture`): the
-    heading (image, epoch, caption, one reference), the image and each word's panel on the caption's one
-    brightness scale with its colour bar (the attended cell outlined for hard attention)."""
-    picture = ImageOps.contain(sample.image.convert("RGB"), (CELL, CELL))  # shaded at the size it is shown
+def sample_picture(sample: Sample, epoch: int, layout: Layout = SHEET) -> Image.Image:
+    """One sample drawn as ``captioner attend`` draws a caption (:func:`captioner.viz.sheet.sheet_picture`), laid
+    out as ``layout`` says: the heading (image, epoch, caption, one reference), the image and each word's panel
+    on the caption's one brightness scale with its colour bar (the attended cell outlined for hard attention)."""
+    picture = ImageOps.contain(sample.image.convert("RGB"), (layout.cell, layout.cell))  # shaded at its size shown
     shading = shade(picture, sample.words, sample.alphas, sample.grid, sample.locations)
-    return sheet_picture(shading, sample.words, sample.title(epoch))
+    return sheet_picture(shading, sample.words, sample.title(epoch), layout)
 
 
 def draw_sample_sheet(samples: Sequence[Sample], epoch: int, out_path: str | os.PathLike) -> list[Image.Image]:
@@ -88,11 +98,13 @@ def draw_sample_sheet(samples: Sequence[Sample], epoch: int, out_path: str | os.
 
 def curves_figure(history: Sequence[Mapping[str, object]], picked_epoch: int | None) -> Figure:
     """The curves of ``history`` (one row per validation or epoch: ``epoch``, ``scst``, and the keys of
-    ``CURVES`` where known) as a 2 x 2 figure; the first SCST epoch and ``picked_epoch`` marked."""
+    ``CURVES`` where known) as a 2 x 2 figure; the first SCST epoch, ``picked_epoch`` and the validations
+    without a value that can be missing (``NOT_COMPUTED``) marked."""
     fig = Figure(figsize=(10, 7), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     epochs = np.array([int(row["epoch"]) for row in history])
     scst = [int(row["epoch"]) for row in history if row.get("scst")]
+    validated = np.array([row.get(VALIDATED) is not None for row in history], dtype=bool)
     for panel, (key, title) in enumerate(CURVES):
         ax = fig.add_subplot(2, 2, panel + 1)
         ax.set_title(title)
@@ -112,10 +124,15 @@ def curves_figure(history: Sequence[Mapping[str, object]], picked_epoch: int | N
             chosen = known & (epochs == picked_epoch)
             if chosen.any():
                 ax.plot(epochs[chosen], values[chosen], marker="*", markersize=14, color="tab:green", linestyle="none")
+        gaps = validated & ~known if key in NOT_COMPUTED else np.zeros_like(known)
+        if gaps.any():  # at the foot of the axis, whatever its values
+            label = f"not computed: {NOT_COMPUTED[key]}"
+            feet = np.full(int(gaps.sum()), 0.04)
+            ax.plot(epochs[gaps], feet, "x", color="grey", transform=ax.get_xaxis_transform(), label=label)
         if len(epochs):
             ax.set_xlim(epochs.min() - 0.6, epochs.max() + 0.6)
             ax.xaxis.get_major_locator().set_params(integer=True)
-        if scst or picked_epoch is not None:
+        if scst or picked_epoch is not None or gaps.any():
             ax.legend(loc="best", fontsize=8)
     return fig
 
