@@ -43,7 +43,7 @@ SPLIT_SIZES = {"train": 40, "restval": 8, "val": 8, "test": 8}
 
 def guide_commands(start: str) -> list[str]:
     """The lines of the guide's command blocks that start with ``start``, their comments cut off."""
-    blocks = re.findall(r"```\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", GUIDE.read_text(), flags=re.DOTALL)
     lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
     return [line for line in lines if line.startswith(start)]
 
