@@ -174,16 +174,16 @@ def rollout(
     tokens = torch.full((rows,), START_ID, dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    # (V,): -inf for the words never drawn, set on the device (no host copy: the rollout may be inside a capture)
-    never = torch.zeros(decoder.classifier.out_features, device=device)
-    for word in (PAD_ID, START_ID, *([] if unk_id is None else [unk_id])):
-        never[word] = float("-inf")
-    words, log_probs = [], []
+    words, log_probs, never = [], [], []  # never: (V,), -inf for the words never drawn, made at the first step
 
     def advance(t: int) -> Tensor:
         nonlocal state, tokens, finished
         logits, state, _, location_log_prob, _ = decoder.step(tokens, state, features, keys)  # (N, V)
-        log_p = (logits.float() + never).log_softmax(dim=-1)  # (N, V)
+        if not never:  # set on the device (no host copy: the rollout may be inside a capture)
+            never.append(torch.zeros(logits.size(-1), device=device))
+            for word in (PAD_ID, START_ID, *([] if unk_id is None else [unk_id])):
+                never[0][word] = float("-inf")
+        log_p = (logits.float() + never[0]).log_softmax(dim=-1)  # (N, V)
         tokens = torch.multinomial(log_p.detach().exp(), 1, generator=generator).squeeze(1)  # (N,)
         chosen = log_p.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (N,)
         if location_log_prob is not None:
