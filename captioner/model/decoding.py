@@ -28,7 +28,15 @@ from captioner.data.vocab import END_ID, PAD_ID, START_ID
 from captioner.model.beam import beam_search, untrimmed_beam_search
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.graphs import CapturedCall, capture_state, tensors_at
-from captioner.model.steps import Constraints, Generation, run_steps, static_steps, trimmed, word_log_probs
+from captioner.model.steps import (
+    Constraints,
+    Generation,
+    never_generated,
+    run_steps,
+    static_steps,
+    trimmed,
+    word_log_probs,
+)
 
 __all__ = ["Generation", "Rollout", "beam_search", "decode", "greedy", "rollout", "sample", "seeded_generator"]
 
@@ -174,16 +182,13 @@ def rollout(
     tokens = torch.full((rows,), START_ID, dtype=torch.long, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    words, log_probs, never = [], [], []  # never: (V,), -inf for the words never drawn, made at the first step
+    words, log_probs = [], []
 
     def advance(t: int) -> Tensor:
         nonlocal state, tokens, finished
         logits, state, _, location_log_prob, _ = decoder.step(tokens, state, features, keys)  # (N, V)
-        if not never:  # set on the device (no host copy: the rollout may be inside a capture)
-            never.append(torch.zeros(logits.size(-1), device=device))
-            for word in (PAD_ID, START_ID, *([] if unk_id is None else [unk_id])):
-                never[0][word] = float("-inf")
-        log_p = (logits.float() + never[0]).log_softmax(dim=-1)  # (N, V)
+        # the words never drawn left out before the softmax: the distribution sampled is over the others only
+        log_p = never_generated(logits.to(torch.float32, copy=True), unk_id).log_softmax(dim=-1)  # (N, V)
         tokens = torch.multinomial(log_p.detach().exp(), 1, generator=generator).squeeze(1)  # (N,)
         chosen = log_p.gather(1, tokens.unsqueeze(1)).squeeze(1)  # (N,)
         if location_log_prob is not None:

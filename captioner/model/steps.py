@@ -74,14 +74,19 @@ class Constraints:
         return log_probs
 
 
+def never_generated(scores: Tensor, unk_id: int | None) -> Tensor:
+    """``scores`` (..., V), changed in place: -inf for <pad>, <start> and <unk>, which are never generated (each set
+    on the device: no host copy, so it may run inside a CUDA graph capture)."""
+    scores[..., PAD_ID] = float("-inf")
+    scores[..., START_ID] = float("-inf")
+    if unk_id is not None:
+        scores[..., unk_id] = float("-inf")
+    return scores
+
+
 def word_log_probs(logits: Tensor, unk_id: int | None) -> Tensor:
     """log p(word) (..., V) in float32; -inf for <pad>, <start> and <unk>, which are never generated."""
-    log_probs = logits.float().log_softmax(dim=-1)
-    log_probs[..., PAD_ID] = float("-inf")
-    log_probs[..., START_ID] = float("-inf")
-    if unk_id is not None:
-        log_probs[..., unk_id] = float("-inf")
-    return log_probs
+    return never_generated(logits.float().log_softmax(dim=-1), unk_id)
 
 
 def static_steps(static_shapes: bool | None, features: Tensor) -> bool:
