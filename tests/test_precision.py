@@ -73,7 +73,8 @@ def one_batch(channels: int, nan: bool = False, empty: bool = False) -> dict:
 
 def tiny_module(kind: type[CaptionerModule] = CaptionerModule, **settings) -> CaptionerModule:
     """The tiny captioner of these tests (resnet18's layer1 pooled to a 2x2 grid, a 16-wide decoder); ``settings``:
-    other ``model`` settings (tests/test_gpu.py uses it too)."""
+    other ``model`` settings, each replacing the one of the same name (tests/test_gpu.py and test_scst_graphs.py use
+    it too)."""
     torch.manual_seed(0)
     return kind(
         Vocabulary(WORDS),
@@ -86,8 +87,8 @@ def tiny_module(kind: type[CaptionerModule] = CaptionerModule, **settings) -> Ca
                 optimizer={"lr": 0.01},
                 scheduler={"name": "none"},
                 nonfinite="skip",
-                **settings,
-            ),
+            )
+            | settings,
         ),
     )
 

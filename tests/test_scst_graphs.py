@@ -18,13 +18,13 @@ import torch
 from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
-from captioner.config import ModelConfig, from_dict
+from captioner.config import ModelConfig
 from captioner.data.vocab import Vocabulary
 from captioner.evaluation.cider import CiderD
 from captioner.training.graphed import SelfCriticalSteps, self_critical_graphs
 from captioner.training.module import CaptionerModule
 from captioner.training.optimization import build_optimizer
-from test_precision import WORDS, steps_trainer
+from test_precision import WORDS, steps_trainer, tiny_module
 
 MAX_LEN = 6  # words a rollout runs with static shapes
 SAMPLES = 3  # captions sampled per image
@@ -38,28 +38,19 @@ def scst_module(
     after_epochs: int = 0,
     **settings,
 ) -> CaptionerModule:
-    """A tiny SCST captioner (tests/test_precision.py's sizes) with dropout, so that the steps draw it, and static
-    shapes, the rollout's in the eager steps too: both draw the same numbers in the same order; SCST after
-    ``after_epochs`` cross-entropy epochs. ``settings``: other ``model`` settings."""
-    torch.manual_seed(0)
-    return kind(
-        Vocabulary(WORDS),
-        from_dict(
-            ModelConfig,
-            dict(
-                attention=attention,
-                encoder={"name": "resnet18", "weights": None, "stage": "layer1", "grid": 2},
-                decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.3},
-                decoding={"max_len": MAX_LEN},
-                objective="scst",
-                scst={"samples": SAMPLES, "baseline": baseline, "after_epochs": after_epochs},
-                static_shapes=True,
-                optimizer={"lr": 0.01},
-                scheduler={"name": "none"},
-            )
-            | settings,
-        ),
+    """A tiny SCST captioner (test_precision.tiny_module with these settings) with dropout, so that the steps draw
+    it, and static shapes, the rollout's in the eager steps too: both draw the same numbers in the same order; SCST
+    after ``after_epochs`` cross-entropy epochs. ``settings``: other ``model`` settings."""
+    scst = dict(
+        attention=attention,
+        decoder={"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.3},
+        decoding={"max_len": MAX_LEN},
+        objective="scst",
+        scst={"samples": SAMPLES, "baseline": baseline, "after_epochs": after_epochs},
+        static_shapes=True,
+        nonfinite=ModelConfig.nonfinite.value,  # the default: no skipped steps to tell apart
     )
+    return tiny_module(kind, **(scst | settings))
 
 
 def toy_cider(vocab: Vocabulary, device: torch.device | str = "cpu") -> CiderD:
