@@ -27,8 +27,6 @@ import argparse
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -38,8 +36,10 @@ from captioner.bundle import load_trained
 from captioner.config import DataConfig, TrainConfig, from_dict
 from captioner.data.cluttered import make_cluttered_scene
 from captioner.data.vocab import Vocabulary, tokenize, word_counts
-from composed import ROOT, compose_config
+from captioner.training.metrics import CIDER, PROGRESS, VAL, final, metric
+from composed import compose_config
 from tables import print_table
+from train_process import run_train
 
 SHARE = re.compile(r"training captions: ([\d,]+) of ([\d,]+) words \(([\d.]+)%\) read as <unk>")
 SETTINGS = ("keep", "grow")
@@ -72,9 +72,7 @@ def fine_tune(bundle: Path, setting: str, args: argparse.Namespace, out: Path) -
     """Run ``train.py`` with ``init_vocab=setting``; the share it logged, its final scores and its validation
     captions' use of the words the bundle lacked."""
     run = out / setting
-    command = [
-        sys.executable,
-        str(ROOT / "train.py"),
+    overrides = [
         "experiment=scenes",
         f"init_from={bundle}",
         f"init_vocab={setting}",
@@ -87,10 +85,7 @@ def fine_tune(bundle: Path, setting: str, args: argparse.Namespace, out: Path) -
         f"hydra.run.dir={run}",
         *args.overrides,
     ]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    found = SHARE.search(proc.stdout)
-    if proc.returncode != 0 or found is None:
-        sys.exit(f"train.py failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    found = run_train(overrides, SHARE)
     metrics = json.loads((run / "metrics.json").read_text())
     captions = json.loads((run / "val_captions.json").read_text())
     known = set(load_trained(bundle).vocab.itos)
@@ -98,8 +93,8 @@ def fine_tune(bundle: Path, setting: str, args: argparse.Namespace, out: Path) -
     return {
         "unk": f"{found[1]} of {found[2]} ({found[3]}%)",
         "vocab": len(load_trained(run / "bundle.pt").vocab),
-        "bleu4": metrics["val/bleu4"],
-        "cider": metrics["val/cider"],
+        "bleu4": metrics[final(metric(VAL, PROGRESS))],
+        "cider": metrics[final(metric(VAL, CIDER))],
         "captions": f"{sum(n > 0 for n in new):,} of {len(captions):,}",
         "words": f"{sum(new):,} of {sum(len(tokenize(c['caption'])) for c in captions):,}",
     }

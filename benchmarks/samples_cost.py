@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from train_process import run_train
+
 COST = re.compile(r"pictures: ([\d.]+) s for (\d+) sample sheets and the curves, ([\d.]+) % of the fit's ([\d.]+) s")
 
 
@@ -34,19 +32,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="train.py overrides (key=value)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="samples-cost-") as out:
-        command = [
-            sys.executable,
-            str(ROOT / "train.py"),
+        overrides = [
             f"trainer.max_epochs={args.epochs}",
             "test=false",
             "trainer.enable_progress_bar=false",
             f"hydra.run.dir={out}/run",
             *args.overrides,
         ]
-        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-        found = COST.search(proc.stdout)
-        if proc.returncode != 0 or found is None:
-            sys.exit(f"train.py failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        found = run_train(overrides, COST)
     seconds, sheets, share, wall = float(found[1]), int(found[2]), float(found[3]), float(found[4])
     print(f"{'epochs':>6} {'sheets':>6} {'pictures s':>10} {'per sheet s':>11} {'fit wall s':>10} {'share %':>8}")
     each = seconds / max(sheets, 1)

@@ -35,6 +35,7 @@ from captioner.evaluation.bleu import corpus_bleu_scores
 from captioner.evaluation.report import evaluate_split
 from captioner.inference import LoadedModel, load_model
 from captioner.run_files import BUNDLE_NAME, CONFIG_FILE, METRICS_FILE
+from captioner.training.metrics import PROGRESS, final, metric
 
 BATCH = 125  # the demo's eval_batch_size
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         return lambda images: model.encode(images)[0].to(dtype).float()  # stored in dtype, read as fp32
 
     rows: list[tuple[str, float]] = []
-    logged = json.loads((args.run / METRICS_FILE).read_text()).get(f"final/{args.split}/bleu4")
+    logged = json.loads((args.run / METRICS_FILE).read_text()).get(final(metric(args.split, PROGRESS)))
     if logged is not None:
         rows.append(("the run's metrics.json (its final validation of the exported checkpoint)", logged))
     captions: dict[tuple[str, str], dict[int, list[str]]] = {}
