@@ -1,5 +1,8 @@
 """What the tests share: a tiny built-in dataset, composed configs, train.py runs and what they leave behind,
-small models and bundles, and the helpers that build or damage their files."""
+small models and bundles, and the helpers that build or damage their files.
+
+Under pytest-xdist (README's test command runs two workers) each worker, and every process it starts, runs torch on
+one thread, and what is built once per test run (``built_once``) is shared by the workers."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -35,6 +39,14 @@ from captioner.training.schemas import register_schemas
 
 # The fixtures the captioner command's test files share (bundles, inputs, shapes): cli_helpers.py.
 pytest_plugins = ["cli_helpers"]
+
+# A pytest-xdist worker's name (gw0, gw1, ...); None in a run without workers.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    # the workers share the machine's cores: a second torch thread per worker (or per process a test starts, which
+    # inherits OMP_NUM_THREADS) would only wait for the other worker's
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -71,13 +83,29 @@ V, D, L = 12, 6, 4
 START, END = START_ID, END_ID
 
 
+# ------------------------------------------------------------------------------------ built once per run
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder ``name`` that ``build(folder)`` fills, built once per test run: with pytest-xdist in the folder the
+    workers' temporary folders share, by the first worker that asks while the others wait on a lock (a build that
+    failed is tried again by the next one). Tests must not change what is inside."""
+    base = tmp_path_factory.getbasetemp()
+    if WORKER:
+        base = base.parent  # pytest-<n>/, the run's own: each worker's base is pytest-<n>/popen-gw<i>
+    folder, built = base / name, base / f"{name}.built"
+    with FileLock(str(base / f"{name}.lock")):
+        if not built.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+            folder.mkdir()
+            build(folder)
+            built.touch()
+    return folder
+
+
 # ------------------------------------------------------------------------------------- the tiny dataset
 @pytest.fixture(scope="session")
 def tiny_shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A generated built-in dataset (240/24/24 images, 96 px) shared by the whole session."""
-    root = tmp_path_factory.mktemp("data") / "shapes"
-    generate_shapes(root, TINY)
-    return root
+    """A generated built-in dataset (240/24/24 images, 96 px) shared by the whole test run."""
+    return built_once(tmp_path_factory, "data", lambda folder: generate_shapes(folder / "shapes", TINY)) / "shapes"
 
 
 def copy_dataset(tiny_shapes: Path, dest: Path, images: bool = True) -> Path:
