@@ -1,5 +1,5 @@
-"""What the tests share: a tiny built-in dataset, composed configs, train.py runs and what they leave behind,
-small models and bundles, and the helpers that build or damage their files.
+"""What the tests share: a tiny built-in dataset, composed configs, train.py runs and what they leave behind (one
+trained run for the whole test run), small models and bundles, and the helpers that build or damage their files.
 
 Under pytest-xdist (README's test command runs two workers) each worker, and every process it starts, runs torch on
 one thread, and what is built once per test run (``built_once``) is shared by the workers."""
@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -216,6 +216,46 @@ def metrics_rows(run: Path) -> list[dict[str, str]]:
 def logged(run: Path, key: str) -> dict[int, float]:
     """The values of ``key`` in a run's CSV log, by step, in the order they were logged."""
     return {int(row["step"]): float(row[key]) for row in metrics_rows(run) if row.get(key)}
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A finished train.py run: its folder, what it printed, and the feature cache it read."""
+
+    folder: Path
+    stdout: str
+    stderr: str
+    cache: Path
+
+
+# The epochs of the shared trained run: its greedy val BLEU-4 passes 0.3 at the 4th (test_train_runs asserts it).
+TRAINED_EPOCHS = 6
+
+
+@pytest.fixture(scope="session")
+def trained_run(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    """A cross-entropy run of train.py on the tiny dataset (``TRAINED_EPOCHS`` epochs, the frozen stem's features
+    cached, the progress bar on, no early stopping, no test): the one trained model of the test run, built once
+    (``built_once``). test_train_runs checks that it learned; SCST, DDP validation, ... start from it. Tests read
+    its folder and cache, and copy them to change anything."""
+
+    def train(folder: Path) -> None:
+        proc = run_train(
+            [
+                *tiny_overrides(tiny_shapes, folder, cache=folder / "cache"),
+                "model.objective=cross_entropy",  # the demo's SCST epochs: tests/test_scst.py
+                f"trainer.max_epochs={TRAINED_EPOCHS}",
+                "test=false",
+                "callbacks.early_stopping=null",
+                "trainer.enable_progress_bar=true",
+            ]
+        )
+        (folder / "stdout.txt").write_text(proc.stdout)
+        (folder / "stderr.txt").write_text(proc.stderr)
+
+    folder = built_once(tmp_path_factory, "trained", train)
+    stdout, stderr = ((folder / f"{name}.txt").read_text() for name in ("stdout", "stderr"))
+    return TrainedRun(folder / "run", stdout, stderr, folder / "cache")
 
 
 # --------------------------------------------------------------------------------- models and their files
