@@ -255,18 +255,19 @@ def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(
 def test_scst_after_cross_entropy_epochs_in_one_run(tiny_shapes: Path, tmp_path: Path) -> None:
     """objective=scst with scst.after_epochs=1, from scratch: epoch 0 trains with cross-entropy, epoch 1
     with SCST (its reward logged); the checkpoints say objective scst, so ckpt_path=<this run> resumes it."""
+    steps_per_epoch = 4  # of the 15 batches of 16 images: what the switch needs
     run = run_train(
         [
             *tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"),
             "model.objective=scst",
             "model.scst.after_epochs=1",
             "trainer.max_epochs=2",
+            f"+trainer.limit_train_batches={steps_per_epoch}",
             "test=false",
             "trainer.log_every_n_steps=1",
         ]
     )
     assert "epoch 1: self-critical training (CIDEr-D reward) takes over from cross-entropy" in run.stdout
-    steps_per_epoch = math.ceil(240 / 16)
     cross_entropy, rewards = logged(tmp_path / "run", "train/ce"), logged(tmp_path / "run", "train/reward")
     assert sorted(cross_entropy) == list(range(steps_per_epoch))
     assert sorted(rewards) == list(range(steps_per_epoch, 2 * steps_per_epoch))

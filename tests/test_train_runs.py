@@ -118,7 +118,8 @@ def test_training_improves_bleu_far_above_an_untrained_model(
 
 @pytest.mark.slow
 def test_resume_continues_epoch_step_optimiser_and_schedule(tiny_shapes: Path, tmp_path: Path) -> None:
-    base = tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache")
+    # epochs of 5 of the 15 batches: what it takes to see a run pick up where another stopped
+    base = [*tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"), "+trainer.limit_train_batches=5"]
     run_train(
         [
             *base,
