@@ -2,7 +2,7 @@
 trained run for the whole test run), small models and bundles, and the helpers that build or damage their files.
 
 Under pytest-xdist (README's test command runs two workers) each worker, and every process it starts, runs torch on
-one thread, and what is built once per test run (``built_once``) is shared by the workers."""
+one thread, and what is built once per test run (``built_once``) is shared by the workers; docs/testing.md."""
 
 from __future__ import annotations
 
