@@ -1,5 +1,8 @@
-"""What the tests share: a tiny built-in dataset, composed configs, train.py runs and what they leave behind,
-small models and bundles, and the helpers that build or damage their files."""
+"""What the tests share: a tiny built-in dataset, composed configs, train.py runs and what they leave behind (one
+trained run for the whole test run), small models and bundles, and the helpers that build or damage their files.
+
+Under pytest-xdist (README's test command runs two workers) each worker, and every process it starts, runs torch on
+one thread, and what is built once per test run (``built_once``) is shared by the workers; docs/testing.md."""
 
 from __future__ import annotations
 
@@ -12,13 +15,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -36,6 +40,14 @@ from captioner.training.schemas import register_schemas
 
 # The fixtures the captioner command's test files share (bundles, inputs, shapes): cli_helpers.py.
 pytest_plugins = ["cli_helpers"]
+
+# A pytest-xdist worker's name (gw0, gw1, ...); None in a run without workers.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    # the workers share the machine's cores: a second torch thread per worker (or per process a test starts, which
+    # inherits OMP_NUM_THREADS) would only wait for the other worker's
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -72,13 +84,29 @@ V, D, L = 12, 6, 4
 START, END = START_ID, END_ID
 
 
+# ------------------------------------------------------------------------------------ built once per run
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder ``name`` that ``build(folder)`` fills, built once per test run: with pytest-xdist in the folder the
+    workers' temporary folders share, by the first worker that asks while the others wait on a lock (a build that
+    failed is tried again by the next one). Tests must not change what is inside."""
+    base = tmp_path_factory.getbasetemp()
+    if WORKER:
+        base = base.parent  # pytest-<n>/, the run's own: each worker's base is pytest-<n>/popen-gw<i>
+    folder, built = base / name, base / f"{name}.built"
+    with FileLock(str(base / f"{name}.lock")):
+        if not built.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+            folder.mkdir()
+            build(folder)
+            built.touch()
+    return folder
+
+
 # ------------------------------------------------------------------------------------- the tiny dataset
 @pytest.fixture(scope="session")
 def tiny_shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A generated built-in dataset (240/24/24 images, 96 px) shared by the whole session."""
-    root = tmp_path_factory.mktemp("data") / "shapes"
-    generate_shapes(root, TINY)
-    return root
+    """A generated built-in dataset (240/24/24 images, 96 px) shared by the whole test run."""
+    return built_once(tmp_path_factory, "data", lambda folder: generate_shapes(folder / "shapes", TINY)) / "shapes"
 
 
 def copy_dataset(tiny_shapes: Path, dest: Path, images: bool = True) -> Path:
@@ -202,6 +230,46 @@ def metrics_rows(run: Path) -> list[dict[str, str]]:
 def logged(run: Path, key: str) -> dict[int, float]:
     """The values of ``key`` in a run's CSV log, by step, in the order they were logged."""
     return {int(row["step"]): float(row[key]) for row in metrics_rows(run) if row.get(key)}
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A finished train.py run: its folder, what it printed, and the feature cache it read."""
+
+    folder: Path
+    stdout: str
+    stderr: str
+    cache: Path
+
+
+# The epochs of the shared trained run: its greedy val BLEU-4 passes 0.3 at the 4th (test_train_runs asserts it).
+TRAINED_EPOCHS = 6
+
+
+@pytest.fixture(scope="session")
+def trained_run(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    """A cross-entropy run of train.py on the tiny dataset (``TRAINED_EPOCHS`` epochs, the frozen stem's features
+    cached, the progress bar on, no early stopping, no test): the one trained model of the test run, built once
+    (``built_once``). test_train_runs checks that it learned; SCST, DDP validation, ... start from it. Tests read
+    its folder and cache, and copy them to change anything."""
+
+    def train(folder: Path) -> None:
+        proc = run_train(
+            [
+                *tiny_overrides(tiny_shapes, folder, cache=folder / "cache"),
+                "model.objective=cross_entropy",  # the demo's SCST epochs: tests/test_scst.py
+                f"trainer.max_epochs={TRAINED_EPOCHS}",
+                "test=false",
+                "callbacks.early_stopping=null",
+                "trainer.enable_progress_bar=true",
+            ]
+        )
+        (folder / "stdout.txt").write_text(proc.stdout)
+        (folder / "stderr.txt").write_text(proc.stderr)
+
+    folder = built_once(tmp_path_factory, "trained", train)
+    stdout, stderr = ((folder / f"{name}.txt").read_text() for name in ("stdout", "stderr"))
+    return TrainedRun(folder / "run", stdout, stderr, folder / "cache")
 
 
 # --------------------------------------------------------------------------------- models and their files

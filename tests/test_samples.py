@@ -163,15 +163,15 @@ def test_the_curves_mark_the_switch_to_scst_and_the_picked_checkpoint() -> None:
     assert "not computed" in [t.get_text() for t in cider.texts]  # no CIDEr-D in this history
 
 
-def test_a_resumed_run_keeps_the_picked_images_and_the_whole_history(tiny_shapes: Path) -> None:
+def test_a_resumed_run_keeps_the_picked_images_and_the_whole_history(tiny_shapes: Path, tmp_path: Path) -> None:
     from captioner.data.sources import ShapesSource
 
     records = ShapesSource(tiny_shapes).records("val")
-    first = TrainingPictures(dirpath=str(tiny_shapes.parent / "pictures"), count=3)
+    first = TrainingPictures(dirpath=str(tmp_path / "pictures"), count=3)
     chosen = first._records(records)
     assert [r.image_id for r in chosen] == [records[0].image_id, records[8].image_id, records[16].image_id]
     first.history = _history()
-    resumed = TrainingPictures(dirpath=str(tiny_shapes.parent / "resumed"), count=3)
+    resumed = TrainingPictures(dirpath=str(tmp_path / "resumed"), count=3)
     resumed.load_state_dict(first.state_dict())
     assert resumed.history == _history() and [r.image_id for r in resumed._records(records)] == first.picked
     trainer = mock.Mock()

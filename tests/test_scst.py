@@ -20,7 +20,7 @@ from captioner.model.decoding import rollout
 from captioner.model.losses import SelfCriticalLoss
 from captioner.model.steps import EXIT_CHECK_INTERVAL
 from captioner.training.objectives import caption_rewards
-from conftest import END, START, features_for, logged, make_decoder, run_train, tiny_overrides
+from conftest import END, START, TrainedRun, features_for, logged, make_decoder, run_train, tiny_overrides
 
 
 def teacher_forced_log_probs(
@@ -205,29 +205,14 @@ def test_self_critical_training_raises_the_greedy_captions_cider(attention: str)
 
 
 # ------------------------------------------------------------------------------ SCST runs of train.py
-@pytest.fixture(scope="module")
-def ce_run(tiny_shapes: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cross-entropy run on the tiny dataset: the model SCST starts from."""
-    out = tmp_path_factory.mktemp("ce")
-    run_train(
-        [
-            *tiny_overrides(tiny_shapes, out, cache=out / "cache"),
-            "model.objective=cross_entropy",
-            "trainer.max_epochs=4",
-            "test=false",
-            "callbacks.early_stopping=null",
-        ]
-    )
-    return out / "run"
-
-
 @pytest.mark.slow
 def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(
-    ce_run: Path, tiny_shapes: Path, tmp_path: Path
+    trained_run: TrainedRun, tiny_shapes: Path, tmp_path: Path
 ) -> None:
+    ce_run = trained_run.folder  # the cross-entropy run SCST starts from
     # save_top_k=-1: Lightning 2.6 rewrites last.ckpt at a validation only when it saves a top-k checkpoint
     base = [
-        *tiny_overrides(tiny_shapes, tmp_path, cache=ce_run.parent / "cache"),
+        *tiny_overrides(tiny_shapes, tmp_path, cache=trained_run.cache),
         "experiment=demo_scst",
         "test=false",
         "callbacks.early_stopping=null",
@@ -270,18 +255,19 @@ def test_scst_from_a_cross_entropy_run_learns_and_resumes_under_ddp(
 def test_scst_after_cross_entropy_epochs_in_one_run(tiny_shapes: Path, tmp_path: Path) -> None:
     """objective=scst with scst.after_epochs=1, from scratch: epoch 0 trains with cross-entropy, epoch 1
     with SCST (its reward logged); the checkpoints say objective scst, so ckpt_path=<this run> resumes it."""
+    steps_per_epoch = 4  # of the 15 batches of 16 images: what the switch needs
     run = run_train(
         [
             *tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"),
             "model.objective=scst",
             "model.scst.after_epochs=1",
             "trainer.max_epochs=2",
+            f"+trainer.limit_train_batches={steps_per_epoch}",
             "test=false",
             "trainer.log_every_n_steps=1",
         ]
     )
     assert "epoch 1: self-critical training (CIDEr-D reward) takes over from cross-entropy" in run.stdout
-    steps_per_epoch = math.ceil(240 / 16)
     cross_entropy, rewards = logged(tmp_path / "run", "train/ce"), logged(tmp_path / "run", "train/reward")
     assert sorted(cross_entropy) == list(range(steps_per_epoch))
     assert sorted(rewards) == list(range(steps_per_epoch, 2 * steps_per_epoch))

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from captioner.bundle import load_trained
 from captioner.config import DecodingConfig, from_dict
 from captioner.training.logs import finish_wandb
-from conftest import compose_cfg, run_train, snapshot, tiny_overrides
+from conftest import TrainedRun, compose_cfg, run_train, snapshot, tiny_overrides
 
 
 def _short_run(tiny_shapes: Path, tmp_path: Path, logger: list[str]) -> list[str]:
@@ -98,35 +98,28 @@ def test_fast_dev_run(extra: list[str], tiny_shapes: Path, tmp_path: Path, capsy
 
 
 @pytest.mark.slow
-def test_training_improves_bleu_far_above_an_untrained_model(tiny_shapes: Path, tmp_path: Path) -> None:
-    base = tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache")
+def test_training_improves_bleu_far_above_an_untrained_model(
+    trained_run: TrainedRun, tiny_shapes: Path, tmp_path: Path
+) -> None:
+    base = tiny_overrides(tiny_shapes, tmp_path, cache=trained_run.cache)
     run_train([*base, "train=false", "test=false", "hydra.run.dir=" + str(tmp_path / "untrained")])
-    trained = run_train(
-        [
-            *base,
-            "model.objective=cross_entropy",  # the demo's SCST epochs: tests/test_scst.py (12 here would be slow)
-            "trainer.max_epochs=12",
-            "test=false",
-            "callbacks.early_stopping=null",
-            "trainer.enable_progress_bar=true",
-        ]
-    )
     before = json.loads((tmp_path / "untrained" / "metrics.json").read_text())
-    after = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    after = json.loads((trained_run.folder / "metrics.json").read_text())
     assert before["final/val/bleu4"] < 0.05
-    assert after["final/val/bleu4"] > 0.3, trained.stdout[-2000:]
+    assert after["final/val/bleu4"] > 0.3, trained_run.stdout[-2000:]
     assert after["final/val/bleu1"] > before["final/val/bleu1"] + 0.3
-    assert "inference bundle:" in trained.stdout and "BLEU-4" in trained.stdout
+    assert "inference bundle:" in trained_run.stdout and "BLEU-4" in trained_run.stdout
     assert after["final/val/attention_correctness"] > 0.0
-    assert re.search(r"val/bleu4(=|: )0\.\d{3}\b", trained.stdout)  # in the progress bar (tqdm's or rich's)
-    output = trained.stdout + trained.stderr
+    assert re.search(r"val/bleu4(=|: )0\.\d{3}\b", trained_run.stdout)  # in the progress bar (tqdm's or rich's)
+    output = trained_run.stdout + trained_run.stderr
     assert "GPU available" in output  # Lightning's own messages stay, its advertisement and torch's
     assert "litlogger" not in output and "LeafSpec" not in output  # deprecation of Lightning's code go
 
 
 @pytest.mark.slow
 def test_resume_continues_epoch_step_optimiser_and_schedule(tiny_shapes: Path, tmp_path: Path) -> None:
-    base = tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache")
+    # epochs of 5 of the 15 batches: what it takes to see a run pick up where another stopped
+    base = [*tiny_overrides(tiny_shapes, tmp_path, cache=tmp_path / "cache"), "+trainer.limit_train_batches=5"]
     run_train(
         [
             *base,
@@ -172,12 +165,11 @@ def test_resume_continues_epoch_step_optimiser_and_schedule(tiny_shapes: Path, t
 
 
 @pytest.mark.slow
-def test_ddp_with_two_cpu_processes_gives_the_single_process_bleu(tiny_shapes: Path, tmp_path: Path) -> None:
+def test_ddp_with_two_cpu_processes_gives_the_single_process_bleu(
+    trained_run: TrainedRun, tiny_shapes: Path, tmp_path: Path
+) -> None:
     base = tiny_overrides(tiny_shapes, tmp_path)
-    run_train(
-        [*base, "trainer.max_epochs=2", "test=false", "data.feature_cache=null", f"hydra.run.dir={tmp_path / 'fit'}"]
-    )
-    ckpt = tmp_path / "fit" / "checkpoints" / "last.ckpt"
+    ckpt = trained_run.folder / "checkpoints" / "last.ckpt"
     # 24 validation images over 2 ranks with an eval batch of 5: uneven shards, padded by the sampler.
     common = [*base, "train=false", "test=false", f"ckpt_path={ckpt}", "data.eval_batch_size=5"]
     run_train([*common, "trainer=cpu", f"hydra.run.dir={tmp_path / 'single'}"])
