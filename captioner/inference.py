@@ -24,6 +24,7 @@ from captioner.config import (
     CAPTIONING_BATCH_SIZE,
     CAPTIONING_WORKERS,
     DecodingConfig,
+    EnsembleMean,
     HardInference,
     ImageDecoding,
     captioning_settings,
@@ -270,31 +271,41 @@ class LoadedEnsemble(LoadedModel):
     def __repr__(self) -> str:
         lines = "\n".join(f"  {number}. {member!r}" for number, member in enumerate(self.members, 1))
         return (
-            f"LoadedEnsemble of {len(self.members)} models decoding with the mean of their log-probabilities "
+            f"LoadedEnsemble of {len(self.members)} models decoding with the mean of their "
+            f"{'log-probabilities' if self.model.decoder.mean == EnsembleMean.log else 'probabilities'} "
             f"(the first's decoding settings; attention on its {self.grid[0]}x{self.grid[1]} grid):\n{lines}"
         )
 
 
 def load_model(
-    path: str | os.PathLike | Sequence[str | os.PathLike], map_location: str | torch.device = "cpu"
+    path: str | os.PathLike | Sequence[str | os.PathLike],
+    map_location: str | torch.device = "cpu",
+    mean: EnsembleMean | str = EnsembleMean.log,
 ) -> LoadedModel:
     """Load a model to caption with: an inference bundle, a Lightning checkpoint written by training, or a
     training run's folder (its bundle); ``captioner.bundle.load_trained`` says what is read and refused.
 
     A list of them loads an ensemble (``LoadedEnsemble``, even of one model): the models must share one
-    vocabulary (ConfigError otherwise)."""
+    vocabulary (ConfigError otherwise); ``mean`` says how their word distributions are averaged (``EnsembleMean``:
+    "log", the normalised mean of their log-probabilities, or "prob", of their probabilities)."""
     if not isinstance(path, (str, os.PathLike)):
-        return load_ensemble(path, map_location)
+        return load_ensemble(path, map_location, mean)
     trained = load_trained(path, map_location)
     fields = {field.name: getattr(trained, field.name) for field in dataclasses.fields(trained)}
     return LoadedModel(**fields, source=os.fspath(path))
 
 
-def load_ensemble(paths: Sequence[str | os.PathLike], map_location: str | torch.device = "cpu") -> LoadedEnsemble:
-    """The models of ``paths`` (``load_model``'s files) as one ensemble; ConfigError for no path or for models
-    whose vocabularies differ."""
+def load_ensemble(
+    paths: Sequence[str | os.PathLike],
+    map_location: str | torch.device = "cpu",
+    mean: EnsembleMean | str = EnsembleMean.log,
+) -> LoadedEnsemble:
+    """The models of ``paths`` (``load_model``'s files) as one ensemble averaging their word distributions as
+    ``mean`` says; ConfigError for no path, an unknown ``mean`` or models whose vocabularies differ."""
     if not paths:
         raise ConfigError("an ensemble needs at least one model")
+    if mean not in tuple(EnsembleMean):
+        raise ConfigError(f"mean={mean!r}: an ensemble averages {' or '.join(map(repr, map(str, EnsembleMean)))}")
     members = tuple(load_model(path, map_location) for path in paths)
     first = members[0]
     for member in members[1:]:
@@ -303,7 +314,8 @@ def load_ensemble(paths: Sequence[str | os.PathLike], map_location: str | torch.
                 f"{member.source} and {first.source} have different vocabularies ({len(member.vocab):,} and "
                 f"{len(first.vocab):,} words): an ensemble's models must share one vocabulary"
             )
-    model = EnsembleCaptioner([member.model for member in members], [member.image_size for member in members])
+    sizes = [member.image_size for member in members]
+    model = EnsembleCaptioner([member.model for member in members], sizes, EnsembleMean(mean))
     return LoadedEnsemble(
         model.eval(),
         first.vocab,

@@ -1,6 +1,7 @@
 """Ensembles: one model is that model exactly, two copies of one model decode as it does (same tokens, same
-scores), two different models' first word is scored with the normalised mean of their log-probabilities; each
-model reads the image at its own input size; different vocabularies are refused in one line (API and CLI)."""
+scores), two different models score each word with the normalised mean of their log-probabilities (or the mean
+of their probabilities, ``mean="prob"``), whole captions included; each model reads the image at its own input
+size; different vocabularies, and an unknown mean, are refused in one line (API and CLI)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,18 @@ def _features(seed: int, locations: int = L) -> torch.Tensor:
     return torch.randn(3, locations, D, generator=torch.Generator().manual_seed(seed))
 
 
+def _reference(member_logits: list[torch.Tensor], mean: str) -> torch.Tensor:
+    """The ensemble's log-distribution over the whole vocabulary (B, V) of its members' logits, averaged as ``mean``
+    says, then with <pad>, <start> and <unk> taken out as one model's are."""
+    log_probs = torch.stack([logits.log_softmax(dim=1) for logits in member_logits])  # (M, B, V)
+    if mean == "log":
+        averaged = log_probs.mean(0)
+        averaged = averaged - averaged.logsumexp(dim=1, keepdim=True)
+    else:
+        averaged = log_probs.exp().mean(0).log()
+    return word_log_probs(averaged, UNK_ID)
+
+
 def _same(one, other) -> bool:
     return all(torch.equal(getattr(one, name), getattr(other, name)) for name in ("tokens", "scores", "alphas"))
 
@@ -52,17 +65,19 @@ def test_an_ensemble_of_one_model_or_of_two_copies_decodes_exactly_as_the_model(
         assert _same(alone, together), copies
 
 
-def test_two_models_score_each_word_with_the_normalised_mean_of_their_log_probabilities() -> None:
+@pytest.mark.parametrize("mean", ["log", "prob"])
+def test_two_models_score_each_word_with_the_mean_of_their_log_probabilities_or_probabilities(mean) -> None:
     decoders, features = [make_decoder(seed=0), make_decoder(seed=7)], [_features(1), _features(2)]
-    ensemble = EnsembleDecoder(decoders, [LAYOUT, LAYOUT])
+    ensemble = EnsembleDecoder(decoders, [LAYOUT, LAYOUT], mean)
     packed = ensemble.pack(features)
     tokens = torch.full((3,), START_ID)
     with torch.no_grad():
         logits, state, alpha, _, _ = ensemble.step(tokens, ensemble.init_state(packed), packed, ensemble.keys(packed))
         members = [d.step(tokens, d.init_state(f), f, d.attention.keys(f)) for d, f in zip(decoders, features)]
     # over the whole vocabulary, as one model's, then <pad>, <start> and <unk> taken out as one model's are
-    mean = torch.stack([out[0].log_softmax(dim=1) for out in members]).mean(0)  # (B, V)
-    expected = word_log_probs(mean - mean.logsumexp(dim=1, keepdim=True), UNK_ID)
+    expected = _reference([out[0] for out in members], mean)  # (B, V)
+    other = _reference([out[0] for out in members], "prob" if mean == "log" else "log")
+    assert not torch.allclose(expected, other, atol=1e-3)  # the two means differ on these models
     assert torch.allclose(word_log_probs(logits, UNK_ID), expected, atol=1e-5)
     assert not torch.allclose(expected, word_log_probs(members[0][0], UNK_ID), atol=1e-2)  # not the first's alone
     assert torch.equal(alpha, (members[0][2] + members[1][2]) / 2)
@@ -151,6 +166,9 @@ def test_different_vocabularies_are_refused_in_one_line(bundles, photos, capsys)
     with pytest.raises(ConfigError, match="different vocabularies") as error:
         load_model([bundles["a"], bundles["other_words"]])
     assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="^mean='geometric': an ensemble averages 'log' or 'prob'$"):
+        load_model([bundles["a"], bundles["a"]], mean="geometric")
+    assert "mean of their probabilities" in repr(load_model([bundles["a"], bundles["a"]], mean="prob"))
     args = ["caption", photos[0], "--model", str(bundles["a"]), "--model", str(bundles["other_words"]), *QUICK]
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip()
@@ -165,6 +183,13 @@ def test_the_commands_decode_with_the_ensemble(bundles, photos, tmp_path, capsys
     assert [row["caption"] for row in rows] == [result.caption for result in expected]
     assert cli.main(["attend", photos[0], *models, *QUICK, "--out", str(tmp_path / "overlay.png")]) == 0
     assert Image.open(tmp_path / "overlay.png").size[0] > 0
+    capsys.readouterr()
+    assert cli.main(["caption", *photos, *models, *QUICK, "--json", "--ensemble-mean", "prob"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected = load_model([bundles["a"], bundles["b"]], mean="prob").caption(photos, max_len=3)
+    assert [(row["caption"], row["score"]) for row in rows] == [(r.caption, round(r.score, 4)) for r in expected]
+    assert cli.main(["caption", *photos, *models[:2], *QUICK, "--ensemble-mean", "prob"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --ensemble-mean prob: one --model is not an ensemble"
 
 
 def test_evaluate_with_two_copies_of_a_model_scores_as_the_model_and_names_them(bundles, shapes, tmp_path) -> None:
@@ -193,28 +218,29 @@ def test_hard_inference_is_read_by_each_hard_attention_member_and_refused_withou
         load(args, torch.device("cpu"))
 
 
-def _teacher_forced(decoders, features, tokens: torch.Tensor) -> torch.Tensor:
-    """The ensemble's normalised mean log-probability (B, T) of each word of ``tokens`` (B, T) given the words
-    before it, each member stepped on its own state: the reference the decoding functions must reproduce."""
+def _teacher_forced(decoders, features, tokens: torch.Tensor, mean: str) -> torch.Tensor:
+    """The ensemble's log-probability (B, T), averaged as ``mean`` says, of each word of ``tokens`` (B, T) given
+    the words before it, each member stepped on its own state: the reference the decoding functions must
+    reproduce."""
     states = [d.init_state(f) for d, f in zip(decoders, features)]
     previous, scores = torch.full((tokens.shape[0],), START_ID), []
     for t in range(tokens.shape[1]):
         steps = [d.step(previous, s, f, d.attention.keys(f)) for d, s, f in zip(decoders, states, features)]
         states = [out[1] for out in steps]
-        mean = torch.stack([out[0].log_softmax(dim=1) for out in steps]).mean(0)  # (B, V)
-        words = word_log_probs(mean - mean.logsumexp(dim=1, keepdim=True), UNK_ID)
+        words = _reference([out[0] for out in steps], mean)  # (B, V)
         scores.append(words.gather(1, tokens[:, t : t + 1]).squeeze(1))
         previous = tokens[:, t]
     return torch.stack(scores, dim=1)
 
 
+@pytest.mark.parametrize("mean", ["log", "prob"])
 @pytest.mark.parametrize("settings", [METHODS[0], METHODS[2]], ids=["greedy", "beam-3"])
-def test_two_different_models_decode_whole_captions_as_each_member_stepped_on_its_own_state(settings) -> None:
+def test_two_different_models_decode_whole_captions_as_each_member_stepped_on_its_own_state(settings, mean) -> None:
     decoders, features = [make_decoder(seed=0), make_decoder(seed=7)], [_features(1), _features(2)]
-    ensemble = EnsembleDecoder(decoders, [LAYOUT, LAYOUT])
+    ensemble = EnsembleDecoder(decoders, [LAYOUT, LAYOUT], mean)
     with torch.no_grad():
         got = decode(ensemble, ensemble.pack(features), settings, unk_id=UNK_ID)
-        reference = _teacher_forced(decoders, features, got.tokens)
+        reference = _teacher_forced(decoders, features, got.tokens, mean)
     words = got.tokens != PAD_ID  # (B, T): the words of each caption, <end> included
     # greedy: the sum of its words' reference scores; beam (no length penalty): its best caption's, whose every
     # step reordered the members' states with the beams: a member given another's state or row would differ

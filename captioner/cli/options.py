@@ -12,7 +12,7 @@ import torch
 
 from captioner import load_model
 from captioner.cli import parser
-from captioner.config import MAX_WORDS, DecodingConfig, HardInference, captioning_settings
+from captioner.config import MAX_WORDS, DecodingConfig, EnsembleMean, HardInference, captioning_settings
 from captioner.errors import ConfigError, DataError, check_range
 
 if TYPE_CHECKING:
@@ -60,11 +60,18 @@ def decoding(args: argparse.Namespace, base: DecodingConfig | None = None) -> De
 def load(args: argparse.Namespace, on: torch.device) -> LoadedModel:
     """The ``--model`` file (bundle or training checkpoint), in eval mode on ``on``, decoding as its run did with
     the decoding options given over that (:func:`decoding`); a hard attention model reading what
-    ``--hard-inference`` asks. Several ``--model``: their ensemble (``load_model`` of the list), decoding as the
-    first one's run did, ``--hard-inference`` read by each hard attention member."""
+    ``--hard-inference`` asks. Several ``--model``: their ensemble (``load_model`` of the list, averaging as
+    ``--ensemble-mean`` says), decoding as the first one's run did, ``--hard-inference`` read by each hard attention
+    member."""
     from captioner.inference import LoadedEnsemble
 
-    loaded = load_model(args.model[0] if len(args.model) == 1 else args.model, map_location="cpu")
+    mean = getattr(args, "ensemble_mean", EnsembleMean.log)
+    if len(args.model) == 1 and mean != EnsembleMean.log:
+        raise ConfigError(f"--ensemble-mean {mean}: one --model is not an ensemble")
+    if len(args.model) == 1:
+        loaded = load_model(args.model[0], map_location="cpu")
+    else:
+        loaded = load_model(args.model, map_location="cpu", mean=mean)
     loaded = dataclasses.replace(loaded, decoding=decoding(args, loaded.decoding))
     loaded.model.to(on)
     if getattr(args, "hard_inference", None) is not None:

@@ -14,6 +14,7 @@ from captioner.config import (
     CAPTIONING_WORKERS,
     DecodeMethod,
     DecodingConfig,
+    EnsembleMean,
     HardInference,
     ImageDecoding,
     SceneKind,
@@ -35,13 +36,14 @@ DESCRIPTION = """caption images, draw attention overlays, evaluate a model on a 
 
 --model takes a training run's folder, the bundle.pt that training exports there, or one of its Lightning
 checkpoints; --model a --model b ... decodes with their ensemble (the mean of the models' log-probabilities at
-every word; one vocabulary). Images are decoded in worker processes and captioned a batch at a time; a progress bar
-shows on stderr for many. A bad input file gets one line on stderr naming it and the reason; the other
-images are still captioned and the exit status is 1. A bad argument, model file or dataset gets one line
-and exit status 2. No traceback. caption and attend end with a summary line on stderr (images captioned,
-failed, skipped, images/s); see captioner caption --help for the output formats. A model decodes as its
-training run decoded its final scores (beam search, as long as its training captions, ...: the scores that
-run printed are the scores captioner evaluate gives); each decoding option given replaces one of those."""
+every word, or with --ensemble-mean prob of their probabilities; one vocabulary). Images are decoded in worker
+processes and captioned a batch at a time; a progress bar shows on stderr for many. A bad input file gets one
+line on stderr naming it and the reason; the other images are still captioned and the exit status is 1. A bad
+argument, model file or dataset gets one line and exit status 2. No traceback. caption and attend end with a
+summary line on stderr (images captioned, failed, skipped, images/s); see captioner caption --help for the output
+formats. A model decodes as its training run decoded its final scores (beam search, as long as its training
+captions, ...: the scores that run printed are the scores captioner evaluate gives); each decoding option given
+replaces one of those."""
 PROGRESS_MIN_IMAGES = 64  # a progress bar on stderr from this many images
 STDIN = "-"  # among the inputs: read image paths from standard input, one per line
 NUL_HELP = "(or -0) - reads NUL-separated paths (find -print0) instead of one per line"
@@ -191,6 +193,13 @@ def _common(sub: argparse.ArgumentParser, n_best: bool = False) -> None:
         help="a training run's folder (its bundle.pt), a bundle.pt, or a training checkpoint; given several times, "
         "their ensemble: the mean of the models' log-probabilities at every word, each model reading the image at "
         "its own input size; one vocabulary; the first model's decoding settings",
+    )
+    sub.add_argument(
+        "--ensemble-mean",
+        choices=[str(mean) for mean in EnsembleMean],
+        default=str(EnsembleMean.log),
+        help="how an ensemble averages its models' word distributions: log, the normalised mean of their "
+        "log-probabilities; prob, of their probabilities (default: %(default)s)",
     )
     sub.set_defaults(given=set())
     for title, options in DECODING_OPTIONS.items():

@@ -33,6 +33,7 @@ from captioner.config.decoding import (
     METHOD_SETTINGS,
     DecodeMethod,
     DecodingConfig,
+    EnsembleMean,
     captioning_settings,
 )
 from captioner.config.model import (
@@ -88,6 +89,7 @@ __all__ = [
     "Compile",
     "DataConfig",
     "DecodeMethod",
+    "EnsembleMean",
     "DecoderConfig",
     "DecodingConfig",
     "EncoderConfig",

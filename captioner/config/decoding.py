@@ -34,6 +34,13 @@ class DecodeMethod(enum.StrEnum):
     sample = "sample"
 
 
+class EnsembleMean(enum.StrEnum):
+    """How an ensemble's members' word distributions p_m(w) make its own, at every word."""
+
+    log = "log"  # the normalised mean of their log-probabilities (a geometric mean: any member can veto a word)
+    prob = "prob"  # the mean of their probabilities, log mean_m p_m(w) (ruotianluo's AttEnsemble, fairseq)
+
+
 @dataclass
 class DecodingConfig(Settings):
     """How captions are decoded: these defaults are validation's and test's (``model.decoding``);

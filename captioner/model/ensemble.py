@@ -1,8 +1,8 @@
 """Ensembles of trained captioners decoding together: at every word each member reads the image through its own
 encoder, at its own input size, and scores the next word from its own state and attention; the ensemble's word
-distribution is the normalised mean of the members' log-probabilities, log p(w) = mean_m log p_m(w) - log Z
-(a geometric mean: a word any member finds unlikely stays unlikely). ruotianluo's ``AttEnsemble`` and fairseq
-average the probabilities instead (log mean_m p_m(w)).
+distribution is by default the normalised mean of the members' log-probabilities, log p(w) = mean_m log p_m(w)
+- log Z (a geometric mean: a word any member finds unlikely stays unlikely), or the mean of their probabilities,
+log p(w) = log mean_m p_m(w), as ruotianluo's ``AttEnsemble`` and fairseq average (``EnsembleMean``).
 
 ``EnsembleDecoder`` presents the one-step interface that ``decoding`` calls on a ``ShowAttendTellDecoder``
 (``attention.keys``, ``init_state``, ``step``, its graph cache), so greedy, sampling and beam search decode an
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from captioner.config import Compile, DecodingConfig, HardInference, ModelConfig
+from captioner.config import Compile, DecodingConfig, EnsembleMean, HardInference, ModelConfig
 from captioner.model.captioner import Captioner, Grid
 from captioner.model.decoder import ShowAttendTellDecoder, StepOutput
 from captioner.model.decoding import Generation, decode
@@ -45,18 +45,25 @@ class Layout:
 class EnsembleDecoder(nn.Module):
     """The members' decoders behind one decoder's one-step interface; ``layouts`` are their shapes, in order.
 
-    ``step`` returns as logits the mean of the members' logits (float32), which differs from the mean of their
-    log-softmax by a constant per row: the log-softmax that every decoding method takes of it is exactly the
-    normalised mean of the members' log-probabilities. The attention of a word is the mean of the members' on
+    ``step`` returns as logits (float32), for ``mean`` log, the mean of the members' logits, which differs from the
+    mean of their log-softmax by a constant per row: the log-softmax that every decoding method takes of it is
+    exactly the normalised mean of the members' log-probabilities; for ``mean`` prob, log mean_m p_m(w), already
+    normalised. The attention of a word is the mean of the members' on
     the first member's grid, each map on another grid resampled onto it (bilinear, antialiased) and normalised.
     """
 
-    def __init__(self, members: Sequence[ShowAttendTellDecoder], layouts: Sequence[Layout]) -> None:
+    def __init__(
+        self,
+        members: Sequence[ShowAttendTellDecoder],
+        layouts: Sequence[Layout],
+        mean: EnsembleMean = EnsembleMean.log,
+    ) -> None:
         super().__init__()
         if not members or len(members) != len(layouts):
             raise ValueError(f"an ensemble needs one layout per member, got {len(members)} and {len(layouts)}")
         self.members = nn.ModuleList(members)
         self.layouts = tuple(layouts)
+        self.mean = EnsembleMean(mean)
         # decoding graphs per combination of the members' hard attention reads (each read is captured in a graph)
         self.graph_caches: dict[tuple[HardInference | None, ...], GraphCache] | None = {}
 
@@ -121,7 +128,11 @@ class EnsembleDecoder(nn.Module):
             member.step(tokens, state[2 * m : 2 * m + 2], part, key)
             for m, (member, part, key) in enumerate(zip(self.members, parts, key_parts))
         ]
-        logits = torch.stack([out[0].float() for out in outputs]).mean(dim=0)  # (B, [K,] V)
+        logits = torch.stack([out[0].float() for out in outputs])  # (M, B, [K,] V)
+        if self.mean == EnsembleMean.log:
+            logits = logits.mean(dim=0)  # (B, [K,] V)
+        else:
+            logits = torch.logsumexp(logits.log_softmax(dim=-1), dim=0) - math.log(len(outputs))  # (B, [K,] V)
         states = tuple(s for out in outputs for s in out[1])
         alpha = torch.stack([self._on_first_grid(out[2], m) for m, out in enumerate(outputs)]).mean(dim=0)
         return logits, states, alpha, _summed([out[3] for out in outputs]), _summed([out[4] for out in outputs])
@@ -139,14 +150,17 @@ class EnsembleDecoder(nn.Module):
 
 class EnsembleCaptioner(nn.Module):
     """Trained captioners decoding as one (``EnsembleDecoder``), each reading its own images: ``image_sizes``
-    are the members' square input sides, in order. Build it in eval mode; the members are used, not copied."""
+    are the members' square input sides, in order; ``mean`` how their word distributions are averaged. Build it in
+    eval mode; the members are used, not copied."""
 
-    def __init__(self, members: Sequence[Captioner], image_sizes: Sequence[int]) -> None:
+    def __init__(
+        self, members: Sequence[Captioner], image_sizes: Sequence[int], mean: EnsembleMean = EnsembleMean.log
+    ) -> None:
         super().__init__()
         self.members = nn.ModuleList(members)
         self.image_sizes = tuple(image_sizes)
         layouts = [_layout(member, size) for member, size in zip(members, image_sizes, strict=True)]
-        self.decoder = EnsembleDecoder([member.decoder for member in members], layouts)
+        self.decoder = EnsembleDecoder([member.decoder for member in members], layouts, mean)
 
     @torch.no_grad()
     def generate(
