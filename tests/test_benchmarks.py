@@ -75,7 +75,7 @@ def table(stdout: str, title: str, rows: int) -> list[dict[str, str]]:
     lines = stdout.split(f"### {title}\n", 1)[1].strip().splitlines()
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     body = [line for line in lines[2 : 2 + rows] if line.startswith("|")]
-    assert len(body) == rows and not lines[2 + rows].startswith("|"), stdout
+    assert len(body) == rows and not any(line.startswith("|") for line in lines[2 + rows : 3 + rows]), stdout
     return [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")))) for line in body]
 
 
@@ -431,9 +431,17 @@ def test_ensemble_scores_each_run_alone_and_their_ensemble(
     importlib.import_module("ensemble").main([*map(str, runs), "--method", "greedy", "--no-coco"])
     stdout = capsys.readouterr().out
     assert stdout.startswith("24 val and 24 test images; decoding DecodingConfig(method=<DecodeMethod.greedy")
-    rows = table(stdout, "models alone and as an ensemble", 4)
-    assert [row["model"] for row in rows] == ["one", "two", "mean of the 2 alone", "ensemble of the 2"]
+    rows = table(stdout, "models alone and as an ensemble", 5)
+    ensembles = [f"ensemble of the 2, mean of {kind}" for kind in ("log-probabilities", "probabilities")]
+    assert [row["model"] for row in rows] == ["one", "two", "mean of the 2 alone", *ensembles]
     assert all(0.0 <= float(row["val BLEU-4"]) <= 1.0 and row["test CIDEr-D"] == "n/a" for row in rows)
+    assert all(0 <= float(row["val words"]) <= 20 and 0 <= float(row["test % shapes named"]) <= 100 for row in rows)
+    title = "where an ensemble's captions part from its members' (per-image nltk BLEU-4 on the images it parts)"
+    apart = table(stdout, title, 4)
+    assert [(row["ensemble"], row["split"]) for row in apart] == [(e, s) for e in ensembles for s in ("val", "test")]
+    for row in apart:  # every image is either one of the members' captions or counted apart
+        assert 0.0 <= float(row["% a member's caption"]) <= 100.0, row
+        assert round(24 * (1 - float(row["% a member's caption"]) / 100)) == int(row["images apart"]), row
 
 
 def test_init_vocab_counts_the_words_each_setting_reads_as_unk(
@@ -448,3 +456,37 @@ def test_init_vocab_counts_the_words_each_setting_reads_as_unk(
     for row in (small, large):
         keep, grow = (float(row[f"{name}: <unk>"].split("(")[1].rstrip("%)")) for name in ("keep", "grow"))
         assert keep > 50 > grow and int(row["words grow adds"]) > 5  # the scenes' words, most seen 5 times or more
+
+
+def test_named_shapes_right_is_the_precision_and_recall_of_the_captions_colour_shape_phrases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    ensemble = importlib.import_module("ensemble")
+    images = [
+        {"image_id": 1, "caption": "a red circle and a blue square"},  # both right
+        {"image_id": 2, "caption": "a red square and a green circle"},  # one colour bound to the other's shape
+    ]
+    shapes = {1: {("red", "circle"), ("blue", "square")}, 2: {("red", "circle"), ("green", "square")}}
+    assert ensemble.named_shapes_right(images, shapes) == (pytest.approx(100 * 2 / 4), pytest.approx(100 * 2 / 4))
+    shapes[1].add(("blue", "triangle"))  # a shape no caption names: recall only
+    assert ensemble.named_shapes_right(images, shapes) == (pytest.approx(50.0), pytest.approx(100 * 2 / 5))
+    right, named = ensemble.named_shapes_right(images, None)  # not a shapes set
+    assert right != right and named != named
+
+
+def test_each_hand_mutation_names_source_that_occurs_once_and_tests_that_exist(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/mutations.py (docs/testing.md's table) mutates text that is in the package once, and lists tests
+    that are collected: code that moved or a test renamed fails here, not silently in the table."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    mutations = importlib.import_module("mutations")
+    assert len(mutations.MUTATIONS) == 7
+    for mutation in mutations.MUTATIONS:
+        assert mutations.occurrences(mutation) == 1, mutation
+        for test in mutation.tests + mutation.slow:
+            file, name = test.split("::")
+            assert re.search(rf"^def {name}\(", (ROOT / file).read_text(), re.M), test
+    documented = (ROOT / "docs" / "testing.md").read_text()
+    assert all(f"`{mutation.name}`" in documented for mutation in mutations.MUTATIONS)
