@@ -2,6 +2,7 @@
 ``min_len`` forbids <end> before it; a beam wide enough to keep every hypothesis finds the best allowed caption;
 a constrained batch decodes as its images one at a time; bad constraints raise ConfigError."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -11,7 +12,7 @@ from torch.testing import assert_close
 from captioner.config import DecodingConfig
 from captioner.errors import ConfigError
 from captioner.model.decoder import ShowAttendTellDecoder
-from captioner.model.decoding import beam_search
+from captioner.model.decoding import beam_search, decode
 from conftest import END, START, D, features_for, make_decoder, net_config
 from decoding_helpers import METHODS, ChainDecoder, chain_features, pad_to, with_end_bias
 
@@ -49,7 +50,8 @@ def test_blocking_repeated_bigrams(method, blocked):
 def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_allowed_caption(ngram, min_len, length_penalty):
     """2 words + <end>, 4 steps: at most 24 candidates per step, so 24 beams never prune and beam search
     must agree with brute force over every caption the constraints allow (no repeated n-gram, at least
-    ``min_len`` words before <end>). The decoder prefers "a a a a", which every blocking case forbids."""
+    ``min_len`` words before <end>, and at least one: never the empty caption). The decoder prefers "a a a a",
+    which every blocking case forbids."""
     torch.manual_seed(0)
     decoder = ShowAttendTellDecoder(5, D, net_config(embed_dim=8, hidden_dim=8, attention_dim=8, dropout=0.0)).eval()
     decoder.classifier.bias[3] += 1.0
@@ -64,7 +66,7 @@ def test_a_beam_wide_enough_to_keep_every_hypothesis_finds_the_best_allowed_capt
     allowed = [
         c
         for c in captions
-        if not repeats_an_ngram([w for w in c if w != END], ngram) and (c[-1] != END or len(c) > min_len)
+        if not repeats_an_ngram([w for w in c if w != END], ngram) and (c[-1] != END or len(c) > max(min_len, 1))
     ]
     for b in range(3):
         scores = {}
@@ -88,6 +90,20 @@ def test_min_len_forbids_end_before_it(method):
     assert (generation.lengths >= 4).all()  # 3 words at least, then <end>
     ended = generation.tokens.gather(1, (generation.lengths - 1).unsqueeze(1)).squeeze(1) == END
     assert ended.all()
+
+
+@pytest.mark.parametrize("method", ["greedy", "sample", "beam", "diverse"])
+def test_no_method_returns_an_empty_caption_where_the_model_would_end_at_once(method):
+    decoder = with_end_bias(make_decoder(seed=13), 20.0)  # <end> first, with probability ~1
+    features = features_for(6)
+    settings = DecodingConfig(method=method, max_len=8, beam_size=4, groups=2, n_best=2, seed=0)
+    generation = decode(decoder, features, settings)
+    assert generation.lengths.tolist() == [2] * 6  # one word, then <end> at once
+    assert (generation.tokens[:, 0] != END).all() and (generation.tokens[:, 1] == END).all()
+    if generation.n_best_lengths is not None:  # every one of the n best too
+        assert (generation.n_best_lengths == 2).all() and (generation.n_best_tokens[..., 0] != END).all()
+    with_min_len_1 = decode(decoder, features, dataclasses.replace(settings, min_len=1))
+    assert torch.equal(with_min_len_1.tokens, generation.tokens)  # min_len 0 and 1 alike
 
 
 def test_constrained_beam_search_batched_equals_one_image_at_a_time():

@@ -93,7 +93,7 @@ DECODING_OPTIONS = {
     "decoding (every method)": {
         "--method": (None, "decoding method", CAPTIONING_METHOD.value),
         "--max-len": (int, "maximum words per caption", DecodingConfig.max_len),
-        "--min-len": (int, "no <end> before this many words (0: off)", DecodingConfig.min_len),
+        "--min-len": (int, "no <end> before this many words (0 and 1 alike: never empty)", DecodingConfig.min_len),
         "--no-repeat-ngram-size": (
             int,
             "no n-gram of this many words twice in a caption (0: off)",

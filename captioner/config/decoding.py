@@ -59,7 +59,7 @@ class DecodingConfig(Settings):
     temperature: float = 1.0  # sample: softmax(logits / temperature)
     top_k: int = 0  # sample: draw among the top_k most likely words only (0: off)
     top_p: float = 1.0  # sample: draw among the fewest most likely words holding top_p of the mass (1: off)
-    min_len: int = 0  # no <end> before this many words (0: off)
+    min_len: int = 0  # no <end> before this many words (0 and 1 alike: a caption always has one word)
     no_repeat_ngram_size: int = 0  # no n-gram of this many words twice in a caption (0: off)
     seed: int | None = None  # sample: seeds its random draws, the same seed the same captions (None: torch's own)
 

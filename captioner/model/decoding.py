@@ -9,8 +9,9 @@ Each method computes the attention keys once per image, then advances every capt
 (rollouts: in training mode too).
 
 Two constraints apply to every method but rollouts, on the device: ``min_len`` forbids <end> before that
-many words, and ``no_repeat_ngram_size`` = n forbids a word that would complete an n-gram already in the
-caption (0 turns either off). Where they leave a row no word at all, <end> is allowed there.
+many words, and never as the first word (no method returns an empty caption), and ``no_repeat_ngram_size`` = n
+forbids a word that would complete an n-gram already in the caption (0 turns it off). Where they leave a row no
+word at all, <end> is allowed there.
 """
 
 from __future__ import annotations

@@ -39,15 +39,16 @@ class Generation:
 
 @dataclass(frozen=True)
 class Constraints:
-    """What a caption may not do: end before ``min_len`` words, repeat an n-gram (n = ``no_repeat_ngram_size``)."""
+    """What a caption may not do: end before ``min_len`` words (never before its first: a caption is not empty),
+    repeat an n-gram (n = ``no_repeat_ngram_size``)."""
 
-    min_len: int = 0
+    min_len: int = 1
     no_repeat_ngram_size: int = 0
 
     @classmethod
     def of(cls, settings: DecodingConfig) -> Constraints:
-        """The constraints ``settings`` asks for."""
-        return cls(settings.min_len, settings.no_repeat_ngram_size)
+        """The constraints ``settings`` asks for, with at least one word a caption."""
+        return cls(max(settings.min_len, 1), settings.no_repeat_ngram_size)
 
     def apply(self, log_probs: Tensor, words: Tensor | None, step: int) -> Tensor:
         """Set -inf, in place, in the log-probs (..., V) of step ``step`` (0-based) for the words the
@@ -56,7 +57,7 @@ class Constraints:
         A word is blocked when the last n - 1 words followed by it form an n-gram that already occurs
         in the row. A row left with no word gets its <end> back. No value is read back to the host.
         """
-        if not (self.min_len or self.no_repeat_ngram_size):
+        if step >= self.min_len and not self.no_repeat_ngram_size:
             return log_probs
         end = log_probs[..., END_ID].clone()  # (...,)
         if step < self.min_len:
