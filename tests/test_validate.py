@@ -90,6 +90,15 @@ def config_error(overrides: list[str], tmp_path: Path) -> str:
             "callbacks.early_stopping.patiance is not an argument of captioner.training.callbacks."
             "WarmupEarlyStopping; did you mean callbacks.early_stopping.patience?",
         ),
+        (  # TensorBoardLogger passes the keywords it does not name on to its SummaryWriter: those are taken too
+            "+logger.tensorboard.flush_sec=5",
+            "logger.tensorboard.flush_sec is not an argument of captioner.training.loggers.TensorBoardLogger; did you "
+            "mean logger.tensorboard.flush_secs?",
+        ),
+        (  # ... but for log_dir, which the logger gives its SummaryWriter itself
+            "+logger.tensorboard.log_dir=elsewhere",
+            "logger.tensorboard.log_dir is not an argument of captioner.training.loggers.TensorBoardLogger",
+        ),
         (
             "logger.csv._target_=lightning.pytorch.loggers.CSVLoger",
             "logger.csv._target_='lightning.pytorch.loggers.CSVLoger': lightning.pytorch.loggers has no CSVLoger; "
@@ -110,8 +119,8 @@ def test_every_config_value_is_checked(override: str, message: str, tmp_path: Pa
     assert config_error([override], tmp_path).startswith(message)
 
 
-def test_a_class_that_takes_any_keyword_gets_it_and_its_values_are_lightning_s_to_check(tmp_path: Path) -> None:
-    # TensorBoardLogger passes **kwargs on to its SummaryWriter: any name is taken
+def test_a_keyword_a_class_passes_on_is_taken_and_its_values_are_lightning_s_to_check(tmp_path: Path) -> None:
+    # TensorBoardLogger passes flush_secs on to its SummaryWriter
     check_arguments(compose_plain(["+logger.tensorboard.flush_secs=5", "+trainer.limit_train_batches=2"], tmp_path))
     assert config_error(["+trainer.limit_train_batches=-1"], tmp_path).startswith(
         "trainer: You have passed invalid value -1 for limit_train_batches"  # a name it takes: Lightning's value

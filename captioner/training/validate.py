@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import inspect
 from pathlib import Path
 from typing import Any
@@ -118,21 +119,39 @@ def _target(key: str, target: str) -> Any:
 
 def _keywords(target: Any) -> list[str] | None:
     """The keyword arguments that ``target`` (a class or a function) takes; None when it takes any (``**kwargs``).
-    A constructor that takes nothing but ``*args, **kwargs`` passes them on: its base class's are taken."""
+    A constructor that takes nothing but ``*args, **kwargs`` passes them on: its base class's are taken; one that
+    hands its other keywords to a known class (``_receiver``) takes its own and that class's."""
     if isinstance(target, type):  # each constructor of its classes (object's left out), without ``self``
         functions = [vars(c)["__init__"] for c in target.__mro__[:-1] if "__init__" in vars(c)]
     else:
         functions = [target]
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     for function in functions:
         parameters = list(inspect.signature(function).parameters.values())[isinstance(target, type) :]
         kinds = {parameter.kind for parameter in parameters}
         if kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
             continue
+        own = [parameter.name for parameter in parameters if parameter.kind in named]
         if inspect.Parameter.VAR_KEYWORD in kinds:
-            return None
-        named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        return [parameter.name for parameter in parameters if parameter.kind in named]
+            passed_on = _passed_on(target)
+            return None if passed_on is None else [*own, *passed_on]
+        return own
     return None
+
+
+def _passed_on(target: Any) -> list[str] | None:
+    """The keywords that ``target`` hands on to a class it builds, where that is known (None elsewhere): Lightning's
+    TensorBoard loggers build a SummaryWriter with theirs (torch's when tensorboard is installed, as Lightning
+    picks it, else tensorboardX's), giving its ``log_dir`` themselves."""
+    from lightning.fabric.loggers import TensorBoardLogger
+
+    if not (isinstance(target, type) and issubclass(target, TensorBoardLogger)):
+        return None
+    if importlib.util.find_spec("tensorboard") is not None:
+        from torch.utils.tensorboard import SummaryWriter
+    else:
+        from tensorboardX import SummaryWriter
+    return [name for name in _keywords(SummaryWriter) or [] if name != "log_dir"]
 
 
 def check_arguments(cfg: dict[str, Any]) -> None:
