@@ -24,6 +24,7 @@ from torchvision.models import SqueezeNet1_1_Weights, get_model
 from captioner.config import EncoderConfig, to_dict
 from captioner.data.vocab import Vocabulary
 from captioner.errors import ConfigError, DownloadError
+from captioner.model import pretrained
 from captioner.model.encoder import Encoder
 from captioner.model.pretrained import download, fetch, weight_file
 from captioner.training.module import CaptionerModule
@@ -152,6 +153,7 @@ def test_a_missing_file_is_downloaded_into_torch_home_checked_and_loaded(
         ("wrong hash", ALTERED),
         ("not found", "the server answered HTTP 404 Not Found"),
         ("no server", "no connection: [Errno 111] Connection refused"),
+        ("silent server", "the server sent nothing for 0.5 s"),
     ],
 )
 def test_a_failed_download_is_one_line_with_the_url_the_path_and_the_remedy_and_leaves_nothing(
@@ -167,6 +169,9 @@ def test_a_failed_download_is_one_line_with_the_url_the_path_and_the_remedy_and_
             closed.bind(("127.0.0.1", 0))
             url = f"http://127.0.0.1:{closed.getsockname()[1]}/squeezenet1_1-{prefix}.pth"
         monkeypatch.setattr(WEIGHTS.value, "url", url)
+    if case == "silent server":  # it answers after the download has given up
+        monkeypatch.setattr(pretrained, "DOWNLOAD_TIMEOUT", 0.5)
+        server.delay = 2.0
     path = cache / f"squeezenet1_1-{prefix}.pth"
     with pytest.raises(ConfigError) as info:
         fetch("squeezenet1_1", "DEFAULT")

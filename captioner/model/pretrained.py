@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import socket
 import sys
 import urllib.error
+from collections.abc import Iterator
 from urllib.parse import urlparse
 
 import torch
@@ -22,6 +24,8 @@ from filelock import FileLock
 from torchvision.models import WeightsEnum, get_model_weights
 
 from captioner.errors import ConfigError, DownloadError, first_line
+
+DOWNLOAD_TIMEOUT = 60.0  # seconds a download waits for the server (to connect, or for its next bytes) before failing
 
 
 def weight_file(weights: WeightsEnum) -> str:
@@ -70,8 +74,9 @@ def download(weights: WeightsEnum) -> str:
 
     torchvision's own download, its hash check included; its progress bar goes to stdout, with training's. Processes
     that share the cache take turns (a lock file beside the weights, ``<file>.lock``): the first downloads, the
-    others then find the file. DownloadError says why a download failed (no network, an HTTP error, a download cut
-    short or altered, which the hash check finds); nothing is left at the path then.
+    others then find the file. DownloadError says why a download failed (no network, an HTTP error, a server silent
+    for ``DOWNLOAD_TIMEOUT`` seconds, a download cut short or altered, which the hash check finds); nothing is left
+    at the path then.
     """
     path = weight_file(weights)
     if os.path.isfile(path):
@@ -83,15 +88,28 @@ def download(weights: WeightsEnum) -> str:
         with FileLock(f"{path}.lock"):
             if not os.path.isfile(path):  # not downloaded by another process meanwhile
                 print(f'Downloading: "{weights.url}" to {path}', flush=True)
-                with contextlib.redirect_stderr(sys.stdout):  # the progress bar
+                with contextlib.redirect_stderr(sys.stdout), _socket_timeout(DOWNLOAD_TIMEOUT):  # the progress bar
                     torch.hub.download_url_to_file(weights.url, path, hash_prefix=prefix, progress=True)
     except (OSError, http.client.HTTPException, RuntimeError) as exc:  # RuntimeError: torch.hub's hash check
         raise DownloadError(_reason(exc, prefix)) from None
     return path
 
 
+@contextlib.contextmanager
+def _socket_timeout(seconds: float) -> Iterator[None]:
+    """New sockets give up after ``seconds`` without progress (torch.hub's download sets no timeout of its own)."""
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
 def _reason(exc: BaseException, prefix: str | None) -> str:
     """Why a download failed, in a few words; ``prefix``: the SHA-256 prefix the file's name carries."""
+    if isinstance(exc, TimeoutError) or isinstance(getattr(exc, "reason", None), TimeoutError):
+        return f"the server sent nothing for {DOWNLOAD_TIMEOUT:g} s"
     if isinstance(exc, urllib.error.HTTPError):
         return f"the server answered HTTP {exc.code} {exc.reason}"
     if isinstance(exc, urllib.error.URLError):
