@@ -1,9 +1,13 @@
-"""Counters of what runs inside a block: the images entering the encoder, torch calls and host reads."""
+"""Counters of what runs inside a block: the images entering the encoder, torch calls and host reads, and the
+operators that compute (a kernel each on a GPU)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from captioner.model.captioner import Captioner
 
@@ -44,4 +48,24 @@ class OpCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch protocol)
         self.calls += 1
         self.host_reads += getattr(func, "__name__", "") in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+# aten operators that are not views but compute nothing: no kernel on a GPU.
+NO_KERNEL = frozenset({"aten._unsafe_view", "aten.lift_fresh", "aten.empty", "aten.empty_like", "aten.detach_"})
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts the aten operators that compute in the block, by name (``kernels``): views (``view``, ``t``,
+    ``select``, ``expand``, ...) and ``NO_KERNEL`` left out. On a GPU each is a kernel launch, or a node of a CUDA
+    graph: the count a call's kernels are, measured on any device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch protocol)
+        name = str(func.overloadpacket)
+        if not func.is_view and name not in NO_KERNEL:
+            self.kernels[name] += 1
         return func(*args, **(kwargs or {}))

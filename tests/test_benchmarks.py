@@ -45,6 +45,7 @@ SCRIPTS = (
     "hard_attention_gradient",
     "ensemble",
     "scoring_kinds",
+    "beam_kernels",
 )
 
 
@@ -98,6 +99,29 @@ def test_train_step_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable
     rows = table(stdout, "Decoder-only training step given features", 4)
     layouts = [(row["attention"], row["captions"]) for row in rows]
     assert layouts == [(a, c) for a in ("soft", "hard") for c in ("K per image", "gathered")]
+
+
+def test_beam_kernels_counts_the_operators_of_one_call_that_compute(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("beam_kernels", "--top", "5")
+    (row,) = table(stdout, "Beam search (beam 3), batch 1: operators that compute (a GPU kernel each)", 1)
+    assert (row["size"], row["beam"], row["words"]) == ("tiny", "3", "4")  # never ending: every word decoded
+    assert float(row["kernels/word"]) == pytest.approx(int(row["kernels/call"]) / 4, rel=1e-2)
+    top = table(stdout, "tiny: the 5 commonest operators", 5)
+    assert all(not row["operator"].startswith(("aten.view", "aten.t", "aten.select")) for row in top)  # views
+    assert sum(int(row["per call"]) for row in top) < int(row["kernels/call"])
+
+
+def test_kernel_counter_counts_what_computes_not_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    counters = importlib.import_module("counters")
+    sys.modules.pop("counters")  # not the test suite's module
+    x = torch.randn(3, 4)
+    with counters.KernelCounter() as counted:
+        y = (x.t().unsqueeze(0).view(4, 3) + 1).sum()  # three views, an add, a sum
+        y.mul_(2)
+    assert dict(counted.kernels) == {"aten.add": 1, "aten.sum": 1, "aten.mul_": 1}
 
 
 def test_captioning_runs_and_the_encoder_sees_each_image_once(run_tiny: Callable[..., str]) -> None:

@@ -145,16 +145,16 @@ def untrimmed_beam_search(
             if groups > 1:
                 counted = (~search.done).unsqueeze(1).expand_as(group_word).to(chosen.dtype)  # (B, W)
                 chosen.scatter_add_(1, group_word, counted)
-            parent.append(group_parent + search.offset)
+            parent.append(group_parent + search.offset if search.offset else group_parent)
             word.append(group_word)
-        parent, tokens = torch.cat(parent, dim=1), torch.cat(word, dim=1)  # (B, K)
+        parent, tokens = (parent[0], word[0]) if groups == 1 else (torch.cat(parent, 1), torch.cat(word, 1))  # (B, K)
         state = tuple(_rows(s, parent) for s in state)  # follow the parents
         if history is not None:
             history = torch.cat([_rows(history, parent), tokens.unsqueeze(-1)], dim=-1)  # (B, K, t + 1)
         words.append(tokens)
         parents.append(parent)
         alphas.append(alpha)
-        return torch.stack([search.done for search in searches], dim=1)  # (B, G)
+        return torch.stack([search.done for search in searches], dim=1) if groups > 1 else searches[0].done  # (B, [G])
 
     steps = run_steps(max_len, static_steps(static_shapes, features), advance)
     found = [search.best(steps, settings.length_penalty) for search in searches]  # G x (B, P) x 3
@@ -183,21 +183,25 @@ def _trace(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Follow the backpointers of N captions per image from beam ``row`` at ``end_step`` (B, N): <end> there when it
     lies before the last step (a finished hypothesis), the words of the beams it came from before it. Their tokens
-    (B, N, T), alphas (B, N, T, L) and lengths (B, N)."""
-    history = torch.stack(alphas, dim=1)  # (B, steps, K, L)
-    batch, steps, _, locations = history.shape
-    images = torch.arange(batch, device=row.device).unsqueeze(1)  # (B, 1)
-    captions = torch.arange(row.size(1), device=row.device).unsqueeze(0)  # (1, N)
-    ended = end_step < steps  # (B, N)
-    last = end_step.clamp(max=steps - 1)
-    tokens = torch.full((*row.shape, steps), PAD_ID, dtype=torch.long, device=row.device)  # (B, N, T)
-    tokens[images, captions, last] = torch.where(ended, END_ID, PAD_ID)
-    attention = history.new_zeros(*row.shape, steps, locations)  # (B, N, T, L)
-    attention[images, captions, last] = history[images, last, row] * ended.unsqueeze(-1)
+    (B, N, T), alphas (B, N, T, L) and lengths (B, N).
+
+    The loop only walks the rows back (a gather and a where per step); the words and attention maps of all steps
+    are then read at once: every kernel here runs inside a decoding call's CUDA graph, once per word."""
+    steps = len(words)
+    at = torch.arange(steps, device=row.device)  # (T,)
+    before = at < end_step.unsqueeze(-1)  # (B, N, T): the caption's words, <end> excluded
+    rows, came_from = [], []  # per step, last first: the caption's beam after the step's reorder, and its parent
     for t in reversed(range(steps)):
-        before = t < end_step  # (B, N)
         parent = parents[t].gather(1, row)  # (B, N)
-        tokens[:, :, t] = torch.where(before, words[t].gather(1, row), tokens[:, :, t])
-        attention[:, :, t] = torch.where(before.unsqueeze(-1), history[images, t, parent], attention[:, :, t])
-        row = torch.where(before, parent, row)
-    return tokens, attention, end_step + ended
+        rows.append(row)
+        came_from.append(parent)
+        row = torch.where(before[..., t], parent, row)
+    rows, came_from = torch.stack(rows[::-1], dim=2), torch.stack(came_from[::-1], dim=2)  # (B, N, T) x 2
+    chosen = torch.stack(words, dim=2).gather(1, rows)  # (B, N, T): the word each beam chose
+    tokens = torch.where(before, chosen, torch.where(at == end_step.unsqueeze(-1), END_ID, PAD_ID))
+    history = torch.stack(alphas, dim=2)  # (B, K, T, L): alpha_t of each beam before the step's reorder
+    spread = (-1, -1, -1, history.size(-1))
+    read = history.gather(1, came_from.unsqueeze(-1).expand(*spread))  # (B, N, T, L): the parent's, for a word
+    at_end = history.gather(1, rows.unsqueeze(-1).expand(*spread))  # (B, N, T, L): the ending beam's, for <end>
+    attention = torch.where(before.unsqueeze(-1), read, at_end * (at == end_step.unsqueeze(-1)).unsqueeze(-1))
+    return tokens, attention, end_step + (end_step < steps)
