@@ -142,7 +142,7 @@ class SelfCriticalLoss(nn.Module):
     -(r(w^s) - b) * grad log p(w^s) (Rennie et al. eq. 7-9). The baseline b is the reward of the image's
     greedy caption ("greedy", Rennie et al.) or the mean reward of the image's other k - 1 samples
     ("mean", which needs no extra decoding and leaves the estimate unbiased). The surrogate is summed over
-    the sampled tokens and divided by their number.
+    the sampled tokens and divided by their number (under DDP: by the global batch's share per rank, ``tokens``).
     """
 
     def __init__(self, baseline: ScstBaseline | str) -> None:
@@ -157,6 +157,7 @@ class SelfCriticalLoss(nn.Module):
         rewards: Tensor,
         greedy_rewards: Tensor | None = None,
         real: Tensor | None = None,
+        tokens: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """Loss terms for B images x k samples.
 
@@ -164,9 +165,9 @@ class SelfCriticalLoss(nn.Module):
         samples of image b are rows b*k .. b*k + k - 1), ``lengths`` (B*k,) the number of sampled
         tokens, ``rewards`` (B, k) the samples' rewards, ``greedy_rewards`` (B,) those of the greedy
         captions (needed by the greedy baseline), ``real`` (B,) bool whether an image is one (``collate``'s
-        masked rows are not: their samples count nowhere; None: all are). Returns "loss" (the surrogate to
-        minimise), "reward" (the samples' mean reward) and, for the greedy baseline, "greedy_reward" (the greedy
-        captions').
+        masked rows are not: their samples count nowhere; None: all are), ``tokens`` () what the summed surrogate
+        is divided by (None: the real samples' tokens). Returns "loss" (the surrogate to minimise), "reward" (the
+        samples' mean reward) and, for the greedy baseline, "greedy_reward" (the greedy captions').
         """
         batch, samples = rewards.shape
         if self.baseline == ScstBaseline.greedy:
@@ -181,7 +182,8 @@ class SelfCriticalLoss(nn.Module):
         mask = torch.arange(log_probs.size(1), device=log_probs.device) < lengths.unsqueeze(1)  # (B*k, T)
         if real is not None:
             mask = mask & real.repeat_interleave(samples).unsqueeze(1)
-        loss = -(advantage * log_probs * mask).sum() / mask.sum().clamp_min(1)
+        normaliser = mask.sum().clamp_min(1) if tokens is None else tokens
+        loss = -(advantage * log_probs * mask).sum() / normaliser
         terms = {"loss": loss, "reward": _mean_over(rewards, real)}
         if self.baseline == ScstBaseline.greedy:
             terms["greedy_reward"] = _mean_over(greedy_rewards, real)

@@ -56,7 +56,8 @@ log = logging.getLogger(__name__)
 INPUTS = ("images", "features", "captions", "image_index", "caption_weights", "tokens")
 Terms = dict[str, Tensor]
 Replay = tuple[Terms, list[Tensor | None], Tensor | None]  # the loss terms, the gradients, their flat copy (DDP)
-Rewards = tuple[Tensor, Tensor | None]  # the samples' (B, k), the greedy captions' (B,) or None
+# the samples' rewards (B, k), the greedy captions' (B,) or None, the loss's normaliser () under DDP or None
+Rewards = tuple[Tensor, Tensor | None, Tensor | None]
 
 
 class StepGraphs:
@@ -197,8 +198,9 @@ class GraphedSteps(StepGraphs):
 class SelfCriticalSteps(StepGraphs):
     """SCST steps of ``modules`` (the model and the self-critical loss) replayed as two CUDA graphs for the batch
     shape captured first: ``samples(batch)``, the step's forward (``objectives.self_critical_samples`` with static
-    shapes), then, after ``rewards(batch, samples)`` on the host side (CIDEr-D: eager), ``loss(samples, rewards,
-    greedy_rewards, real)``, the loss terms, and their backward (the module docstring says how)."""
+    shapes), then, after ``rewards(batch, samples)`` on the host side (CIDEr-D, and under DDP the all-reduced count of
+    sampled tokens: eager), ``loss(samples, rewards, greedy_rewards, tokens, real)``, the loss terms, and their
+    backward (the module docstring says how)."""
 
     replays = "the SCST step's two CUDA graphs"
 
@@ -207,7 +209,7 @@ class SelfCriticalSteps(StepGraphs):
         modules: nn.Module,
         samples: Callable[[dict], SelfCriticalSamples],
         rewards: Callable[[dict, SelfCriticalSamples], Rewards],
-        loss: Callable[[SelfCriticalSamples, Tensor, Tensor | None, Tensor | None], Terms],
+        loss: Callable[[SelfCriticalSamples, Tensor, Tensor | None, Tensor | None, Tensor | None], Terms],
         capture: bool = True,
     ) -> None:
         super().__init__(modules, capture)
@@ -238,21 +240,18 @@ class SelfCriticalSteps(StepGraphs):
 
         source = batch[name]
         warmed = warm_up(step, self.modules, source.device, self.capture)  # the whole eager step, undone
-        greedy = warmed[1] is not None
+        given = [part is not None for part in warmed[1:]]  # whether there are greedy rewards, and a normaliser
 
-        def inputs(given: dict, rewards: Rewards) -> list[Tensor]:
-            """The second graph's inputs: the samples' rewards, the greedy captions' (greedy baseline), the batch's
-            real rows (when it marks them)."""
-            tensors = [rewards[0]]
-            if greedy:
-                tensors.append(rewards[1])
-            if marked:
-                tensors.append(given["real"])
-            return tensors
+        def inputs(batch: dict, rewards: Rewards) -> list[Tensor]:
+            """The second graph's inputs: the samples' rewards, the greedy captions' (greedy baseline), the loss's
+            normaliser (under DDP), the batch's real rows (when it marks them)."""
+            tensors = [rewards[0], *(part for part in rewards[1:] if part is not None)]
+            return [*tensors, batch["real"]] if marked else tensors
 
         def learned(rewards: Tensor, *rest: Tensor) -> Replay:
-            greedy_rewards = rest[0] if greedy else None
-            return learn(sampling.outputs, (rewards, greedy_rewards), rest[-1] if marked else None)
+            parts = iter(rest)
+            greedy_rewards, tokens = (next(parts) if present else None for present in given)
+            return learn(sampling.outputs, (rewards, greedy_rewards, tokens), next(parts) if marked else None)
 
         def sampled(source: Tensor) -> SelfCriticalSamples:
             return self.samples({name: source})
@@ -296,11 +295,12 @@ def self_critical_graphs(
     dtype: torch.dtype,
     settings: ModelConfig,
     capture: bool = True,
+    distributed: bool = False,
 ) -> SelfCriticalSteps | None:
     """``model``'s SCST steps (loss ``criterion``, the reward ``cider()``'s, built when the fit starts; cached
     features cast to ``dtype``; ``settings.scst`` and ``settings.decoding``) as CUDA graphs, or None where
     ``settings.static_shapes`` is false (a capture runs all ``max_len`` words; logged); ``capture``:
-    ``SelfCriticalSteps``'."""
+    ``SelfCriticalSteps``'; ``distributed``: under DDP, the loss divided by the global batch's sampled tokens."""
     if settings.static_shapes is False:
         log.info("model.graphs: SCST steps run eagerly, model.static_shapes=false (a capture runs every word)")
         return None
@@ -317,10 +317,12 @@ def self_critical_graphs(
     )
 
     def rewards(batch: dict, drawn: SelfCriticalSamples) -> Rewards:
-        return self_critical_rewards(cider(), drawn, batch["indices"], scst.samples)
+        return self_critical_rewards(cider(), drawn, batch["indices"], scst.samples, batch.get("real"), distributed)
 
-    def loss(drawn: SelfCriticalSamples, rewards: Tensor, greedy: Tensor | None, real: Tensor | None) -> Terms:
-        return criterion(drawn.drawn.log_probs, drawn.drawn.lengths, rewards, greedy, real)
+    def loss(
+        drawn: SelfCriticalSamples, rewards: Tensor, greedy: Tensor | None, tokens: Tensor | None, real: Tensor | None
+    ) -> Terms:
+        return criterion(drawn.drawn.log_probs, drawn.drawn.lengths, rewards, greedy, real, tokens)
 
     modules = nn.ModuleList([model, criterion])
     return SelfCriticalSteps(modules, lambda batch: samples(batch=batch), rewards, loss, capture)

@@ -114,7 +114,13 @@ class CaptionerModule(L.LightningModule):
         self.graphed_steps = training_graphs(self.model, self.criterion, self.dtype, capture)
         if self.settings.objective == Objective.scst:
             self.graphed_scst = self_critical_graphs(  # the reward's tables are built when the fit starts
-                self.model, self.self_critical, lambda: self.cider, self.dtype, self.settings, capture
+                self.model,
+                self.self_critical,
+                lambda: self.cider,
+                self.dtype,
+                self.settings,
+                capture,
+                distributed=self._distributed,
             )
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -142,7 +148,7 @@ class CaptionerModule(L.LightningModule):
         if batch["captions"].numel() == 0:
             return None
         self.model.decoder.anneal(self.phase.progress(self.global_step))
-        if not self.scst_epoch and self.trainer.world_size > 1:  # each rank's loss over the global batch's tokens
+        if not self.scst_epoch and self._distributed:  # each rank's loss over the global batch's tokens
             batch = {**batch, "tokens": objectives.token_share(self.criterion, batch)}
         steps = self._epoch_graphs
         terms = None if steps is None else steps.step(batch)
@@ -164,6 +170,11 @@ class CaptionerModule(L.LightningModule):
             self._replayed.attach_gradients()
         else:
             super().backward(loss, *args, **kwargs)
+
+    @property
+    def _distributed(self) -> bool:
+        """Whether the module trains in one of several processes (DDP): its losses are normalised over all of them."""
+        return self._trainer is not None and self.trainer.world_size > 1
 
     @property
     def scst_epoch(self) -> bool:
@@ -232,6 +243,7 @@ class CaptionerModule(L.LightningModule):
             settings.decoding,
             self.vocab,
             settings.static_shapes,
+            distributed=self._distributed,
         )
 
     def on_train_epoch_end(self) -> None:

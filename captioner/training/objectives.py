@@ -56,6 +56,17 @@ def token_share(criterion: CaptionLoss, batch: dict) -> torch.Tensor:
     return (tokens / dist.get_world_size()).clamp_min(1.0 / dist.get_world_size())
 
 
+def sampled_token_share(lengths: torch.Tensor, real: torch.Tensor | None, samples: int) -> torch.Tensor:
+    """The sampled tokens of the global batch (every rank's captions: ``lengths`` (B*k,), ``samples`` = k per image,
+    the ``real`` (B,) images' only) divided by the ranks: ``SelfCriticalLoss``'s ``tokens`` under DDP, as
+    ``token_share`` is cross-entropy's, so that ranks whose captions are longer or shorter weigh each token alike.
+    One all-reduce of a scalar."""
+    counted = lengths if real is None else lengths * real.repeat_interleave(samples)
+    tokens = counted.sum().float()  # ()
+    dist.all_reduce(tokens)
+    return (tokens / dist.get_world_size()).clamp_min(1.0 / dist.get_world_size())
+
+
 @dataclass
 class SelfCriticalSamples:
     """What an SCST step draws before its reward: B images x k sampled captions and, for the greedy baseline, the
@@ -92,15 +103,22 @@ def self_critical_samples(
 
 
 def self_critical_rewards(
-    cider: CiderD, samples: SelfCriticalSamples, images: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cider: CiderD,
+    samples: SelfCriticalSamples,
+    images: torch.Tensor,
+    k: int,
+    real: torch.Tensor | None = None,
+    distributed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """CIDEr-D of the sampled captions (B, k) and of the greedy ones (B,) (None without them) against the references
-    of the corpus ``images`` (B,) (``cider``'s rows ``batch["indices"]``), ``k`` samples per image."""
+    of the corpus ``images`` (B,) (``cider``'s rows ``batch["indices"]``), ``k`` samples per image; and, under DDP
+    (``distributed``), the loss's normaliser (``sampled_token_share`` of the ``real`` images' samples; else None)."""
     drawn = samples.drawn
     rewards = caption_rewards(cider, drawn.tokens, drawn.lengths, images.repeat_interleave(k), END_ID).view(-1, k)
+    tokens = sampled_token_share(drawn.lengths, real, k) if distributed else None
     if samples.greedy is None:
-        return rewards, None
-    return rewards, caption_rewards(cider, samples.greedy.tokens, samples.greedy.lengths, images, END_ID)
+        return rewards, None, tokens
+    return rewards, caption_rewards(cider, samples.greedy.tokens, samples.greedy.lengths, images, END_ID), tokens
 
 
 def self_critical_terms(
@@ -113,13 +131,19 @@ def self_critical_terms(
     decoding: DecodingConfig,
     vocab: Vocabulary,
     static_shapes: bool | None,
+    distributed: bool = False,
 ) -> dict[str, torch.Tensor]:
     """SCST loss terms of a batch: ``scst.samples`` captions of at most ``decoding.max_len`` words sampled per
     image (a greedy baseline decoded as ``decoding`` constrains it), scored by CIDEr-D against its references
-    (``cider``'s rows ``batch["indices"]``); ``static_shapes`` as ``ModelConfig.static_shapes`` says."""
+    (``cider``'s rows ``batch["indices"]``); ``static_shapes`` as ``ModelConfig.static_shapes`` says; under DDP
+    (``distributed``) the surrogate divided by the global batch's sampled tokens per rank."""
     samples = self_critical_samples(model, batch, dtype, scst, decoding, static_shapes)
-    rewards, greedy_rewards = self_critical_rewards(cider, samples, batch["indices"], scst.samples)
-    return criterion(samples.drawn.log_probs, samples.drawn.lengths, rewards, greedy_rewards, batch.get("real"))
+    real = batch.get("real")
+    rewards, greedy_rewards, tokens = self_critical_rewards(
+        cider, samples, batch["indices"], scst.samples, real, distributed
+    )
+    drawn = samples.drawn
+    return criterion(drawn.log_probs, drawn.lengths, rewards, greedy_rewards, real, tokens)
 
 
 def caption_rewards(
