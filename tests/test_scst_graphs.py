@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
@@ -83,18 +86,45 @@ def adam(module: CaptionerModule) -> torch.optim.Optimizer:
     return build_optimizer([p for p in module.parameters() if p.requires_grad], [], module.settings.optimizer)
 
 
-@pytest.mark.parametrize(("attention", "baseline"), [("soft", "mean"), ("hard", "greedy")])
-def test_graphed_scst_steps_equal_eager_steps_from_the_same_draws(attention: str, baseline: str) -> None:
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[None]:
+    """A gloo process group of this process alone: all-reduces run, and change nothing."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("attention", "baseline", "distributed"),
+    [("soft", "mean", False), ("hard", "greedy", False), ("soft", "mean", True)],
+    ids=["soft-mean", "hard-greedy", "soft-mean-ddp"],
+)
+def test_graphed_scst_steps_equal_eager_steps_from_the_same_draws(
+    attention: str, baseline: str, distributed: bool, request: pytest.FixtureRequest
+) -> None:
+    """Under DDP (one rank of its own: the global token count is this rank's) the steps also carry the loss's
+    normaliser, all-reduced between the two graphs."""
+    if distributed:
+        request.getfixturevalue("one_rank")
     eager = scst_module(attention=attention, baseline=baseline).train()
     graphed = copy.deepcopy(eager)
     start = copy.deepcopy(eager.state_dict())
     eager.cider = graphed.cider = toy_cider(eager.vocab)
     steps = self_critical_graphs(
-        graphed.model, graphed.self_critical, lambda: graphed.cider, torch.float32, graphed.settings, capture=False
+        graphed.model,
+        graphed.self_critical,
+        lambda: graphed.cider,
+        torch.float32,
+        graphed.settings,
+        capture=False,
+        distributed=distributed,
     )
     widths = []  # of every rollout the graphed steps run
     sampled = steps.samples
     steps.samples = lambda batch: widths.append(tuple((drawn := sampled(batch)).drawn.tokens.shape)) or drawn
+    normalisers = []  # of every step's rewards: the loss's normaliser, or None
+    scored = steps.rewards
+    steps.rewards = lambda batch, drawn: normalisers.append((rewards := scored(batch, drawn))[2]) or rewards
     channels = eager.model.encoder.out_channels
     # three full batches, an epoch's last padded with two masked rows, then a ragged one (three images)
     batches = [scst_batch(seed, channels) for seed in range(3)]
@@ -123,6 +153,7 @@ def test_graphed_scst_steps_equal_eager_steps_from_the_same_draws(attention: str
     assert steps.counts == {"replayed": 4, "eager": 1} and steps.captures == 1  # the padded batch captured nothing
     # the warm-up's two steps and the four replayed ones: all max_len words of 4 images x 3 samples
     assert widths == [(4 * SAMPLES, MAX_LEN)] * 6
+    assert all((tokens is not None) == distributed for tokens in normalisers) and len(normalisers) == 6
     moved = 0
     for name, value in eager.state_dict().items():
         assert_close(graphed.state_dict()[name], value, rtol=1e-6, atol=1e-7, msg=name)
