@@ -13,9 +13,8 @@
 Everything is composed from conf/ by Hydra; this file only wires the pieces together. Every run writes
 into a new folder (its composed config printed and saved there as config.yaml), checkpoints are written
 atomically, and a user error (a config value, an override, a file) prints one line ``error: ...`` on
-stderr and exits with status 2; a wrong value (an argument the trainer, a callback or a logger does not take, and
-a value Lightning refuses as it builds the trainer and its callbacks, included) is found before the config is
-printed and the run's folder is created (``training/validate.py``), and so
+stderr and exits with status 2; a wrong value (an argument the trainer, a callback or a logger does not take
+included) is found before the config is printed and the run's folder is created (``training/validate.py``), and so
 is every missing file or device and a checkpoint the run cannot start from, all listed at once
 (``training/preflight.py``). A run that fails says so in its folder: the error in ``train.log`` and in a
 ``FAILED`` file. A run stopped by SIGTERM or Ctrl-C says how to resume it (in its folder too: a ``STOPPED`` file)
@@ -36,13 +35,13 @@ from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException
+from hydra.errors import CompactHydraException, InstantiationException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from captioner.errors import CaptionerError, RunStopped, stop_reason
-from captioner.training.command_line import build, build_trainer, building, error_line, refused_override
+from captioner.errors import CaptionerError, RunStopped, first_line, stop_reason
+from captioner.training.command_line import error_line, refused_override, section_error
 from captioner.training.run_folder import JobsFailed
 from captioner.training.schemas import register_schemas
 from captioner.training.validate import ConfigRefused, check_run
@@ -168,6 +167,41 @@ def stoppable(trainer: object, stage: str) -> Iterator[None]:
         stop = f"{stage} stopped by {signum.name} at epoch {trainer.current_epoch}, step {trainer.global_step}"
         message = stopped_message(stop, checkpoint, run.runtime.output_dir, run.overrides.task)
         raise RunStopped(message, signum) from None
+
+
+def build_trainer(plain: dict) -> object:
+    """The Lightning trainer of the config ``plain``, with its callbacks, loggers and atomic checkpoint writes."""
+    from captioner.training.checkpoint_io import AtomicCheckpointIO
+
+    callbacks = [build(f"callbacks.{name}", node) for name, node in (plain.get("callbacks") or {}).items() if node]
+    loggers = [build(f"logger.{name}", node) for name, node in (plain.get("logger") or {}).items() if node]
+    return build(
+        "trainer", plain["trainer"], callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]
+    )
+
+
+def build(section: str, node: dict, **given: object) -> object:
+    """``hydra.utils.instantiate`` the plain config ``node`` (a ``_target_`` and its arguments) and call it with
+    ``given``; errors as ``building(section)`` reports them."""
+    from hydra.utils import instantiate
+
+    with building(section):
+        return instantiate(node, _partial_=True, _convert_="all")(**given)
+
+
+@contextmanager
+def building(section: str) -> Iterator[None]:
+    """An argument the object of config ``section`` refuses as it is built (Lightning's own checks of its
+    trainer, callbacks and loggers included) becomes one ConfigError naming ``section``."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    try:
+        yield
+    except InstantiationException as exc:  # the class cannot be found, or its config is malformed
+        error: BaseException = exc.__cause__ or exc
+        raise section_error(section, error, " ".join(str(error).split())) from None
+    except (CaptionerError, TypeError, ValueError, MisconfigurationException) as exc:
+        raise section_error(section, exc, first_line(exc)) from None
 
 
 def fail(message: str, status: int = 2) -> NoReturn:

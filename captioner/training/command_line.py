@@ -1,8 +1,7 @@
 """What ``python train.py`` prints itself: a config that cannot be composed or used as one line ``error: ...``
-naming the key, the valid keys or values and the nearest match (Hydra's, OmegaConf's and the instantiated
-classes' errors: ``build`` makes the config's objects), and its ``--help`` page: every setting of
-``captioner.config`` with its default, comment and valid range, read from the dataclasses themselves, and the
-config groups a user chooses from (internal ones hidden)."""
+naming the key, the valid keys or values and the nearest match (Hydra's, OmegaConf's and the instantiated classes'
+errors), and its ``--help`` page: every setting of ``captioner.config`` with its default, comment and valid range,
+read from the dataclasses themselves, and the config groups a user chooses from (internal ones hidden)."""
 
 from __future__ import annotations
 
@@ -15,17 +14,11 @@ import re
 import sys
 import textwrap
 import typing
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hydra.errors import (
-    ConfigCompositionException,
-    InstantiationException,
-    MissingConfigException,
-    OverrideParseException,
-)
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from captioner.config import Compile, TrainConfig
@@ -138,42 +131,6 @@ def section_error(section: str, error: BaseException, message: str) -> ConfigErr
     if isinstance(error, CaptionerError) and _KEY.match(message):
         return ConfigError(f"{section}.{message}")
     return ConfigError(f"{section}: {message}")
-
-
-def build_trainer(plain: dict[str, Any], loggers: bool = True) -> Any:
-    """The Lightning trainer of the config ``plain``, with its callbacks, its loggers (``loggers``; none: a
-    trainer built only to have its values checked, whose loggers would make files) and atomic checkpoint writes."""
-    from captioner.training.checkpoint_io import AtomicCheckpointIO
-
-    callbacks = [build(f"callbacks.{name}", node) for name, node in (plain.get("callbacks") or {}).items() if node]
-    built = [build(f"logger.{name}", node) for name, node in (plain.get("logger") or {}).items() if node and loggers]
-    return build(
-        "trainer", plain["trainer"], callbacks=callbacks, logger=built or False, plugins=[AtomicCheckpointIO()]
-    )
-
-
-def build(section: str, node: dict[str, Any], **given: Any) -> Any:
-    """``hydra.utils.instantiate`` the plain config ``node`` (a ``_target_`` and its arguments) and call it with
-    ``given``; errors as ``building(section)`` reports them."""
-    from hydra.utils import instantiate
-
-    with building(section):
-        return instantiate(node, _partial_=True, _convert_="all")(**given)
-
-
-@contextmanager
-def building(section: str) -> Iterator[None]:
-    """An argument the object of config ``section`` refuses as it is built (Lightning's own checks of its
-    trainer, callbacks and loggers included) becomes one ConfigError naming ``section``."""
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    try:
-        yield
-    except InstantiationException as exc:  # the class cannot be found, or its config is malformed
-        error: BaseException = exc.__cause__ or exc
-        raise section_error(section, error, " ".join(str(error).split())) from None
-    except (CaptionerError, TypeError, ValueError, MisconfigurationException) as exc:
-        raise section_error(section, exc, first_line(exc)) from None
 
 
 USAGE = """usage: python train.py [GROUP=OPTION ...] [KEY=VALUE ...] [+KEY=VALUE ...] [-m] [--cfg job [--resolve]]

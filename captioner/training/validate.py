@@ -23,7 +23,6 @@ import copy
 import importlib
 import importlib.util
 import inspect
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -175,30 +174,14 @@ def check_arguments(cfg: dict[str, Any]) -> None:
             raise ConfigError(f"{key}.{unknown[0]} is not an argument of {node['_target_']}{valid}")
 
 
-def check_trainer_values(cfg: dict[str, Any]) -> None:
-    """The trainer and its callbacks of a resolved training config built once and dropped, so that the values
-    Lightning checks as it builds them (a precision, a device count, a strategy, a checkpoint mode) are refused
-    before the run's folder is made, with the line ``train.py`` would give when it builds them; its loggers are
-    left out (a logger may make files). Lightning's notes on the devices it found are kept for the run's start."""
-    from captioner.training.command_line import build_trainer
-
-    notes = logging.getLogger("lightning.pytorch")
-    level, notes.level = notes.level, logging.WARNING
-    try:
-        build_trainer(cfg, loggers=False)
-    finally:
-        notes.setLevel(level)
-
-
 def check_run(cfg: dict[str, Any]) -> None:
-    """``validate_config`` of a resolved training config, ``check_arguments``, ``check_trainer_values``, then (in the
-    process that starts the run) ``preflight.check``: ConfigError with the first invalid value, or preflight's error
-    with every problem; a check that fails in a way it does not expect is a ConfigError too, naming the error (as
-    preflight's own checks are), never a traceback."""
+    """``validate_config`` of a resolved training config, ``check_arguments``, then (in the process that starts the
+    run) ``preflight.check``: ConfigError with the first invalid value, or preflight's error with every problem; a
+    check that fails in a way it does not expect is a ConfigError too, naming the error (as preflight's own checks
+    are), never a traceback."""
     try:
         validate_config(cfg)
         check_arguments(cfg)  # imports Lightning (and torch): once the values are valid
-        check_trainer_values(cfg)
         if first_process():
             from captioner.training import preflight  # reads datasets and imports torch: once the values are valid
 
