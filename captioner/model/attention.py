@@ -5,6 +5,11 @@ term does not depend on the step t), and ``forward`` scores those keys against t
 h_{t-1} at each step, giving alpha_t = softmax_i(e_ti) (eq. 4-5) and the expected context
 sum_i alpha_ti a_i (section 4.2). The state may hold K queries per image (B, K, H), e.g. the K beams
 of a beam search: they are scored against the image's one copy of keys and features.
+
+The additive scorer may run its whole read (eq. 4, 5 and the context) as one function compiled by inductor
+(``fused``): its tanh energies over (B, K, L, A), the largest tensor of a decoder step, are then computed inside
+fused kernels rather than written out and read back, forward and backward. The eager code below is that
+function's source; a compiled call holds no host sync, so it runs inside a captured CUDA graph once warmed up.
 """
 
 from __future__ import annotations
@@ -50,16 +55,31 @@ class Attention(nn.Module):
 
 
 class AdditiveAttention(Attention):
-    """The paper's MLP scorer: e_ti = w^T tanh(W_a a_i + W_h h_{t-1} + b)."""
+    """The paper's MLP scorer: e_ti = w^T tanh(W_a a_i + W_h h_{t-1} + b).
 
-    def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int) -> None:
+    ``fused``: ``attend`` (scores, softmax and context) runs as one inductor-compiled function, the same values.
+    """
+
+    def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int, fused: bool = False) -> None:
         super().__init__(nn.Linear(feature_dim, attention_dim))  # W_a and b
         self.query = nn.Linear(hidden_dim, attention_dim, bias=False)  # W_h
         self.energy = nn.Linear(attention_dim, 1, bias=False)  # w
+        self.fused = fused
 
     def score(self, keys: Tensor, h: Tensor) -> Tensor:
         hidden = (keys.unsqueeze(1) + self.query(h).unsqueeze(2)).tanh_()  # (B, K, L, A); in place: one allocation
         return self.energy(hidden).squeeze(-1)  # (B, K, L)
+
+    def attend(self, keys: Tensor, features: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        if self.fused:
+            return _fused_attend(self, keys, features, h)
+        return super().attend(keys, features, h)
+
+
+# ``Attention.attend`` of an additive scorer compiled whole: the scorer is an argument, not bound, so that every
+# scorer (a deepcopy's, an ensemble member's) shares the one compilation per grad mode, dtype and shape kind (the
+# batch and K dimensions turn dynamic on the first other size).
+_fused_attend = torch.compile(Attention.attend, fullgraph=True)
 
 
 class DotAttention(Attention):
@@ -130,8 +150,11 @@ class MeanAttention(Attention):
         return keys.new_zeros(keys.size(0), h.size(1), keys.size(1))  # (B, K, L): equal scores, uniform weights
 
 
-def build_attention(kind: Scorer | str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int) -> Attention:
-    """Build the scorer ``kind`` (a ``Scorer`` or its name); only ``Scorer.multihead`` takes ``heads`` > 1.
+def build_attention(
+    kind: Scorer | str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int, fused: bool = False
+) -> Attention:
+    """Build the scorer ``kind`` (a ``Scorer`` or its name); only ``Scorer.multihead`` takes ``heads`` > 1, only
+    ``Scorer.additive`` ``fused`` (its read compiled by inductor).
 
     ConfigError names the settings as a config sets them (``scorer``, ``decoder.attention_heads``).
     """
@@ -142,8 +165,10 @@ def build_attention(kind: Scorer | str, feature_dim: int, hidden_dim: int, atten
         return MultiHeadAttention(feature_dim, hidden_dim, attention_dim, heads)
     if heads != 1:
         raise ConfigError(f"decoder.attention_heads={heads} needs scorer=multihead (got scorer={kind})")
+    if fused and kind != Scorer.additive:
+        raise ConfigError(f"decoder.fused_attention=true needs scorer=additive (got scorer={kind})")
     if kind == Scorer.additive:
-        return AdditiveAttention(feature_dim, hidden_dim, attention_dim)
+        return AdditiveAttention(feature_dim, hidden_dim, attention_dim, fused)
     if kind == Scorer.bilinear:
         return BilinearAttention(feature_dim, hidden_dim)
     if kind == Scorer.mean:

@@ -71,7 +71,12 @@ class ShowAttendTellDecoder(nn.Module):
         self.register_buffer("expectation_share", torch.tensor(settings.hard_expectation_prob), persistent=False)
         self.embedding = nn.Embedding(vocab_size, embed_dim)  # E
         self.attention = build_attention(
-            config.scorer, feature_dim, hidden_dim, settings.attention_dim, settings.attention_heads
+            config.scorer,
+            feature_dim,
+            hidden_dim,
+            settings.attention_dim,
+            settings.attention_heads,
+            settings.fused_attention,
         )
         self.init_h = nn.Linear(feature_dim, hidden_dim)  # f_init,h
         self.init_c = nn.Linear(feature_dim, hidden_dim)  # f_init,c
