@@ -290,3 +290,46 @@ def test_the_coco_shaped_set_replays_every_step_and_trains_as_eager_steps(tmp_pa
         replays.append(trainer.callback_metrics.get("train/graph_replays"))
     torch.testing.assert_close(weights[1], weights[0], rtol=1e-3, atol=1e-4)
     assert replays[0] is None and replays[1].item() == 1.0  # the last, short batch padded with masked rows
+
+
+FUSED = {"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0, "fused_attention": True}
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_attention_inside_a_captured_step_equals_the_eager_attention(precision: torch.dtype) -> None:
+    """``decoder.fused_attention``: inductor's Triton kernels of the additive read, compiled in the warm-up and
+    replayed inside the training step's CUDA graph, give the eager read's loss and gradients, batch after batch; a
+    replayed beam search with them decodes eager's captions."""
+    eager = tiny_module().to(CUDA).train()
+    fused = tiny_module(decoder=FUSED).to(CUDA).train()
+    fused.load_state_dict(eager.state_dict())
+    assert fused.model.decoder.attention.fused
+    steps = GraphedSteps(
+        torch.nn.ModuleList([fused.model, fused.criterion]),
+        lambda batch: cross_entropy_terms(fused.model, fused.criterion, batch, torch.float32),
+    )
+    close = {"rtol": 1e-4, "atol": 1e-5} if precision == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=precision == torch.bfloat16)
+    for seed in range(4):  # the capture, then replays of other batches
+        batch = cuda_batch(seed, eager.model.encoder.out_channels)
+        eager.zero_grad(set_to_none=True)
+        with autocast():
+            terms = cross_entropy_terms(eager.model, eager.criterion, batch, torch.float32)
+            replayed = steps.step(batch)
+        terms["loss"].backward()
+        fused.zero_grad(set_to_none=True)
+        steps.attach_gradients()
+        torch.testing.assert_close(replayed["loss"], terms["loss"], **close)
+        for (name, mine), theirs in zip(fused.named_parameters(), eager.parameters()):
+            assert (mine.grad is None) == (theirs.grad is None), name
+            if theirs.grad is not None:
+                torch.testing.assert_close(mine.grad, theirs.grad, **close, msg=lambda m, name=name: f"{name}: {m}")
+    assert steps.counts == {"replayed": 4, "eager": 0}
+    torch.manual_seed(4)
+    features = torch.randn(4, 9, eager.model.encoder.out_channels, device=CUDA)  # (B, L, C)
+    decoders = [module.model.decoder.eval() for module in (eager, fused)]
+    decoders[0].decoding_graphs = None
+    with torch.no_grad(), autocast():
+        generations_equal(*(decode(decoder, features, METHODS["beam 3"]) for decoder in reversed(decoders)))
+    assert decoders[1].decoding_graphs.captures == 1
