@@ -16,7 +16,7 @@ from torch import nn
 
 from captioner.config import Compile, DecodingConfig, NetConfig, from_dict
 from captioner.errors import ConfigError
-from captioner.model.attention import AdditiveAttention, build_attention
+from captioner.model.attention import AdditiveAttention, _fused_attend, build_attention
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import beam_search, greedy
 from captioner.training.module import CaptionerModule
@@ -56,6 +56,7 @@ def test_the_fused_read_equals_the_eager_read_in_values_and_gradients(decoders, 
     features = features_for(4).requires_grad_()  # (B, L, D)
     h = torch.randn(4, *([queries] if queries else []), decoders[0].lstm.hidden_size, requires_grad=True)
     outputs, gradients = [], []
+    calls = _fused_attend.cache_info()
     for decoder in decoders:
         scorer = decoder.attention
         context, alpha = scorer(scorer.keys(features), features, h)  # (B, [K,] D), (B, [K,] L)
@@ -63,6 +64,7 @@ def test_the_fused_read_equals_the_eager_read_in_values_and_gradients(decoders, 
         loss = (context * torch.linspace(-1, 2, context.numel()).view_as(context)).sum() + alpha.square().sum()
         outputs.append([context, alpha])
         gradients.append(grads(loss, [features, h], scorer))
+    assert _fused_attend.cache_info().hits + _fused_attend.cache_info().misses == calls.hits + calls.misses + 1
     assert outputs[0][1].shape == (4, *([queries] if queries else []), features.size(1))
     torch.testing.assert_close(outputs[1][1].sum(-1), torch.ones(outputs[1][1].shape[:-1]))
     assert_all_close(outputs[0], outputs[1])

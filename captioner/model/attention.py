@@ -14,6 +14,9 @@ function's source; a compiled call holds no host sync, so it runs inside a captu
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -71,15 +74,18 @@ class AdditiveAttention(Attention):
         return self.energy(hidden).squeeze(-1)  # (B, K, L)
 
     def attend(self, keys: Tensor, features: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-        if self.fused:
-            return _fused_attend(self, keys, features, h)
+        # inside a step that dynamo compiles whole (model.compile), that step's graph takes the read in
+        if self.fused and not torch.compiler.is_compiling():
+            return _fused_attend()(self, keys, features, h)
         return super().attend(keys, features, h)
 
 
-# ``Attention.attend`` of an additive scorer compiled whole: the scorer is an argument, not bound, so that every
-# scorer (a deepcopy's, an ensemble member's) shares the one compilation per grad mode, dtype and shape kind (the
-# batch and K dimensions turn dynamic on the first other size).
-_fused_attend = torch.compile(Attention.attend, fullgraph=True)
+@functools.cache
+def _fused_attend() -> Callable[..., tuple[Tensor, Tensor]]:
+    """``Attention.attend`` compiled whole, made on the first fused call (importing dynamo takes ~1.5 s). The scorer
+    is an argument, not bound, so that every scorer (a deepcopy's, an ensemble member's) shares one compilation per
+    grad mode, dtype and shape kind (the batch and K dimensions turn dynamic at the first other size)."""
+    return torch.compile(Attention.attend, fullgraph=True)
 
 
 class DotAttention(Attention):
