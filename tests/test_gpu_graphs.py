@@ -3,8 +3,9 @@
 after the decoder is moved, cast or given new tensors (never replaying freed memory), a replayed
 training step equals the eager step over 20 steps in bf16, 20 replayed SCST steps (two graphs each, CIDEr-D scored
 between them) equal the eager steps from the same weights and random draws, hard attention's replays draw fresh
-locations with eager's statistics and follow the expected-context schedule, and Lightning trains with the graphs
-as without, on a COCO-shaped set too (every step replayed).
+locations with eager's statistics and follow the expected-context schedule, Lightning trains with the graphs
+as without, on a COCO-shaped set too (every step replayed), and the fused attention read (``decoder.fused_attention``)
+inside a captured step gives eager's loss and gradients.
 tests/test_graphed.py and tests/test_scst_graphs.py check on the CPU what runs there of the same path."""
 
 from __future__ import annotations
