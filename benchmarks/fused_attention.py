@@ -1,4 +1,4 @@
-"""The decoder-only training step with the additive attention's read eager and fused (``decoder.fused_attention``:
+"""The decoder-only training step with the additive attention's read eager and fused (``model.fused_attention``:
 scores, softmax and context compiled by inductor): pairs/s, the first call's seconds (the compilation, and on CUDA
 the graph's capture), then the profile of each read's step, its top operators (on a GPU, kernels) by self time.
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         args,
         [size.describe() for size in sizes[False]]
         + [
-            "'read': the additive attention eager, or fused (model.decoder.fused_attention=true); 'step': eager, or "
+            "'read': the additive attention eager, or fused (model.fused_attention=true); 'step': eager, or "
             "'CUDA graph' (model.graphs, CUDA only); 'first call s': the step's first call, the fused read's "
             "compilation (and the graph's capture) included; 'vs eager read': the eager read's ms/step over this "
             "row's, same step kind"
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def overrides(fused: bool) -> list[str]:
-    """The config overrides of a read: the fused one sets ``model.decoder.fused_attention``."""
-    return [f"model.decoder.fused_attention={str(fused).lower()}"]
+    """The config overrides of a read: the fused one sets ``model.fused_attention``."""
+    return [f"model.fused_attention={str(fused).lower()}"]
 
 
 if __name__ == "__main__":

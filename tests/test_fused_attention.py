@@ -1,4 +1,4 @@
-"""``decoder.fused_attention`` on the CPU: the additive scorer's read compiled by inductor (C++ kernels here, Triton
+"""``model.fused_attention`` on the CPU: the additive scorer's read compiled by inductor (C++ kernels here, Triton
 on a GPU) equals the eager read in values and in the gradients of the keys, features, queries and every parameter,
 for one query per image (B, H) and K (B, K, H); a decoder with it trains and decodes as the eager one does, inside
 the whole step compiled by ``model.compile`` as well, and so do ``model.graphs``' training steps run without capture.
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from captioner.config import Compile, DecodingConfig, NetConfig, from_dict
+from captioner.config import Compile, DecodingConfig, ModelConfig, from_dict, to_dict
 from captioner.errors import ConfigError
-from captioner.model.attention import AdditiveAttention, _fused_attend, build_attention
+from captioner.model.attention import AdditiveAttention, _fused_attend
 from captioner.model.decoder import ShowAttendTellDecoder
 from captioner.model.decoding import beam_search, greedy
 from captioner.training.module import CaptionerModule
@@ -30,7 +30,8 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}  # float32: the fused kernels sum the A
 def decoders() -> tuple[ShowAttendTellDecoder, ShowAttendTellDecoder]:
     """An eager decoder and its fused twin (the same weights), in training mode."""
     eager = make_decoder().train()
-    fused = make_decoder(fused_attention=True).train()
+    fused = make_decoder().train()
+    fused.fuse_attention(True)
     fused.load_state_dict(eager.state_dict())
     assert isinstance(fused.attention, AdditiveAttention) and fused.attention.fused and not eager.attention.fused
     return eager, fused
@@ -117,12 +118,15 @@ def test_the_whole_compiled_step_inlines_the_fused_read(decoders) -> None:
     assert_all_close(grads(losses[0], [], eager), grads(losses[1], [], compiled))
 
 
-def test_only_the_additive_scorer_fuses() -> None:
-    with pytest.raises(ConfigError, match="decoder.fused_attention=true needs scorer=additive"):
-        from_dict(NetConfig, {"scorer": "dot", "decoder": {"fused_attention": True}})
-    with pytest.raises(ConfigError, match="needs scorer=additive"):
-        build_attention("bilinear", 4, 4, 4, 1, fused=True)
-    assert from_dict(NetConfig, {}).decoder.fused_attention is False  # eager unless asked
+def test_only_the_additive_scorer_fuses_and_a_bundle_does_not_keep_it() -> None:
+    with pytest.raises(ConfigError, match=r"^model.fused_attention=true needs scorer=additive \(got scorer=dot\)$"):
+        from_dict(ModelConfig, {"scorer": "dot", "fused_attention": True})
+    with pytest.raises(ConfigError, match="^model.fused_attention=true needs scorer=additive, not BilinearAttention$"):
+        make_decoder(scorer="bilinear").fuse_attention(True)
+    make_decoder(scorer="bilinear").fuse_attention(False)  # nothing to turn off
+    settings = from_dict(ModelConfig, {"fused_attention": True})
+    assert "fused_attention" not in to_dict(settings.net())  # how a run computes, not what its network is
+    assert from_dict(ModelConfig, {}).fused_attention is False  # eager unless asked
 
 
 @pytest.mark.slow
@@ -131,7 +135,7 @@ def test_graphed_training_steps_run_the_fused_read_as_eager_steps_train() -> Non
     warm-up compiles it before the step that a GPU would capture, and the weights end as eager training's."""
     decoder = {"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0}
     eager = fit(CaptionerModule, decoder=decoder)
-    replays = fit(EagerReplays, decoder={**decoder, "fused_attention": True})
+    replays = fit(EagerReplays, decoder=decoder, fused_attention=True)
     assert replays.graphed_steps is not None and replays.model.decoder.attention.fused
     for name, value in eager.state_dict().items():
         torch.testing.assert_close(replays.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)

@@ -4,7 +4,7 @@ after the decoder is moved, cast or given new tensors (never replaying freed mem
 training step equals the eager step over 20 steps in bf16, 20 replayed SCST steps (two graphs each, CIDEr-D scored
 between them) equal the eager steps from the same weights and random draws, hard attention's replays draw fresh
 locations with eager's statistics and follow the expected-context schedule, Lightning trains with the graphs
-as without, on a COCO-shaped set too (every step replayed), and the fused attention read (``decoder.fused_attention``)
+as without, on a COCO-shaped set too (every step replayed), and the fused attention read (``model.fused_attention``)
 inside a captured step gives eager's loss and gradients.
 tests/test_graphed.py and tests/test_scst_graphs.py check on the CPU what runs there of the same path."""
 
@@ -293,17 +293,14 @@ def test_the_coco_shaped_set_replays_every_step_and_trains_as_eager_steps(tmp_pa
     assert replays[0] is None and replays[1].item() == 1.0  # the last, short batch padded with masked rows
 
 
-FUSED = {"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0, "fused_attention": True}
-
-
 @needs_cuda
 @pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_fused_attention_inside_a_captured_step_equals_the_eager_attention(precision: torch.dtype) -> None:
-    """``decoder.fused_attention``: inductor's Triton kernels of the additive read, compiled in the warm-up and
+    """``model.fused_attention``: inductor's Triton kernels of the additive read, compiled in the warm-up and
     replayed inside the training step's CUDA graph, give the eager read's loss and gradients, batch after batch (bf16:
     each gradient within 2 % of eager's in norm); a replayed beam search with them decodes eager's captions."""
     eager = tiny_module().to(CUDA).train()
-    fused = tiny_module(decoder=FUSED).to(CUDA).train()
+    fused = tiny_module(fused_attention=True).to(CUDA).train()
     fused.load_state_dict(eager.state_dict())
     assert fused.model.decoder.attention.fused
     steps = GraphedSteps(

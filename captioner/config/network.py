@@ -119,12 +119,6 @@ class DecoderConfig(Settings):
     # decoder step, so the demo keeps it small.
     attention_dim: int = 64
     attention_heads: int = 1  # scorer=multihead only
-    # scorer=additive only: the attention read (eq. 4-5 and the context) as its own torch.compile'd (inductor)
-    # function, separate from model.compile's whole step: the (captions, cells, attention_dim) tanh energies and
-    # their backward in fused kernels, inside model.graphs' captured training steps and decoding calls as well.
-    # Off by default: each grad mode and shape kind compiles first (seconds to ~30 s on a CPU); docs/performance.md
-    # ("The fused attention read") has its figures.
-    fused_attention: bool = False
     gate: Gate = Gate.scalar  # the gating scalar beta (4.2.1)
     deep_output: bool = True  # eq. 7; False: a plain linear layer on h_t
     dropout: float = 0.3  # before the output layer
@@ -171,8 +165,6 @@ class NetConfig(Settings):
                 "scorer=multihead works with soft attention only: hard attention samples one "
                 "annotation vector a_i, which multihead's projected context is not"
             )
-        if self.decoder.fused_attention and self.scorer != Scorer.additive:
-            raise ConfigError(f"decoder.fused_attention=true needs scorer=additive (got {self.scorer})")
         if self.decoder.attention_heads != 1 and self.scorer != Scorer.multihead:
             raise ConfigError(
                 f"decoder.attention_heads={self.decoder.attention_heads} needs scorer=multihead (got {self.scorer})"

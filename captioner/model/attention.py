@@ -60,14 +60,15 @@ class Attention(nn.Module):
 class AdditiveAttention(Attention):
     """The paper's MLP scorer: e_ti = w^T tanh(W_a a_i + W_h h_{t-1} + b).
 
-    ``fused``: ``attend`` (scores, softmax and context) runs as one inductor-compiled function, the same values.
+    ``fused`` (off until set: ``ShowAttendTellDecoder.fuse_attention``): ``attend`` (scores, softmax and context)
+    runs as one inductor-compiled function, the same values.
     """
 
-    def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int, fused: bool = False) -> None:
+    def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int) -> None:
         super().__init__(nn.Linear(feature_dim, attention_dim))  # W_a and b
         self.query = nn.Linear(hidden_dim, attention_dim, bias=False)  # W_h
         self.energy = nn.Linear(attention_dim, 1, bias=False)  # w
-        self.fused = fused
+        self.fused = False
 
     def score(self, keys: Tensor, h: Tensor) -> Tensor:
         hidden = (keys.unsqueeze(1) + self.query(h).unsqueeze(2)).tanh_()  # (B, K, L, A); in place: one allocation
@@ -156,11 +157,8 @@ class MeanAttention(Attention):
         return keys.new_zeros(keys.size(0), h.size(1), keys.size(1))  # (B, K, L): equal scores, uniform weights
 
 
-def build_attention(
-    kind: Scorer | str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int, fused: bool = False
-) -> Attention:
-    """Build the scorer ``kind`` (a ``Scorer`` or its name); only ``Scorer.multihead`` takes ``heads`` > 1, only
-    ``Scorer.additive`` ``fused`` (its read compiled by inductor).
+def build_attention(kind: Scorer | str, feature_dim: int, hidden_dim: int, attention_dim: int, heads: int) -> Attention:
+    """Build the scorer ``kind`` (a ``Scorer`` or its name); only ``Scorer.multihead`` takes ``heads`` > 1.
 
     ConfigError names the settings as a config sets them (``scorer``, ``decoder.attention_heads``).
     """
@@ -171,10 +169,8 @@ def build_attention(
         return MultiHeadAttention(feature_dim, hidden_dim, attention_dim, heads)
     if heads != 1:
         raise ConfigError(f"decoder.attention_heads={heads} needs scorer=multihead (got scorer={kind})")
-    if fused and kind != Scorer.additive:
-        raise ConfigError(f"decoder.fused_attention=true needs scorer=additive (got scorer={kind})")
     if kind == Scorer.additive:
-        return AdditiveAttention(feature_dim, hidden_dim, attention_dim, fused)
+        return AdditiveAttention(feature_dim, hidden_dim, attention_dim)
     if kind == Scorer.bilinear:
         return BilinearAttention(feature_dim, hidden_dim)
     if kind == Scorer.mean:
