@@ -13,9 +13,11 @@ all-reduced beside the graph);
 ``benchmarks/train_step.py`` in bf16 (the training step and the decoder-only step, eager and graphed);
 ``benchmarks/captioning.py`` in bf16 (greedy, beam 3 and beam 5 against the encoder alone, beam 3 at batch 1 to
 128, each call one replay); ``benchmarks/data_loading.py`` (the loader's images/s against what the step consumes);
-``benchmarks/profile_ops.py`` (the top kernels of the graphed steps and of beam search). The tables carry peak
-memory and FLOP/s against the card's measured bf16 matmul rate. Its whole output is what docs/gpu_report.md
-takes, pasted. Without a CUDA device it prints one line on stderr and exits with status 2.
+``benchmarks/profile_ops.py`` (the top kernels of the graphed steps and of beam search);
+``benchmarks/fused_attention.py`` (the decoder-only step with the attention read eager and fused by inductor, eager
+and graphed, and each read's top kernels). The tables carry peak memory and FLOP/s against the card's measured bf16
+matmul rate. Its whole output is what docs/gpu_report.md takes, pasted. Without a CUDA device it prints one line on
+stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ PARTS = [
     ("Captioning", ["benchmarks/captioning.py", *BENCH], 50),
     ("Data loading", ["benchmarks/data_loading.py", *BENCH], 60),
     ("Profile", ["benchmarks/profile_ops.py", *BENCH, "--channels-last", "--rows", "12"], 50),
+    ("Fused attention", ["benchmarks/fused_attention.py", *BENCH, "--rows", "12"], 180),
 ]
 BLEU4 = re.compile(r"BLEU-4 ([0-9.]+)")  # the first is validation's, in train.py's summary
 SUMMARY = "validation BLEU"  # where train.py's summary starts: the demo's report prints it on

@@ -34,6 +34,7 @@ SCRIPTS = (
     "data_loading",
     "feature_cache",
     "profile_ops",
+    "fused_attention",
     "attention_ablation",
     "attention_by_word",
     "scst_step",
@@ -218,6 +219,17 @@ def test_profile_runs(run_tiny: Callable[..., str]) -> None:
     assert "### decoder-only training step, soft, 2 images x 10 captions" in stdout
     assert "### beam search, beam 3, 2 images from features" in stdout
     assert stdout.count("Self CPU time total") == 3
+
+
+def test_fused_attention_times_both_reads_and_profiles_each(run_tiny: Callable[..., str]) -> None:
+    stdout = run_tiny("fused_attention", "--rows", "40")
+    rows = table(stdout, "Decoder-only training step, the attention read eager and fused", 2)
+    assert [(row["read"], row["step"], row["images x captions"]) for row in rows] == [
+        ("eager", "eager", "2 x 10"), ("fused", "eager", "2 x 10")
+    ]  # fmt: skip
+    assert rows[0]["vs eager read"] == "" and float(rows[1]["vs eager read"]) > 0
+    assert "### decoder-only training step, fused read, eager, tiny, 2 images" in stdout
+    assert stdout.count("Self CPU time total") == 2 and "CompiledFunctionBackward" in stdout  # the read's backward
 
 
 def test_self_attention_ablation_times_the_blocks_against_the_decoder_step(run_tiny: Callable[..., str]) -> None:
@@ -435,7 +447,7 @@ def test_gpu_check_lists_its_parts_and_refuses_a_machine_without_cuda(
         gpu_check.main(["--help"])
     assert done.value.code == 0
     listed = capsys.readouterr().out
-    assert all(f"  {title} ({limit} s)" in listed for title, _, limit in gpu_check.PARTS) and len(gpu_check.PARTS) == 7
+    assert all(f"  {title} ({limit} s)" in listed for title, _, limit in gpu_check.PARTS) and len(gpu_check.PARTS) == 8
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main([]) == 2
     assert capsys.readouterr().err == "error: gpu_check needs a CUDA device and torch sees none on this machine\n"

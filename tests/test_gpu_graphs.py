@@ -3,8 +3,9 @@
 after the decoder is moved, cast or given new tensors (never replaying freed memory), a replayed
 training step equals the eager step over 20 steps in bf16, 20 replayed SCST steps (two graphs each, CIDEr-D scored
 between them) equal the eager steps from the same weights and random draws, hard attention's replays draw fresh
-locations with eager's statistics and follow the expected-context schedule, and Lightning trains with the graphs
-as without, on a COCO-shaped set too (every step replayed).
+locations with eager's statistics and follow the expected-context schedule, Lightning trains with the graphs
+as without, on a COCO-shaped set too (every step replayed), and the fused attention read (``model.fused_attention``)
+inside a captured step gives eager's loss and gradients.
 tests/test_graphed.py and tests/test_scst_graphs.py check on the CPU what runs there of the same path."""
 
 from __future__ import annotations
@@ -290,3 +291,47 @@ def test_the_coco_shaped_set_replays_every_step_and_trains_as_eager_steps(tmp_pa
         replays.append(trainer.callback_metrics.get("train/graph_replays"))
     torch.testing.assert_close(weights[1], weights[0], rtol=1e-3, atol=1e-4)
     assert replays[0] is None and replays[1].item() == 1.0  # the last, short batch padded with masked rows
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fused_attention_inside_a_captured_step_equals_the_eager_attention(precision: torch.dtype) -> None:
+    """``model.fused_attention``: inductor's Triton kernels of the additive read, compiled in the warm-up and
+    replayed inside the training step's CUDA graph, give the eager read's loss and gradients, batch after batch (bf16:
+    each gradient within 2 % of eager's in norm); a replayed beam search with them decodes eager's captions."""
+    eager = tiny_module().to(CUDA).train()
+    fused = tiny_module(fused_attention=True).to(CUDA).train()
+    fused.load_state_dict(eager.state_dict())
+    assert fused.model.decoder.attention.fused
+    steps = GraphedSteps(
+        torch.nn.ModuleList([fused.model, fused.criterion]),
+        lambda batch: cross_entropy_terms(fused.model, fused.criterion, batch, torch.float32),
+    )
+    close = {"rtol": 1e-4, "atol": 1e-5} if precision == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=precision == torch.bfloat16)
+    for seed in range(4):  # the capture, then replays of other batches
+        batch = cuda_batch(seed, eager.model.encoder.out_channels)
+        eager.zero_grad(set_to_none=True)
+        with autocast():
+            terms = cross_entropy_terms(eager.model, eager.criterion, batch, torch.float32)
+            replayed = steps.step(batch)
+        terms["loss"].backward()
+        fused.zero_grad(set_to_none=True)
+        steps.attach_gradients()
+        torch.testing.assert_close(replayed["loss"], terms["loss"], **close)
+        for (name, mine), theirs in zip(fused.named_parameters(), eager.parameters()):
+            assert (mine.grad is None) == (theirs.grad is None), name
+            if theirs.grad is None:
+                continue
+            if precision == torch.float32:
+                torch.testing.assert_close(mine.grad, theirs.grad, **close, msg=lambda m, name=name: f"{name}: {m}")
+            else:  # the fused kernels keep the energies in fp32 between ops, eager rounds them to bf16 at each one
+                assert (mine.grad - theirs.grad).norm() <= 2e-2 * theirs.grad.norm() + 1e-6, name
+    assert steps.counts == {"replayed": 4, "eager": 0}
+    torch.manual_seed(4)
+    features = torch.randn(4, 9, eager.model.encoder.out_channels, device=CUDA)  # (B, L, C)
+    decoders = [module.model.decoder.eval() for module in (eager, fused)]
+    decoders[0].decoding_graphs = None
+    with torch.no_grad():  # fp32: bf16's near ties could pick other beams
+        generations_equal(*(decode(decoder, features, METHODS["beam 3"]) for decoder in reversed(decoders)))
+    assert decoders[1].decoding_graphs.captures == 1

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from captioner.config.decoding import DecodingConfig
-from captioner.config.network import Attention, EncoderConfig, HardEstimator, NetConfig
+from captioner.config.network import Attention, EncoderConfig, HardEstimator, NetConfig, Scorer
 from captioner.config.settings import Settings, _convert
 from captioner.errors import ConfigError, check_range
 
@@ -179,6 +179,12 @@ class ModelConfig(NetConfig):
     # 16-mixed and gradient accumulation train eagerly. None: on CUDA, off elsewhere (true elsewhere is refused:
     # graphs need a CUDA device).
     graphs: bool | None = None
+    # scorer=additive only: the attention read (eq. 4-5 and the context) as its own torch.compile'd (inductor)
+    # function, separate from `compile`'s whole step: the (captions, cells, attention_dim) tanh energies and their
+    # backward in fused kernels, inside `graphs`' captured training steps and decoding calls as well. Off by
+    # default: each grad mode and shape kind compiles first (seconds on a CPU); docs/performance.md ("The fused
+    # attention read") has its figures. How the run computes, not what the network is: a bundle does not keep it.
+    fused_attention: bool = False
     # Decoding (captions and SCST samples) runs all max_len steps with finished captions masked, no early exit
     # and no host read inside the loop: the same shapes on every call, what a captured CUDA graph needs, for
     # the same captions. None: on CUDA only; on a CPU stopping once every caption has ended is cheaper
@@ -212,6 +218,8 @@ class ModelConfig(NetConfig):
                 f"model.graphs=true captures whole steps as CUDA graphs and model.compile={self.compile} graphs each "
                 "word inside them, which CUDA cannot nest: set model.graphs=false for per-word graphs"
             )
+        if self.fused_attention and self.scorer != Scorer.additive:
+            raise ConfigError(f"model.fused_attention=true needs scorer=additive (got scorer={self.scorer})")
 
     def uses_graphs(self, cuda: bool) -> bool:
         """Whether ``graphs`` is on for a run on a CUDA device (``cuda``) or not: unset, on CUDA unless ``compile``

@@ -5,9 +5,17 @@ term does not depend on the step t), and ``forward`` scores those keys against t
 h_{t-1} at each step, giving alpha_t = softmax_i(e_ti) (eq. 4-5) and the expected context
 sum_i alpha_ti a_i (section 4.2). The state may hold K queries per image (B, K, H), e.g. the K beams
 of a beam search: they are scored against the image's one copy of keys and features.
+
+The additive scorer may run its whole read (eq. 4, 5 and the context) as one function compiled by inductor
+(``fused``): its tanh energies over (B, K, L, A), the largest tensor of a decoder step, are then computed inside
+fused kernels rather than written out and read back, forward and backward. The eager code below is that
+function's source; a compiled call holds no host sync, so it runs inside a captured CUDA graph once warmed up.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,16 +58,35 @@ class Attention(nn.Module):
 
 
 class AdditiveAttention(Attention):
-    """The paper's MLP scorer: e_ti = w^T tanh(W_a a_i + W_h h_{t-1} + b)."""
+    """The paper's MLP scorer: e_ti = w^T tanh(W_a a_i + W_h h_{t-1} + b).
+
+    ``fused`` (off until set: ``ShowAttendTellDecoder.fuse_attention``): ``attend`` (scores, softmax and context)
+    runs as one inductor-compiled function, the same values.
+    """
 
     def __init__(self, feature_dim: int, hidden_dim: int, attention_dim: int) -> None:
         super().__init__(nn.Linear(feature_dim, attention_dim))  # W_a and b
         self.query = nn.Linear(hidden_dim, attention_dim, bias=False)  # W_h
         self.energy = nn.Linear(attention_dim, 1, bias=False)  # w
+        self.fused = False
 
     def score(self, keys: Tensor, h: Tensor) -> Tensor:
         hidden = (keys.unsqueeze(1) + self.query(h).unsqueeze(2)).tanh_()  # (B, K, L, A); in place: one allocation
         return self.energy(hidden).squeeze(-1)  # (B, K, L)
+
+    def attend(self, keys: Tensor, features: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        # inside a step that dynamo compiles whole (model.compile), that step's graph takes the read in
+        if self.fused and not torch.compiler.is_compiling():
+            return _fused_attend()(self, keys, features, h)
+        return super().attend(keys, features, h)
+
+
+@functools.cache
+def _fused_attend() -> Callable[..., tuple[Tensor, Tensor]]:
+    """``Attention.attend`` compiled whole, made on the first fused call (importing dynamo takes ~1.5 s). The scorer
+    is an argument, not bound, so that every scorer (a deepcopy's, an ensemble member's) shares one compilation per
+    grad mode, dtype and shape kind (the batch and K dimensions turn dynamic at the first other size)."""
+    return torch.compile(Attention.attend, fullgraph=True)
 
 
 class DotAttention(Attention):

@@ -17,7 +17,8 @@ from torch.distributions import Categorical
 from torch.nn.parallel import DistributedDataParallel
 
 from captioner.config import PER_WORD_GRAPHS, Attention, Compile, Gate, HardEstimator, HardInference, NetConfig
-from captioner.model.attention import build_attention
+from captioner.errors import ConfigError
+from captioner.model.attention import AdditiveAttention, build_attention
 from captioner.model.graphs import GraphCache
 
 State = tuple[Tensor, Tensor]
@@ -104,6 +105,17 @@ class ShowAttendTellDecoder(nn.Module):
         if mode != Compile.off:
             step = torch.compile(ShowAttendTellDecoder._eager_step, mode=mode.value, fullgraph=True)
             self.compiled_step = functools.partial(step, self)
+
+    def fuse_attention(self, on: bool) -> None:
+        """Run the additive scorer's read (eq. 4-5 and the context) as one inductor-compiled function (``on``;
+        ``model.fused_attention``) or eagerly; ConfigError for another scorer, which has no fused read."""
+        if not isinstance(self.attention, AdditiveAttention):
+            if on:
+                raise ConfigError(
+                    f"model.fused_attention=true needs scorer=additive, not {type(self.attention).__name__}"
+                )
+            return
+        self.attention.fused = on
 
     def use_decoding_graphs(self, on: bool) -> None:
         """Replay each decoding call on CUDA as one CUDA graph (``on``, the default) or run it eagerly."""

@@ -68,6 +68,7 @@ class CaptionerModule(L.LightningModule):
         if settings.encoder.download:
             fetch(self.net.encoder.name, self.net.encoder.weights)
         self.model: Captioner = build_captioner(self.net, len(vocab))
+        self.model.decoder.fuse_attention(settings.fused_attention)
         self.criterion = CaptionLoss(self.settings.loss, PAD_ID, UNK_ID)
         self.self_critical = SelfCriticalLoss(self.settings.scst.baseline)
         self.cider: CiderD | None = None  # the SCST reward: CIDEr-D against the training references
