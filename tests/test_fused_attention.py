@@ -120,7 +120,7 @@ def test_the_whole_compiled_step_inlines_the_fused_read(decoders) -> None:
 
 def test_only_the_additive_scorer_fuses_and_a_bundle_does_not_keep_it() -> None:
     with pytest.raises(ConfigError, match=r"^model.fused_attention=true needs scorer=additive \(got scorer=dot\)$"):
-        from_dict(ModelConfig, {"scorer": "dot", "fused_attention": True})
+        from_dict(ModelConfig, {"scorer": "dot", "fused_attention": True}, "model")
     with pytest.raises(ConfigError, match="^model.fused_attention=true needs scorer=additive, not BilinearAttention$"):
         make_decoder(scorer="bilinear").fuse_attention(True)
     make_decoder(scorer="bilinear").fuse_attention(False)  # nothing to turn off

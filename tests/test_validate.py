@@ -119,6 +119,16 @@ def test_every_config_value_is_checked(override: str, message: str, tmp_path: Pa
     assert config_error([override], tmp_path).startswith(message)
 
 
+def test_a_value_the_model_config_refuses_is_named_once_under_model(tmp_path: Path) -> None:
+    assert config_error(["model.graphs=true", "model.compile=reduce-overhead"], tmp_path) == (
+        "model.graphs=true captures whole steps as CUDA graphs and compile=reduce-overhead graphs each word inside "
+        "them, which CUDA cannot nest: set model.graphs=false for per-word graphs"
+    )
+    assert config_error(["model.fused_attention=true", "model.scorer=dot"], tmp_path) == (
+        "model.fused_attention=true needs scorer=additive (got scorer=dot)"
+    )
+
+
 def test_a_keyword_a_class_passes_on_is_taken_and_its_values_are_lightning_s_to_check(tmp_path: Path) -> None:
     # TensorBoardLogger passes flush_secs on to its SummaryWriter
     check_arguments(compose_plain(["+logger.tensorboard.flush_secs=5", "+trainer.limit_train_batches=2"], tmp_path))

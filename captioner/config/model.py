@@ -215,11 +215,11 @@ class ModelConfig(NetConfig):
         check_range("nonfinite_check_interval", self.nonfinite_check_interval, 1, kind=int)
         if self.graphs and self.compile in PER_WORD_GRAPHS:
             raise ConfigError(
-                f"model.graphs=true captures whole steps as CUDA graphs and model.compile={self.compile} graphs each "
-                "word inside them, which CUDA cannot nest: set model.graphs=false for per-word graphs"
+                f"graphs=true captures whole steps as CUDA graphs and compile={self.compile} graphs each word inside "
+                "them, which CUDA cannot nest: set model.graphs=false for per-word graphs"
             )
         if self.fused_attention and self.scorer != Scorer.additive:
-            raise ConfigError(f"model.fused_attention=true needs scorer=additive (got scorer={self.scorer})")
+            raise ConfigError(f"fused_attention=true needs scorer=additive (got scorer={self.scorer})")
 
     def uses_graphs(self, cuda: bool) -> bool:
         """Whether ``graphs`` is on for a run on a CUDA device (``cuda``) or not: unset, on CUDA unless ``compile``
