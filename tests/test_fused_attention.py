@@ -132,9 +132,11 @@ def test_only_the_additive_scorer_fuses_and_a_bundle_does_not_keep_it() -> None:
 @pytest.mark.slow
 def test_graphed_training_steps_run_the_fused_read_as_eager_steps_train() -> None:
     """``model.graphs``' training steps, run without capture (what a CPU runs of them), with the fused read: the
-    warm-up compiles it before the step that a GPU would capture, and the weights end as eager training's."""
+    warm-up compiles it before the step that a GPU would capture, and the weights end as eager steps with the fused
+    read leave them. (Against the eager read Adam would magnify the read's last-bit differences, wherever a gradient
+    is near 0, beyond any useful tolerance: the read's own equality is the tests' above.)"""
     decoder = {"embed_dim": 16, "hidden_dim": 32, "attention_dim": 16, "dropout": 0.0}
-    eager = fit(CaptionerModule, decoder=decoder)
+    eager = fit(CaptionerModule, decoder=decoder, fused_attention=True)
     replays = fit(EagerReplays, decoder=decoder, fused_attention=True)
     assert replays.graphed_steps is not None and replays.model.decoder.attention.fused
     for name, value in eager.state_dict().items():
