@@ -51,7 +51,12 @@ def token_share(criterion: CaptionLoss, batch: dict) -> torch.Tensor:
     """The weighted target tokens of the global batch (every rank's ``batch``) divided by the ranks: the
     normaliser under which DDP's mean of the ranks' gradients is the global batch's, as one process would take
     it (``CaptionLoss.forward``'s ``tokens``). One all-reduce of a scalar."""
-    tokens = criterion.target_mask(batch["captions"], batch.get("caption_weights")).sum()  # ()
+    return _per_rank(criterion.target_mask(batch["captions"], batch.get("caption_weights")).sum())
+
+
+def _per_rank(tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's count of tokens () summed over the ranks (an all-reduce) and divided by them: a loss's
+    normaliser under DDP (at least 1 / ranks, for a global batch without a token)."""
     dist.all_reduce(tokens)
     return (tokens / dist.get_world_size()).clamp_min(1.0 / dist.get_world_size())
 
@@ -62,9 +67,7 @@ def sampled_token_share(lengths: torch.Tensor, real: torch.Tensor | None, sample
     ``token_share`` is cross-entropy's, so that ranks whose captions are longer or shorter weigh each token alike.
     One all-reduce of a scalar."""
     counted = lengths if real is None else lengths * real.repeat_interleave(samples)
-    tokens = counted.sum().float()  # ()
-    dist.all_reduce(tokens)
-    return (tokens / dist.get_world_size()).clamp_min(1.0 / dist.get_world_size())
+    return _per_rank(counted.sum().float())
 
 
 @dataclass
