@@ -13,13 +13,14 @@
 Everything is composed from conf/ by Hydra; this file only wires the pieces together. Every run writes
 into a new folder (its composed config printed and saved there as config.yaml), checkpoints are written
 atomically, and a user error (a config value, an override, a file) prints one line ``error: ...`` on
-stderr and exits with status 2; a wrong value (an argument the trainer, a callback or a logger does not take
-included) is found before the config is printed and the run's folder is created (``training/validate.py``), and so
-is every missing file or device and a checkpoint the run cannot start from, all listed at once
-(``training/preflight.py``). A run that fails says so in its folder: the error in ``train.log`` and in a
-``FAILED`` file. A run stopped by SIGTERM or Ctrl-C says how to resume it (in its folder too: a ``STOPPED`` file)
-and exits with 128 + the signal's number (143, 130). A job of a sweep that fails is marked so and the sweep goes
-on; the sweep then ends with every failed or stopped job's line (``training/run_folder.py``), status 2.
+stderr and exits with status 2; a wrong value (an argument the trainer, a callback or a logger does not take, or
+of a type it does not take, included) is found before the config is printed and the run's folder is created
+(``training/validate.py``), and so is every missing file or device and a checkpoint the run cannot start from,
+all listed at once (``training/preflight.py``). A run that fails says so in its folder: the error in ``train.log``
+and in a ``FAILED`` file. A run stopped by SIGTERM or Ctrl-C says how to resume it (in its folder too: a
+``STOPPED`` file) and exits with 128 + the signal's number (143, 130). A job of a sweep that fails is marked so and
+the sweep goes on; the sweep then ends with every failed or stopped job's line (``training/run_folder.py``),
+status 2.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def train(cfg: DictConfig) -> float | None:
 
     checkpoint_note = None
     if settings.train:
+        quick_checks.check_val_interval(trainer, datamodule)
         fraction = quick_checks.fit_val_fraction(trainer, datamodule)  # first: the notes read the limit it sets
         for note in [fraction, *quick_checks.start_notes(trainer, module.settings, datamodule)]:
             if note is not None:

@@ -159,3 +159,25 @@ def test_an_epoch_without_a_length_keeps_its_log_interval() -> None:
 
     trainer = SimpleNamespace(num_training_batches=float("inf"), accumulate_grad_batches=1, log_every_n_steps=10)
     assert fit_log_interval(trainer) is None and trainer.log_every_n_steps == 10
+
+
+@pytest.mark.parametrize(
+    "interval, every, refused",
+    [(10, 1, False), (11, 1, True), (11, None, False), (0.5, 1, False), (1.0, 1, False)],
+)
+def test_a_validation_interval_longer_than_an_epoch_is_one_line(
+    interval: float, every: int | None, refused: bool
+) -> None:
+    from captioner.errors import ConfigError
+    from captioner.training.quick_checks import check_val_interval
+
+    trainer = SimpleNamespace(val_check_interval=interval, check_val_every_n_epoch=every, limit_train_batches=1.0)
+    datamodule = SimpleNamespace(train_items=lambda: 40, settings=SimpleNamespace(batch_size=4))  # 10 batches
+    if not refused:
+        check_val_interval(trainer, datamodule)
+        return
+    with pytest.raises(ConfigError) as info:
+        check_val_interval(trainer, datamodule)
+    assert str(info.value).startswith(
+        "trainer.val_check_interval=11 is more than the 10 training batches of an epoch: give at most that many"
+    )

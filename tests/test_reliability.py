@@ -90,7 +90,7 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
     earlier.mkdir()
     (earlier / "metrics.json").write_text("{}")
     train = [sys.executable, str(ROOT / "train.py")]
-    invalid = "trainer.precision=17"  # each run stops at once, after Hydra made its folder (Lightning refuses it)
+    invalid = "+trainer.max_time=soon"  # each run stops at once, after Hydra made its folder (Lightning refuses it)
     commands = [
         [*train, invalid, f"hydra.run.dir={earlier}"],
         [*train, invalid, f"hydra.run.dir={earlier}"],
@@ -99,7 +99,7 @@ def test_runs_asking_for_an_existing_folder_at_once_each_get_a_new_one(tmp_path:
     procs = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
     for proc in procs:
         _, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 2 and stderr.startswith("error: trainer: Precision 17 is invalid")
+        assert proc.returncode == 2 and stderr.startswith("error: trainer: `Timer(duration='soon')`")
     assert snapshot(earlier) == {"metrics.json": hashlib.sha256(b"{}").hexdigest()}
     folders = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert folders == ["run", "run_1", "run_2", "run_3"]

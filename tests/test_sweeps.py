@@ -83,12 +83,12 @@ def test_a_local_sweep_runs_each_job_in_a_process_of_its_own_into_a_complete_run
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["basic", "local"])  # in the sweep's process, one after another; each its own
 def test_failed_jobs_of_a_sweep_are_marked_and_the_sweep_ends_with_their_errors(launcher: str, tmp_path: Path) -> None:
-    # trainer.precision=17: a value Lightning refuses as it builds the trainer, so job 0 fails once it has started
-    args = ["-m", f"hydra/launcher={launcher}", "model.decoder.dropout=0.5,2", "trainer.precision=17"]
+    # max_time=soon: a value Lightning refuses as it builds the trainer, so job 0 fails once it has started
+    args = ["-m", f"hydra/launcher={launcher}", "model.decoder.dropout=0.5,2", "+trainer.max_time=soon"]
     proc = run_train([*args, f"paths.log_dir={tmp_path / 'logs'}"], check=False, timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("error: trainer: Precision 17 is invalid")
+    assert len(lines) == 2 and lines[0].startswith("error: trainer: `Timer(duration='soon')` is not a valid")
     assert lines[1] == "error: model.decoder.dropout=2.0 must be in [0.0, 0.99]"  # job 1: refused before it started
     sweep = _sweep(tmp_path / "logs")
     for job, line in zip(("0", "1"), lines):

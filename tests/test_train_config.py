@@ -8,7 +8,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from captioner.training.validate import validate_config
+from captioner.training.validate import check_arguments, validate_config
 from conftest import CONF, compose_cfg, compose_plain
 
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -18,7 +18,9 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 def test_every_experiment_composes_validates_and_instantiates(experiment: str, tmp_path: Path) -> None:
     # The ImageNet weight file cannot be downloaded here; the offline message is tested in test_encoder.
     cfg = compose_cfg([f"experiment={experiment}", "model.encoder.weights=null"], tmp_path)
-    settings = validate_config(OmegaConf.to_container(cfg, resolve=True))
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    settings = validate_config(plain)
+    check_arguments(plain)  # the names and types of the trainer's, callbacks' and loggers' arguments
     from captioner.data.vocab import Vocabulary
     from captioner.training.datamodule import CaptionDataModule
     from captioner.training.module import CaptionerModule
@@ -43,4 +45,6 @@ def test_every_experiment_composes_validates_and_instantiates(experiment: str, t
 )
 def test_every_group_option_composes_and_validates(group: str, options: list[str], tmp_path: Path) -> None:
     for option in options:
-        validate_config(compose_plain([f"{group}={option}"], tmp_path))
+        plain = compose_plain([f"{group}={option}"], tmp_path)
+        validate_config(plain)
+        check_arguments(plain)

@@ -119,13 +119,13 @@ def test_a_mistyped_command_is_one_line_before_the_config_tree_and_any_run_folde
 
 
 def test_a_run_that_fails_after_it_started_marks_its_folder_failed(tmp_path: Path) -> None:
-    proc = run_train(["trainer.precision=17", f"paths.log_dir={tmp_path}"], check=False, timeout=300)
-    message = "trainer: Precision 17 is invalid"  # a value that Lightning refuses as it builds the trainer
+    proc = run_train(["+trainer.max_time=soon", f"paths.log_dir={tmp_path}"], check=False, timeout=300)
+    message = "trainer: `Timer(duration='soon')` is not a valid duration"  # Lightning refuses it as it builds one
     assert error_line(proc).startswith(f"error: {message}")
     (run,) = (tmp_path / "train" / "runs").iterdir()  # the failed run's folder says why it failed
     assert (run / "FAILED").read_text().startswith(message)
     assert f"[ERROR] - run failed: {message}" in (run / "train.log").read_text()
-    assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["precision"] == 17
+    assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["max_time"] == "soon"
     assert not (run / "STOPPED").exists()
 
 

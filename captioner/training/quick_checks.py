@@ -4,9 +4,11 @@ Users shorten runs with trainer overrides; each one leaves out part of what the 
 gives one line, before training, for each part an override leaves out (SCST after an epoch that never comes,
 no validation during training, so no best checkpoint and no early stopping); ``fit_val_fraction`` turns a
 ``limit_val_batches`` fraction of fewer than one batch into one batch (Lightning refuses it after setting
-up). ``not_computed`` says why a metric group is missing from the final scores, ``checkpoint_note`` why
-the checkpoint evaluated is ``last.ckpt``, for the closing summary (``logs.summary``). ``fit_log_interval``
-gives an epoch of few steps several points of the training curves where ``log_every_n_steps`` would give it one.
+up); ``check_val_interval`` refuses a ``val_check_interval`` longer than an epoch with one line, where
+Lightning's refusal is a traceback. ``not_computed`` says why a metric group is missing from the final scores,
+``checkpoint_note`` why the checkpoint evaluated is ``last.ckpt``, for the closing summary (``logs.summary``).
+``fit_log_interval`` gives an epoch of few steps several points of the training curves where
+``log_every_n_steps`` would give it one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import lightning as L
 
 from captioner.config import Objective
+from captioner.errors import ConfigError
 from captioner.training.metrics import PROGRESS, VAL, metric
 from captioner.training.schedule import steps_per_epoch
 
@@ -64,6 +67,19 @@ def fit_val_fraction(trainer: L.Trainer, datamodule: Any) -> str | None:
             "validating 1 batch"
         )
     return None
+
+
+def check_val_interval(trainer: L.Trainer, datamodule: Any) -> None:
+    """ConfigError for a ``val_check_interval`` of more training batches than an epoch has, which Lightning
+    refuses with a traceback once training starts (unless ``check_val_every_n_epoch`` is null: it counts batches
+    across epochs). The batches of all ranks are counted: one rank's of several may be fewer still."""
+    interval, batches = trainer.val_check_interval, train_batches(trainer, datamodule)
+    if isinstance(interval, int) and trainer.check_val_every_n_epoch is not None and interval > batches:
+        raise ConfigError(
+            f"trainer.val_check_interval={interval} is more than the {batches} training batches of an epoch: give at "
+            "most that many, a fraction of an epoch (0.5), or trainer.check_val_every_n_epoch=null to count batches "
+            "across epochs"
+        )
 
 
 def no_validation_reason(trainer: L.Trainer, datamodule: Any) -> str | None:

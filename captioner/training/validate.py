@@ -3,12 +3,15 @@
 Every key's type, choice and range is the schema's (``captioner.config``: Hydra refuses an unknown key or
 a value of the wrong type when it composes the config, ``validate_config`` builds the typed settings and so
 runs their range checks). What is left here: rules across sections (a metric to monitor must be one the
-module logs, a schedule needs a run of known length: ``ModelConfig.unscheduled``) and the few trainer values
-Lightning accepts without a word (``max_epochs=0`` trains nothing).
-The names of the trainer's, callbacks' and loggers' arguments are checked against their classes' signatures
-(``check_arguments``: ``+trainer.limit_train_batch=2`` is refused, naming ``trainer.limit_train_batches``); the files
-and devices the config needs are ``training/preflight.py``'s. Lightning checks the rest of their values when
-``train.py`` builds them.
+module logs, a schedule needs a run of known length: ``ModelConfig.unscheduled``) and the trainer values
+Lightning accepts without a word (``max_epochs=0`` trains nothing, ``check_val_every_n_epoch=0`` divides by zero
+once the run has started: ``TRAINER_LEAST``).
+The names of the trainer's, callbacks' and loggers' arguments, and the types of their values, are checked against
+their classes' signatures (``check_arguments``: ``+trainer.limit_train_batch=2`` is refused, naming
+``trainer.limit_train_batches``; ``trainer.precision=17`` lists the precisions the trainer takes); the files and
+devices the config needs are ``training/preflight.py``'s. Lightning checks the rest of their values when
+``train.py`` builds them (``trainer.devices=abc``, ``+trainer.max_time=soon``): those stop the run once its folder
+exists, marked FAILED.
 
 ``ValidateConfig`` (a Hydra callback, listed first in ``conf/hydra/default.yaml``) runs ``check_run`` (the values,
 then the preflight) as soon as Hydra has composed the config: a wrong value or a missing file stops the run before
@@ -23,6 +26,8 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +45,44 @@ from captioner.training.run_folder import first_process
 STREAMED = "captioner.data.shards.WebDatasetSource"  # the source whose training split streams (data=webdataset)
 
 
+# The least value of trainer arguments that Lightning takes without complaint, below which a run trains nothing
+# (max_epochs=0), fails with a traceback once it runs (check_val_every_n_epoch=0, accumulate_grad_batches=0: a
+# division by zero) or does something no one asks for (log_every_n_steps=-1 logs every step).
+TRAINER_LEAST = {
+    "max_epochs": 1,
+    "min_epochs": 0,
+    "min_steps": 0,
+    "check_val_every_n_epoch": 1,
+    "accumulate_grad_batches": 1,
+    "log_every_n_steps": 0,  # 0: never
+    "num_sanity_val_steps": -1,  # -1: the whole validation split
+}
+
+
 def _check_trainer(trainer: dict[str, Any]) -> None:
-    """Trainer values Lightning takes without complaint but that make a run do nothing or the wrong thing."""
+    """Trainer values Lightning takes without complaint but that make a run do nothing, the wrong thing, or fail
+    with a traceback once it runs."""
     for key in ("callbacks", "logger", "plugins"):
         if key in trainer:
             raise ConfigError(
                 f"trainer.{key} is passed by train.py itself (from the {key} section) and cannot "
                 "be set in the trainer config"
             )
-    if trainer.get("max_epochs") is not None:
-        check_range("trainer.max_epochs", trainer["max_epochs"], 1, kind=int)
-    if trainer.get("min_epochs") is not None:
-        check_range("trainer.min_epochs", trainer["min_epochs"], 0, kind=int)
+    for key, low in TRAINER_LEAST.items():
+        if trainer.get(key) is not None:
+            check_range(f"trainer.{key}", trainer[key], low, kind=int)
+    if trainer.get("max_steps") not in (None, -1):
+        check_range("trainer.max_steps", trainer["max_steps"], kind=int)
+        if trainer["max_steps"] < 1:
+            raise ConfigError(f"trainer.max_steps={trainer['max_steps']} must be -1 (no limit) or >= 1")
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, float) and not 0.0 < interval <= 1.0:
+        raise ConfigError(
+            f"trainer.val_check_interval={interval!r} must be in (0.0, 1.0] (a fraction of an epoch) or an int >= 1 "
+            "(training batches)"
+        )
+    if isinstance(interval, int) and not isinstance(interval, bool):
+        check_range("trainer.val_check_interval", interval, 1, kind=int)
     if trainer.get("gradient_clip_val") is not None:
         check_range("trainer.gradient_clip_val", trainer["gradient_clip_val"], 0.0)
     max_epochs = trainer.get("max_epochs")
@@ -117,17 +148,21 @@ def _target(key: str, target: str) -> Any:
     return getattr(module, name)
 
 
+def _functions(target: Any) -> list[Any]:
+    """What builds ``target``: each constructor of a class's classes, most derived first (object's left out), or
+    the function itself."""
+    if isinstance(target, type):
+        return [vars(c)["__init__"] for c in target.__mro__[:-1] if "__init__" in vars(c)]
+    return [target]
+
+
 def _keywords(target: Any) -> list[str] | None:
     """The keyword arguments that ``target`` (a class or a function) takes; None when it takes any (``**kwargs``).
     A constructor that takes nothing but ``*args, **kwargs`` passes them on: its base class's are taken; one that
-    hands its other keywords to a known class (``_receiver``) takes its own and that class's."""
-    if isinstance(target, type):  # each constructor of its classes (object's left out), without ``self``
-        functions = [vars(c)["__init__"] for c in target.__mro__[:-1] if "__init__" in vars(c)]
-    else:
-        functions = [target]
+    hands its other keywords to a known class (``_passed_on``) takes its own and that class's."""
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    for function in functions:
-        parameters = list(inspect.signature(function).parameters.values())[isinstance(target, type) :]
+    for function in _functions(target):
+        parameters = list(inspect.signature(function).parameters.values())[isinstance(target, type) :]  # no self
         kinds = {parameter.kind for parameter in parameters}
         if kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
             continue
@@ -154,10 +189,73 @@ def _passed_on(target: Any) -> list[str] | None:
     return [name for name in _keywords(SummaryWriter) or [] if name != "log_dir"]
 
 
+def _annotations(target: Any) -> dict[str, Any]:
+    """The annotated type of each keyword that ``target``'s constructors (or the function) name, the most derived
+    first; a constructor whose annotations cannot be resolved gives none."""
+    found: dict[str, Any] = {}
+    for function in _functions(target):
+        try:
+            hints = typing.get_type_hints(function)
+        except Exception:  # noqa: BLE001 - a name its module imports only for type checkers: nothing to check
+            continue
+        for name, kind in hints.items():
+            found.setdefault(name, kind)
+    return found
+
+
+def _accepts(kind: Any, value: Any) -> bool:
+    """Whether ``value`` (plain config data) is of the annotated type ``kind``: bool, int (not a bool), float (an
+    int too), str, None, a Literal's values, each member of a Union; a list or dict by its container only; any
+    other class only by an instance of it (a config gives one as a ``_target_`` node, which is not checked)."""
+    origin = typing.get_origin(kind)
+    if kind is Any or isinstance(kind, typing.TypeVar):
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(member, value) for member in typing.get_args(kind))
+    if origin is typing.Literal:
+        return any(value == option and type(value) is type(option) for option in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    kind = origin or kind
+    return not isinstance(kind, type) or isinstance(value, kind)
+
+
+def _described(kind: Any) -> list[str]:
+    """What ``_accepts`` takes for ``kind``, in words: ``["an int", "null"]``, a Literal's values as they are."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return [word for member in typing.get_args(kind) for word in _described(member)]
+    if origin is typing.Literal:
+        return [str(option) for option in typing.get_args(kind)]
+    words = {type(None): ["null"], bool: ["true", "false"], int: ["an int"], float: ["a number"], str: ["a string"]}
+    if kind in words:
+        return words[kind]
+    name = getattr(origin or kind, "__name__", str(kind))
+    return [f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"]
+
+
+def _check_types(key: str, node: dict[str, Any], target: Any) -> None:
+    """ConfigError for the first argument in ``node`` whose value is not of the type ``target`` annotates it with
+    (``trainer.detect_anomaly='maybe' must be true or false``); a ``_target_`` node is an object Hydra builds."""
+    annotations = _annotations(target)
+    for name, value in node.items():
+        if name not in annotations or (isinstance(value, dict) and "_target_" in value):
+            continue
+        if not _accepts(annotations[name], value):
+            words = list(dict.fromkeys(_described(annotations[name])))
+            expected = words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+            raise ConfigError(f"{key}.{name}={value!r} must be {expected}")
+
+
 def check_arguments(cfg: dict[str, Any]) -> None:
     """Each argument that a resolved training config gives the trainer, a callback or a logger is one its class
-    takes (their signatures: Lightning's ``Trainer`` and the rest); ConfigError naming the nearest one. Built by
-    ``train.py`` only once the run has started, the class would refuse it after the run's folder is made."""
+    takes (their signatures: Lightning's ``Trainer`` and the rest), of the type its constructor annotates;
+    ConfigError naming the nearest one, or the types it takes. Built by ``train.py`` only once the run has
+    started, the class would refuse it after the run's folder is made, or fail with a traceback as it runs."""
     nodes = [("trainer", cfg.get("trainer"))]
     for section in ("callbacks", "logger"):
         nodes += [(f"{section}.{name}", node) for name, node in (cfg.get(section) or {}).items()]
@@ -172,6 +270,7 @@ def check_arguments(cfg: dict[str, Any]) -> None:
             match = nearest(unknown[0], taken, f"{key}.")
             valid = match or f"; it takes: {', '.join(taken)}"
             raise ConfigError(f"{key}.{unknown[0]} is not an argument of {node['_target_']}{valid}")
+        _check_types(key, {name: node[name] for name in given}, target)
 
 
 def check_run(cfg: dict[str, Any]) -> None:
