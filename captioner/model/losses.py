@@ -179,15 +179,20 @@ class SelfCriticalLoss(nn.Module):
                 raise ValueError("the mean baseline averages the image's other samples: it needs samples >= 2")
             baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (samples - 1)  # (B, k): the others' mean
         advantage = (rewards - baseline).reshape(-1, 1).detach().to(log_probs.dtype)  # (B*k, 1)
-        mask = torch.arange(log_probs.size(1), device=log_probs.device) < lengths.unsqueeze(1)  # (B*k, T)
-        if real is not None:
-            mask = mask & real.repeat_interleave(samples).unsqueeze(1)
+        counted = self.counted_lengths(lengths, real, samples).unsqueeze(1)  # (B*k, 1)
+        mask = torch.arange(log_probs.size(1), device=log_probs.device) < counted  # (B*k, T)
         normaliser = mask.sum().clamp_min(1) if tokens is None else tokens
         loss = -(advantage * log_probs * mask).sum() / normaliser
         terms = {"loss": loss, "reward": _mean_over(rewards, real)}
         if self.baseline == ScstBaseline.greedy:
             terms["greedy_reward"] = _mean_over(greedy_rewards, real)
         return terms
+
+    @staticmethod
+    def counted_lengths(lengths: Tensor, real: Tensor | None, samples: int) -> Tensor:
+        """The sampled tokens of each caption (B*k,) that the loss counts: its ``lengths``, none for the ``samples``
+        captions of an image that is not ``real`` (B,) (None: all are)."""
+        return lengths if real is None else lengths * real.repeat_interleave(samples)
 
 
 def _mean_over(values: Tensor, real: Tensor | None) -> Tensor:

@@ -66,8 +66,7 @@ def sampled_token_share(lengths: torch.Tensor, real: torch.Tensor | None, sample
     the ``real`` (B,) images' only) divided by the ranks: ``SelfCriticalLoss``'s ``tokens`` under DDP, as
     ``token_share`` is cross-entropy's, so that ranks whose captions are longer or shorter weigh each token alike.
     One all-reduce of a scalar."""
-    counted = lengths if real is None else lengths * real.repeat_interleave(samples)
-    return _per_rank(counted.sum().float())
+    return _per_rank(SelfCriticalLoss.counted_lengths(lengths, real, samples).sum().float())
 
 
 @dataclass
