@@ -9,9 +9,9 @@ once the run has started: ``TRAINER_LEAST``).
 The names of the trainer's, callbacks' and loggers' arguments, and the types of their values, are checked against
 their classes' signatures (``check_arguments``: ``+trainer.limit_train_batch=2`` is refused, naming
 ``trainer.limit_train_batches``; ``trainer.precision=17`` lists the precisions the trainer takes); the files and
-devices the config needs are ``training/preflight.py``'s. Lightning checks the rest of their values when
-``train.py`` builds them (``trainer.devices=abc``, ``+trainer.max_time=soon``): those stop the run once its folder
-exists, marked FAILED.
+devices the config needs are ``training/preflight.py``'s (the accelerator's and strategy's names and the CPU's
+devices are checked here). Lightning checks the rest of their values when ``train.py`` builds them
+(``+trainer.max_time=soon``): those stop the run once its folder exists, marked FAILED.
 
 ``ValidateConfig`` (a Hydra callback, listed first in ``conf/hydra/default.yaml``) runs ``check_run`` (the values,
 then the preflight) as soon as Hydra has composed the config: a wrong value or a missing file stops the run before
@@ -251,6 +251,30 @@ def _check_types(key: str, node: dict[str, Any], target: Any) -> None:
             raise ConfigError(f"{key}.{name}={value!r} must be {expected}")
 
 
+def _check_hardware(trainer: dict[str, Any]) -> None:
+    """The trainer's accelerator and strategy by the names Lightning's registries hold, and its devices on the CPU
+    by Lightning's parser: values it would refuse only as ``train.py`` builds the trainer. Devices on a GPU are the
+    preflight's, which knows the machine's GPUs."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.accelerators import AcceleratorRegistry, CPUAccelerator
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    accelerator, strategy = trainer.get("accelerator", "auto"), trainer.get("strategy", "auto")
+    if isinstance(accelerator, str):
+        check_choice("trainer.accelerator", accelerator, ["auto", "gpu", *AcceleratorRegistry.available_accelerators()])
+    strategies = StrategyRegistry.available_strategies()
+    if isinstance(strategy, str) and strategy.lower() not in ("auto", *strategies):
+        raise ConfigError(
+            f"trainer.strategy={strategy!r} is not a strategy Lightning knows{nearest(strategy, strategies)}; for "
+            "example auto, ddp, ddp_spawn, fsdp or deepspeed"
+        )
+    if accelerator == "cpu" and trainer.get("devices", "auto") != "auto":
+        try:
+            CPUAccelerator.parse_devices(trainer["devices"])
+        except (MisconfigurationException, TypeError, ValueError) as exc:  # TypeError: not a number
+            raise ConfigError(f"trainer.devices={trainer['devices']!r}: {first_line(exc)}") from None
+
+
 def check_arguments(cfg: dict[str, Any]) -> None:
     """Each argument that a resolved training config gives the trainer, a callback or a logger is one its class
     takes (their signatures: Lightning's ``Trainer`` and the rest), of the type its constructor annotates;
@@ -271,6 +295,7 @@ def check_arguments(cfg: dict[str, Any]) -> None:
             valid = match or f"; it takes: {', '.join(taken)}"
             raise ConfigError(f"{key}.{unknown[0]} is not an argument of {node['_target_']}{valid}")
         _check_types(key, {name: node[name] for name in given}, target)
+    _check_hardware(cfg.get("trainer") or {})
 
 
 def check_run(cfg: dict[str, Any]) -> None:
