@@ -7,9 +7,10 @@ Runs, each in its own process, with its wall time: ``pytest tests/test_gpu.py te
 tests/test_gpu_decoding.py`` (CUDA graphs of whole decoding calls and training steps, cross-entropy and SCST,
 against eager, the per-word reduce-overhead step, 16-mixed and bf16-mixed steps with clipping and an empty batch,
 nvjpeg against the CPU's JPEG decoder); ``python train.py trainer=gpu`` (the demo, CUDA graphs on by default, its
-SCST steps too: its wall time, BLEU-4 and each epoch's share of replayed steps); ``python train.py trainer=ddp
-trainer.devices=1`` for two epochs (cross-entropy, then SCST, each with graphed steps whose gradients are
-all-reduced beside the graph);
+SCST steps too: its wall time, BLEU-4 and each epoch's share of replayed steps); ``benchmarks/coco_shaped.py``
+(``train.py trainer=ddp trainer.devices=1`` on a COCO-shaped set, 5 to 7 captions per image and unreadable files,
+for two epochs: cross-entropy, then SCST, each with graphed steps whose gradients are all-reduced beside the
+graph);
 ``benchmarks/train_step.py`` in bf16 (the training step and the decoder-only step, eager and graphed);
 ``benchmarks/captioning.py`` in bf16 (greedy, beam 3 and beam 5 against the encoder alone, beam 3 at batch 1 to
 128, each call one replay); ``benchmarks/data_loading.py`` (the loader's images/s against what the step consumes);
@@ -34,8 +35,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ["--device", "cuda", "--precision", "bf16"]
 NO_PLUGINS = ["-p", "no:cacheprovider", "-p", "no:logging"]  # no log capture: torch's debug lines hid the failures
-# one DDP process with graphed steps (model.graphs unset: on for CUDA): a cross-entropy epoch, then an SCST one
-DDP = ["trainer=ddp", "trainer.devices=1", "trainer.max_epochs=2", "model.scst.after_epochs=1", "test=false"]
+# one DDP process with graphed steps (model.graphs unset: on for CUDA) on the COCO-shaped set (5 to 7 captions per
+# image, unreadable files) that coco_shaped.py writes and trains on: a cross-entropy epoch, then an SCST one
+DDP = ["benchmarks/coco_shaped.py", "data/coco_shaped", "trainer=ddp", "trainer.devices=1", "test=false"]
+TRAINING = ("train.py", DDP[0])  # the parts whose output is train.py's
 TESTS = ["tests/test_gpu.py", "tests/test_gpu_graphs.py", "tests/test_gpu_decoding.py"]
 # (title, arguments of python, seconds at most): each about 1.4x the part's wall time on the H100 with cold caches
 # (docs/gpu_report.md: 71, over 120, 45, 94, 32, 44, 34 s); together ten and a half minutes, the demo's the largest
@@ -43,7 +46,7 @@ TESTS = ["tests/test_gpu.py", "tests/test_gpu_graphs.py", "tests/test_gpu_decodi
 PARTS = [
     ("GPU-only tests", ["-m", "pytest", *TESTS, "-q", "-rA", "--tb=short", *NO_PLUGINS], 100),
     ("The demo: python train.py trainer=gpu", ["train.py", "trainer=gpu"], 180),
-    ("DDP, one process, graphed steps: python train.py " + " ".join(DDP), ["train.py", *DDP], 65),
+    ("DDP on a COCO-shaped set, one process, graphed steps: python " + " ".join(DDP), DDP, 90),
     ("Training step", ["benchmarks/train_step.py", *BENCH, "--channels-last"], 130),
     ("Captioning", ["benchmarks/captioning.py", *BENCH], 50),
     ("Data loading", ["benchmarks/data_loading.py", *BENCH], 60),
@@ -67,15 +70,15 @@ def run_part(title: str, args: list[str], limit: int) -> bool:
         return False
     seconds = time.perf_counter() - start
     output = proc.stdout
-    if args[0] == "train.py" and SUMMARY in output:
+    if args[0] in TRAINING and SUMMARY in output:
         output = output[output.index(SUMMARY) :]  # the config tree and the epochs' lines are the run folder's
     if proc.returncode != 0:
         output = proc.stdout[-20000:] + proc.stderr[-8000:]
     print(output.rstrip())
-    replays = REPLAYS.findall(proc.stdout + proc.stderr) if args[0] == "train.py" else []
+    replays = REPLAYS.findall(proc.stdout + proc.stderr) if args[0] in TRAINING else []
     if replays:
         print("CUDA graph replays, epoch by epoch:\n" + "\n".join(f"  {line}" for line in replays))
-    bleu = BLEU4.findall(proc.stdout) if args[0] == "train.py" else []
+    bleu = BLEU4.findall(proc.stdout) if args[0] in TRAINING else []
     summary = f"val BLEU-4 {bleu[0]}, " if bleu else ""
     print(f"-> {'ok' if proc.returncode == 0 else f'FAILED (exit {proc.returncode})'}: {summary}{seconds:.0f} s wall")
     return proc.returncode == 0

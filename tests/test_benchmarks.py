@@ -12,13 +12,14 @@ import dataclasses
 import importlib
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, compose_cfg, net_v1, tiny_overrides, write_bundle, write_run
+from conftest import ROOT, TINY, compose_cfg, net_v1, subprocess_env, tiny_overrides, write_bundle, write_run
 
 BENCHMARKS = ROOT / "benchmarks"
 SCRIPTS = (
@@ -526,3 +527,33 @@ def test_each_hand_mutation_names_source_that_occurs_once_and_tests_that_exist(
             assert re.search(rf"^def {name}\(", (ROOT / file).read_text(), re.M), test
     documented = (ROOT / "docs" / "testing.md").read_text()
     assert all(f"`{mutation.name}`" in documented for mutation in mutations.MUTATIONS)
+
+
+@pytest.mark.slow
+def test_the_coco_shaped_set_trains_under_ddp_with_its_unreadable_images_counted(tmp_path: Path) -> None:
+    """gpu_check's DDP part, on two gloo processes: a user's captions file with 5 to 7 captions per image and cut
+    files trains through train.py, K = 5 captions per image, the unreadable images skipped and named."""
+    import csv
+    from collections import Counter
+
+    overrides = ["--train", "40", "--val", "8", "--test", "8", "trainer=ddp_cpu", "data.batch_size=8", "test=false"]
+    overrides += [f"paths.log_dir={tmp_path / 'logs'}", f"paths.cache_dir={tmp_path / 'cache'}", "data.num_workers=0"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "coco_shaped.py"), str(tmp_path / "set"), *overrides],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with (tmp_path / "set" / "captions.csv").open(encoding="utf-8") as rows:
+        counts = Counter(Counter(row["image"] for row in csv.DictReader(rows)).values())
+    assert counts == {5: 34, 6: 11, 7: 11}  # 56 images: 5 + (0, 0, 1, 0, 2)[i % 5] captions
+    output = proc.stdout + proc.stderr
+    assert "data.captions_per_image=5, the most common caption count of the training images (24 of 40)" in output
+    cut = {f"{i + 1:06d}.png" for i in (1, 14, 27)}  # the training images coco_shaped.py cut short
+    skipped = set(re.findall(r"images/train/(\d{6}\.png) \(truncated or corrupt image data", output))
+    assert skipped == cut, skipped
+    assert re.search(r"validation BLEU .*\n  BLEU-1 0\.\d+", output)
+    assert "It is recommended to use `self.log(" not in output  # every rank logs the same scores: no warning

@@ -8,13 +8,14 @@ included); stderr holds only the one-line error of a run that fails.
 from __future__ import annotations
 
 import logging
+import re
 import shlex
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from captioner.training.metrics import BLEU, CIDER, CORRECTNESS, TEST, VAL, metric
+from captioner.training.metrics import BLEU, CIDER, CORRECTNESS, GRAPH_REPLAYS, TEST, TRAIN, VAL, metric
 
 # Overrides that a resumed run must not repeat: it starts from the stopped run's checkpoint. (Hydra's own
 # overrides, such as hydra.run.dir, are not among the job's: the resumed run gets a new folder.)
@@ -51,6 +52,12 @@ def route_lightning_logs() -> None:
     # An epoch shorter than trainer.log_every_n_steps is logged all the same: CaptionerModule.on_train_start makes
     # the interval fit it (quick_checks.fit_log_interval) after Lightning warned that it would not be.
     warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
+    # Under DDP every rank logs the same scores, computed from all ranks' captions (``EvaluationEpoch.finish``), and
+    # the same share of replayed steps (the ranks agree on replay or eager): nothing to reduce across the ranks.
+    same = "|".join(re.escape(name) for name in (f"{VAL}/", f"{TEST}/", metric(TRAIN, GRAPH_REPLAYS)))
+    warnings.filterwarnings("ignore", message=rf"It is recommended to use `self\.log\('({same})")
+    # ... and the sampler's padding repeats an image or two in validation and test: their captions are kept once.
+    warnings.filterwarnings("ignore", message=r"Using `DistributedSampler` with the dataloaders\. During `trainer\.")
     # Lightning's CombinedLoader builds torch's deprecated LeafSpec for every loader: its change to make.
     warnings.filterwarnings(
         "ignore",
