@@ -92,7 +92,7 @@ def train(cfg: DictConfig) -> float | None:
         datamodule = CaptionDataModule(source, settings.data, grow_vocab=grow_vocab)
         datamodule.setup("fit")
     with building("model"):
-        module = CaptionerModule(datamodule.vocab, settings.model)
+        module = CaptionerModule(datamodule.vocab, settings.model, pretrained=start.model is None)
     if start.init is not None:  # with init_vocab=grow, the new words' rows as the new model drew them
         load_trained_weights(module.model, start.model.model, datamodule.vocab.itos, start.model.vocab.itos)
 

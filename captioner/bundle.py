@@ -16,7 +16,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -219,7 +219,7 @@ def _assemble(
         raise BundleError(f"{where}: state_dict is not a mapping of names to tensors")
     try:
         net = read_net(metadata["config"], metadata.get("version", 1))  # every size in range
-        without_weights = replace(net, encoder=replace(net.encoder, weights=None))  # the bundle holds them
+        without_weights = net.without_pretrained()  # the bundle holds them
         with torch.device("meta"):  # the shapes only: nothing is allocated before the weights are known to fit
             shapes = build_captioner(without_weights, len(vocab))
     except (ConfigError, TypeError, ValueError) as exc:

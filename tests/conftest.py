@@ -320,11 +320,12 @@ def tampered(bundle: str | Path, path: Path, change: Callable[[dict], None]) -> 
     return path
 
 
-def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
+def write_run(folder: Path, objective: str | None, bundle: bool = True, net: Mapping[str, Any] = RUN_NET) -> Path:
     """A run folder as train.py leaves it: checkpoints/last.ckpt (written with ``objective``; None: before
-    model.objective existed) and bundle.pt, for a tiny ``RUN_NET`` model trained on 64 px images."""
+    model.objective existed) and bundle.pt, for a tiny ``net`` model trained on 64 px images (its encoder's
+    pretrained weights, if it names them, are not read: the run's files hold every weight)."""
     vocab = Vocabulary(["a", "red", "circle"])
-    model = build_captioner(net_v1(RUN_NET), len(vocab))
+    model = build_captioner(net_v1(net).without_pretrained(), len(vocab))
     hyper = {} if objective is None else {"objective": objective}
     (folder / "checkpoints").mkdir(parents=True)
     save_torch(
@@ -333,12 +334,12 @@ def write_run(folder: Path, objective: str | None, bundle: bool = True) -> Path:
             "epoch": 3,
             "hyper_parameters": hyper,
             "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
-            CHECKPOINT_KEY: bundle_metadata(net_v1(RUN_NET), vocab, {"image_size": 64}),
+            CHECKPOINT_KEY: bundle_metadata(net_v1(net), vocab, {"image_size": 64}),
         },
         folder / "checkpoints" / "last.ckpt",
     )
     if bundle:
-        save_bundle(folder / "bundle.pt", model, vocab, net_v1(RUN_NET), {"image_size": 64})
+        save_bundle(folder / "bundle.pt", model, vocab, net_v1(net), {"image_size": 64})
     return folder
 
 

@@ -176,6 +176,15 @@ def test_a_missing_weight_file_says_where_to_save_it(tmp_path: Path, monkeypatch
     ]
 
 
+def test_a_run_from_a_checkpoint_needs_no_weight_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # no weight file there: the checkpoint's weights replace them
+    offline = ["model.encoder.weights=IMAGENET1K_V1", "model.encoder.download=false", f"data.source.root={tmp_path}/s"]
+    ce = write_run(tmp_path / "ce", "cross_entropy")
+    assert _lines([*offline, f"init_from={write_run(tmp_path / 'run', None)}"], tmp_path) == []
+    assert _lines([*offline, f"ckpt_path={ce}", "model.objective=cross_entropy"], tmp_path) == []
+    assert len(_lines(offline, tmp_path)) == 1  # from scratch: the file is needed
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
 def test_an_accelerator_this_machine_lacks(tmp_path: Path) -> None:
     with pytest.raises(PreflightError) as info:

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from captioner.bundle import load_trained
 from captioner.config import DecodingConfig, from_dict
 from captioner.training.logs import finish_wandb
-from conftest import TrainedRun, compose_cfg, run_train, snapshot, tiny_overrides
+from conftest import RUN_NET, TrainedRun, compose_cfg, run_train, snapshot, tiny_overrides, write_run
 
 
 def _short_run(tiny_shapes: Path, tmp_path: Path, logger: list[str]) -> list[str]:
@@ -182,3 +182,22 @@ def test_ddp_with_two_cpu_processes_gives_the_single_process_bleu(
     single_caps = json.loads((tmp_path / "single" / "val_captions.json").read_text())
     ddp_caps = json.loads((tmp_path / "ddp" / "val_captions.json").read_text())
     assert len(ddp_caps) == 24 and ddp_caps == single_caps
+
+
+@pytest.mark.slow
+def test_a_run_from_a_checkpoint_reads_and_downloads_no_imagenet_weights(
+    tiny_shapes: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model trained from ImageNet weights starts a new run (init_from) on a machine without their file and
+    without a network, the download left on: the checkpoint's weights replace them all, so nothing is fetched."""
+    torch_home = tmp_path / "torch"
+    monkeypatch.setenv("TORCH_HOME", str(torch_home))  # empty: the file is not there, and nothing can download it
+    net = {**RUN_NET, "encoder": {**RUN_NET["encoder"], "weights": "IMAGENET1K_V1"}}
+    run = write_run(tmp_path / "pretrained", "cross_entropy", net=net)
+    args = [*tiny_overrides(tiny_shapes, tmp_path / "out"), f"init_from={run}", "trainer.max_epochs=1", "test=false"]
+    proc = run_train([*args, "model.objective=cross_entropy", "+trainer.limit_train_batches=2"], check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    config = yaml.safe_load((tmp_path / "out" / "run" / "config.yaml").read_text())
+    assert config["model"]["encoder"]["weights"] == "IMAGENET1K_V1"  # the checkpoint's model, its settings kept
+    assert load_trained(str(tmp_path / "out" / "run" / "bundle.pt")).config.encoder.weights == "IMAGENET1K_V1"
+    assert not torch_home.exists()  # nothing downloaded, not even a lock file

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from captioner.config.settings import Settings
 from captioner.errors import ConfigError, check_range
@@ -169,6 +169,11 @@ class NetConfig(Settings):
             raise ConfigError(
                 f"decoder.attention_heads={self.decoder.attention_heads} needs scorer=multihead (got {self.scorer})"
             )
+
+    def without_pretrained(self) -> NetConfig:
+        """These settings with no pretrained encoder weights to read: the network of a model whose weights all come
+        from a file of its own (a bundle, a checkpoint), which builds without the ImageNet weights' file."""
+        return replace(self, encoder=replace(self.encoder, weights=None))
 
 
 # The settings that make a trained network what it is (its layers, their sizes, what its weights were trained to

@@ -56,18 +56,20 @@ class CaptionerModule(L.LightningModule):
     """Show, Attend and Tell training: masked cross-entropy + doubly stochastic (+ REINFORCE for hard), or
     self-critical sequence training of a trained model (``objective="scst"``, settings in ``scst``)."""
 
-    def __init__(self, vocab: Vocabulary, settings: ModelConfig) -> None:
+    def __init__(self, vocab: Vocabulary, settings: ModelConfig, pretrained: bool = True) -> None:
         """The model of ``settings`` (the ``model`` config, typed) for the words of ``vocab``; the encoder's ImageNet
         weights are downloaded first where ``encoder.download`` is on and their file is missing (the preflight did in
-        the process that started the run; another process of the run waits for or makes its machine's download)."""
+        the process that started the run; another process of the run waits for or makes its machine's download).
+        ``pretrained`` False: a checkpoint's weights replace all of them before any feature is computed (a run
+        resumed, or started from another's weights), so their file is neither read nor needed."""
         super().__init__()
         self.settings = settings
         self.save_hyperparameters(to_dict(self.settings))  # every setting, as plain data (weights_only loads it)
         self.vocab = vocab
         self.net = self.settings.net()  # what the bundle stores
-        if settings.encoder.download:
+        if settings.encoder.download and pretrained:
             fetch(self.net.encoder.name, self.net.encoder.weights)
-        self.model: Captioner = build_captioner(self.net, len(vocab))
+        self.model: Captioner = build_captioner(self.net if pretrained else self.net.without_pretrained(), len(vocab))
         self.model.decoder.fuse_attention(settings.fused_attention)
         self.criterion = CaptionLoss(self.settings.loss, PAD_ID, UNK_ID)
         self.self_critical = SelfCriticalLoss(self.settings.scst.baseline)

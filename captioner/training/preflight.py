@@ -201,8 +201,16 @@ def _weights_problem(cfg: dict[str, Any], why: str) -> Problem:
     return Problem(f"model.{what}", remedy, "encoder-weights")
 
 
+def _from_checkpoint(cfg: dict[str, Any]) -> bool:
+    """Whether the run starts from a checkpoint or bundle (``ckpt_path``, ``init_from``): its model is the
+    checkpoint's, whose weights replace all of the encoder's ImageNet weights (their file is neither read nor
+    downloaded)."""
+    return cfg.get("ckpt_path") is not None or cfg.get("init_from") is not None
+
+
 def _encoder_problems(cfg: dict[str, Any]) -> list[Problem]:
-    """The encoder's weights name, and its file where it is not downloaded (``model.encoder.download=false``)."""
+    """The encoder's weights name, and its file where it is not downloaded (``model.encoder.download=false``) and
+    the run does not start from a checkpoint's weights."""
     from captioner.model.pretrained import resolve_weights, weight_file
 
     encoder = cfg["model"]["encoder"]
@@ -210,19 +218,20 @@ def _encoder_problems(cfg: dict[str, Any]) -> list[Problem]:
         weights = resolve_weights(encoder["name"], encoder["weights"])
     except (CaptionerError, ValueError) as exc:
         return [Problem(f"model.{first_line(exc)}", "see torchvision's list of weights", "encoder-weights")]
-    if weights is None or encoder["download"] or os.path.isfile(weight_file(weights)):
+    if weights is None or encoder["download"] or _from_checkpoint(cfg) or os.path.isfile(weight_file(weights)):
         return []
     return [_weights_problem(cfg, " (model.encoder.download=false)")]
 
 
 def _download_weights(cfg: dict[str, Any]) -> list[Problem]:
-    """Download the encoder's weights file where ``model.encoder.download`` is on and it is missing
-    (``pretrained.download``, its progress on stdout); the problem when the download fails."""
+    """Download the encoder's weights file where ``model.encoder.download`` is on, it is missing and the run does
+    not start from a checkpoint (``pretrained.download``, its progress on stdout); the problem when the download
+    fails."""
     from captioner.model.pretrained import download, resolve_weights
 
     encoder = cfg["model"]["encoder"]
     weights = resolve_weights(encoder["name"], encoder["weights"])
-    if weights is None or not encoder["download"]:
+    if weights is None or not encoder["download"] or _from_checkpoint(cfg):
         return []
     try:
         download(weights)
@@ -235,7 +244,7 @@ def _grid_problems(cfg: dict[str, Any]) -> list[Problem]:
     """``model.encoder.grid`` against the feature map the encoder makes of ``data.image_size`` images (the model of
     a checkpoint, which ``ckpt_path`` and ``init_from`` run, is the checkpoint's)."""
     encoder, size = cfg["model"]["encoder"], cfg["data"]["image_size"]
-    if encoder.get("grid") is None or cfg.get("ckpt_path") is not None or cfg.get("init_from") is not None:
+    if encoder.get("grid") is None or _from_checkpoint(cfg):
         return []
     try:
         height, width = _feature_map(encoder["name"], encoder.get("stage"), size)
