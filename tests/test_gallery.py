@@ -2,11 +2,12 @@
 
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_to_bytes
 
 import pytest
 from PIL import Image
@@ -50,6 +51,23 @@ def test_links_are_relative_and_every_file_lies_inside_the_gallery(tmp_path):
     assert "image 2" in text and "1.png" in text  # headings: the image id, else the file name
     assert "a square" in text and not list(out.glob(".*tmp"))
     assert f"Not captioned (1){tmp_path / 'gone.jpg'}: file not found" in text
+
+
+def test_a_file_name_that_is_not_utf8_keeps_its_bytes_in_the_links(tmp_path):
+    """A name from an old archive (Latin-1 ``café.png``: the byte 0xE9) is linked byte for byte, inside the gallery
+    and copied in, and named in the page's text with the byte escaped."""
+    latin = os.fsdecode(b"caf\xe9")  # "caf\udce9": how Python names such a file
+    out = tmp_path / "gallery"
+    strip = make_png(out / f"{latin}.panels.png")
+    entry = GalleryEntry(make_png(tmp_path / f"{latin}.png"), "a red square", panels=Panels(strip, ("a",), (8, 8)))
+    write_gallery(out, [entry])
+    page = (out / "index.html").read_bytes().decode("utf-8")  # UTF-8 throughout
+    parser = Links()
+    parser.feed(page)
+    assert parser.links == ["images/0000_caf%E9.png", "caf%E9.panels.png"]
+    for link in parser.links:
+        assert (os.fsencode(out) + b"/" + unquote_to_bytes(link)) in {os.fsencode(p) for p in out.rglob("*")}
+    assert "caf\\udce9.png" in "".join(parser.text)
 
 
 def test_every_copy_gets_its_own_name(tmp_path):
