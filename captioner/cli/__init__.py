@@ -9,6 +9,7 @@ device), and one module per command (``caption``, ``attend``, ``evaluate``), imp
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ __all__ = ["build_parser", "main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command and return its exit status: 0 done, 1 some input image failed (or none was given), 2 a
     bad argument, model file or dataset (one line on stderr, never a traceback), 130 interrupted."""
+    if isinstance(sys.stdout, io.TextIOWrapper):  # a file name that is not UTF-8 (caf\xe9.jpg) is printed as its bytes
+        sys.stdout.reconfigure(errors="surrogateescape")  # as a C.UTF-8 locale has it, not a UnicodeEncodeError
     try:
         args = parse(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
