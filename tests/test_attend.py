@@ -6,7 +6,9 @@ once the model has loaded; a gallery inside its input folder is never read as in
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,43 @@ def test_force_replaces_the_gallery_and_nothing_of_the_users(bundle, tmp_path, c
     assert {name: after.get(name) for name in users} == users
     assert not (project / "0001_0002_dog.jpg").exists() and not (project / "0001_0002_dog.panels.jpg").exists()
     assert (project / "0000_0002_dog.jpg").is_file()
+
+
+@pytest.fixture
+def stdout_read_by_none(monkeypatch):
+    """Make stdout a pipe whose reader went away (``| head -1`` once it has a line): writes raise BrokenPipeError."""
+    opened = []
+
+    def make() -> None:
+        read, write = os.pipe()
+        os.close(read)
+        opened.append(open(write, "w", encoding="utf-8"))  # noqa: SIM115  # closed below
+        monkeypatch.setattr(sys, "stdout", opened[-1])
+
+    yield make
+    for stdout in opened:
+        stdout.close()  # stdout_gone pointed it at the null device
+
+
+def _drawn(number: int, image: Path) -> tuple[str, str]:
+    return f"{number:04d}_{image.stem}.panels.jpg", f"{number:04d}_{image.stem}.jpg"
+
+
+def test_a_reader_of_stdout_that_goes_away_ends_the_rows_not_the_gallery(bundle, tmp_path, capsys, stdout_read_by_none):
+    images = photos(tmp_path / "in", "cat.png", "dog.png")
+    out = tmp_path / "gallery"
+    stdout_read_by_none()
+    assert attend(bundle, str(tmp_path / "in"), "--out", str(out)) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"summary: 2 captioned, 0 failed", err) and "Traceback" not in err, err
+    parser = Links()
+    parser.feed((out / "index.html").read_text())
+    assert parser.links == [  # per image: its copy, the strip of its panels, its sheet
+        link for n, image in enumerate(images) for link in (f"images/{n:04d}_{image.name}", *_drawn(n, image))
+    ]
+    assert all((out / link).is_file() for link in parser.links)
+    stdout_read_by_none()
+    assert cli.main(["caption", str(images[0]), "--model", bundle, "--workers", "0"]) == 1  # its rows: all it makes
 
 
 def test_a_bad_model_or_a_users_file_leaves_everything_as_it_was(bundle, tmp_path, capsys):

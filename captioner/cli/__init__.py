@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import os
 import sys
 from collections.abc import Sequence
 
@@ -36,7 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader of stdout went away (`captioner caption ... | head`)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        from captioner.cli.output import stdout_gone  # loaded with the command: --help imports no torch
+
+        stdout_gone()
         return 1
     except OSError as exc:  # e.g. an --out folder that cannot be written
         print(f"error: {exc}", file=sys.stderr)

@@ -114,7 +114,7 @@ def _draw(
 
     numbers = {path: number for number, path in enumerate(found.paths)}  # entry n: the n-th input, for every name
     entries: list[GalleryEntry | None] = [None] * len(found.paths)
-    output = Output()
+    output = Output(files=True)
     show = options.progress(args, len(found.paths))
     # (its files' writing in the background, the result, its sheet, its strip, its shading, its entry), in order
     pending: deque[tuple[Future, Captioned, Path, Path | None, Shading, int]] = deque()

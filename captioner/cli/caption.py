@@ -117,7 +117,7 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
     options.check_images_found(args, Path(args.image_info).name, [record.image_path for record in records])
     device = options.device(args.device)
     loaded = options.load(args, device)
-    output = Output(getattr(args, "json", False), rows=echo)
+    output = Output(getattr(args, "json", False), rows=echo, files=True)
     paths = [record.image_path for record in records]
     output.start(len(paths))
     captions: dict[int, str] = {}
