@@ -199,9 +199,11 @@ def to_rgb(image: Image.Image | torch.Tensor) -> Image.Image:
     A PIL image of any mode is converted as ``load_rgb`` converts a decoded file (upright by its EXIF
     orientation). A tensor is a torchvision image, not normalised: (3, H, W) or (1, H, W), uint8 in
     [0, 255] or floating point in [0, 1]. Raises TypeError for another kind of object and ValueError for a
-    tensor of another shape or range.
+    tensor of another shape or range, or an image without pixels (0 wide or high: nothing to caption).
     """
     if isinstance(image, Image.Image):
+        if 0 in image.size:
+            raise ValueError(f"the image is {image.width}x{image.height} pixels: it has none to caption")
         return _to_rgb(ImageOps.exif_transpose(image))
     if not isinstance(image, torch.Tensor):
         raise TypeError(f"an image is a file path, a PIL image or a tensor, not a {type(image).__name__}")
