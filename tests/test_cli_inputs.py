@@ -75,6 +75,26 @@ def test_a_folder_scan_tries_files_without_a_suffix_and_counts_what_it_skips(bun
     assert f"e.g. {folder / 'README'}" in err
 
 
+def test_a_folder_scan_takes_avif_and_jfif_and_says_what_a_heic_photo_needs(bundles, tmp_path, capsys):
+    """A browser's .jfif and an AVIF (Pillow reads both) are captioned, and an iPhone's HEIC (Pillow needs a plugin)
+    is a failure that says so; all three were skipped as files that are not images."""
+    folder = tmp_path / "phone"
+    folder.mkdir()
+    noise((20, 20)).save(folder / "saved.jfif", format="JPEG")
+    noise((20, 20)).save(folder / "IMG_0002.avif", format="AVIF")
+    (folder / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64))
+    assert cli.main(["caption", str(folder), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]) == 1
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [
+        str(folder / "IMG_0002.avif"),
+        str(folder / "saved.jfif"),
+    ]
+    assert before_summary(err, captioned=2, failed=1, skipped=0) == [
+        f"error: {folder / 'IMG_0001.HEIC'}: a HEIF/HEIC photo, which Pillow decodes only with the pillow-heif plugin: "
+        "convert it to JPEG first"
+    ]
+
+
 def test_a_folder_scan_takes_regular_files_skips_hidden_ones_and_names_each_file_once(tmp_path):
     folder = tmp_path / "photos"
     (folder / "album.jpg").mkdir(parents=True)  # a folder named like an image is walked

@@ -18,7 +18,12 @@ from captioner.data.images import open_header
 from captioner.errors import ConfigError
 from captioner.viz.layout import MANIFEST, GalleryFiles
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+# What a folder search takes as an image by its name: photos' and the web's formats (a browser saves JPEGs as .jfif;
+# HEIC, an iPhone's, is named so that its error says what it is rather than that it is no image)
+IMAGE_SUFFIXES = (
+    *(".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"),
+    *(".avif", ".heic", ".heif", ".ppm", ".pgm", ".pbm"),
+)
 
 
 @dataclass

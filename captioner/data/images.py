@@ -20,6 +20,9 @@ from torchvision.transforms.v2.functional import to_pil_image
 from captioner.errors import DataError, check_range, first_line
 
 _INTEGER_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+# The brands of an ISO media file (bytes 8-12, after "ftyp") that say HEIF: an iPhone's HEIC photos, which Pillow reads
+# only with the pillow-heif plugin (AVIF, HEIF's AV1 kind, it reads itself)
+HEIF_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1")
 _WHITE = (255, 255, 255, 255)
 # Decodes past Pillow's own limit take turns: silencing its warning changes the process's warning filters.
 _PAST_PILLOW_S_LIMIT = threading.Lock()
@@ -84,7 +87,7 @@ def load_rgb(
             "TIFF, WebP and GIF decoders check whatever max_pixels says)",
         ) from None
     except UnidentifiedImageError:
-        raise ImageError(path, "not an image file (Pillow cannot identify its format)") from None
+        raise ImageError(path, _unidentified(path, data)) from None
     except PermissionError:
         raise ImageError(path, "permission denied") from None
     except Exception as exc:  # Pillow's decoders raise OSError, SyntaxError, ValueError, EOFError, ...
@@ -146,6 +149,16 @@ def open_header(path: str | Path, data: bytes | None = None) -> ImageFile.ImageF
         except (SyntaxError, IndexError, TypeError, struct.error):  # not this format after all, as Image.open has it
             continue
     raise UnidentifiedImageError(f"cannot identify image file {os.fspath(path)!r}")
+
+
+def _unidentified(path: Path, data: bytes | None) -> str:
+    """Why Pillow found no format for the file ``path`` (or its bytes ``data``): a HEIF photo's, or no image's."""
+    if data is None:
+        with path.open("rb") as file:
+            data = file.read(12)
+    if data[4:8] == b"ftyp" and data[8:12] in HEIF_BRANDS:
+        return "a HEIF/HEIC photo, which Pillow decodes only with the pillow-heif plugin: convert it to JPEG first"
+    return "not an image file (Pillow cannot identify its format)"
 
 
 def _draft_size(full: tuple[int, int], limit: int, size: int | None) -> tuple[int, int]:
