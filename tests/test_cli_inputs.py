@@ -10,8 +10,11 @@ import subprocess
 import sys
 import warnings
 
+import pytest
+
 from captioner import cli
 from captioner.cli.inputs import LeftOut, expand_inputs
+from captioner.data.images import ImageError, load_rgb
 from cli_helpers import QUICK, before_summary, noise
 from conftest import ROOT
 
@@ -105,6 +108,27 @@ def test_a_folder_scan_takes_regular_files_skips_hidden_ones_and_names_each_file
     found = expand_inputs(named)
     assert found.paths == [str(folder / "a.png"), str(folder / "album.jpg" / "b.png")]
     assert found.errors == [] and found.skipped == []
+
+
+def test_a_folder_scan_follows_links_out_of_the_folder_once_and_names_a_broken_one(tmp_path):
+    """A link to a folder elsewhere is searched (it was silently left out), once, without looping; a link to a
+    folder inside is not (its files are found there), and a broken link named like an image is that image's error
+    (it was silently dropped)."""
+    folder, nas = tmp_path / "photos", tmp_path / "nas"
+    for name in ("photos/a.png", "photos/sub/b.png", "nas/c.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        noise((8, 8)).save(tmp_path / name)
+    (folder / "nas").symlink_to(nas)
+    (folder / "nas_again").symlink_to(nas)
+    (nas / "loop").symlink_to(nas)
+    (folder / "sub_again").symlink_to(folder / "sub")
+    (folder / "sub" / "up").symlink_to(folder)
+    (folder / "gone.jpg").symlink_to(tmp_path / "deleted.jpg")
+    found = expand_inputs([str(folder)])
+    assert found.paths == [str(folder / name) for name in ("a.png", "gone.jpg", "nas/c.png", "sub/b.png")]
+    assert found.errors == [] and found.skipped == []
+    with pytest.raises(ImageError, match=f"gone.jpg: broken symbolic link: its target {tmp_path}/deleted.jpg is not"):
+        load_rgb(found.paths[1])
 
 
 def test_caption_leaves_a_gallery_among_its_inputs_out_and_says_how_many_files(bundles, tmp_path, capsys):

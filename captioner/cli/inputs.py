@@ -112,15 +112,32 @@ def _holds_an_image(path: Path) -> bool:
 
 
 def _files(folder: Path, leave_out: Callable[[Path], bool]) -> list[Path]:
-    """The regular files under ``folder``, recursively, sorted; hidden files and folders (``.thumbs/``,
-    ``._photo.jpg``) and those ``leave_out`` names left out."""
+    """The files under ``folder``, recursively, sorted: regular files and links to them (a link whose target is
+    gone too: loading it says so); hidden files and folders (``.thumbs/``, ``._photo.jpg``) and those ``leave_out``
+    names left out. A link to a folder outside ``folder`` (``photos/nas -> /mnt/nas/photos``) is searched once; one
+    to a folder inside it is not, since the search reaches that folder itself (a link up the tree: a loop)."""
+    root = os.path.realpath(folder)
+    linked: set[str] = set()  # the real folders of the links searched
     files = []
-    for top, folders, names in os.walk(folder):
-        folders[:] = [name for name in folders if not name.startswith(".") and not leave_out(Path(top, name))]
+    for top, folders, names in os.walk(folder, followlinks=True):
+        kept = []
+        for name in sorted(folders):  # of two links to one folder, the first by name is searched
+            path = Path(top, name)
+            if name.startswith(".") or leave_out(path):
+                continue
+            if path.is_symlink():
+                real = os.path.realpath(path)
+                if real in linked or Path(real).is_relative_to(root):
+                    continue
+                linked.add(real)
+            kept.append(name)
+        folders[:] = kept
         files += [
             Path(top, name)
             for name in names
-            if not name.startswith(".") and Path(top, name).is_file() and not leave_out(Path(top, name))
+            if not name.startswith(".")
+            and (Path(top, name).is_file() or Path(top, name).is_symlink())
+            and not leave_out(Path(top, name))
         ]
     return sorted(files)
 

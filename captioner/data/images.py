@@ -238,7 +238,8 @@ def to_rgb(image: Image.Image | torch.Tensor) -> Image.Image:
 def _check_file(path: Path) -> None:
     """Raise ImageError unless ``path`` is a non-empty regular file."""
     if not path.exists():
-        raise ImageError(path, "file not found")
+        gone = f"broken symbolic link: its target {os.readlink(path)} is not found" if path.is_symlink() else ""
+        raise ImageError(path, gone or "file not found")
     if path.is_dir():
         raise ImageError(path, "is a directory, not an image file")
     if not path.is_file():
