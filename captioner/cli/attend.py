@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} is a folder; give a .png file name, or a folder without .png")
     if single or (out.is_dir() and any(out.iterdir())):
         options.refuse_overwrite(out, args)
+    options.check_writable(out if single else out / MANIFEST, args)
     files = GalleryFiles(out)
     found = expand_inputs(args.inputs, nul=args.nul, leave_out=LeftOut(None if single else out))
     if single and len(found.paths) > 1:

@@ -111,6 +111,7 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
     options.check_options(args)
     target = Path(args.out) / server_results_name(args.image_info, args.name)
     options.refuse_overwrite(target, args)
+    options.check_writable(target, args)
     records = read_image_info(args.image_info, args.image_dir)
     if not records:
         raise ConfigError(f"--image-info {args.image_info} lists no images")
