@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -129,6 +130,29 @@ def test_a_folder_scan_follows_links_out_of_the_folder_once_and_names_a_broken_o
     assert found.errors == [] and found.skipped == []
     with pytest.raises(ImageError, match=f"gone.jpg: broken symbolic link: its target {tmp_path}/deleted.jpg is not"):
         load_rgb(found.paths[1])
+
+
+def test_a_folder_that_cannot_be_listed_is_an_input_error(tmp_path, monkeypatch):
+    """A subfolder without read permission was silently left out, and a whole folder of it 'held no image files'.
+    (Root reads any folder, so listing is refused here as it is for another user.)"""
+    folder = tmp_path / "photos"
+    (folder / "private").mkdir(parents=True)
+    noise((8, 8)).save(folder / "a.png")
+    listing = os.scandir
+
+    def scandir(path="."):
+        if os.path.basename(os.fspath(path)) == "private" or os.fspath(path) == str(tmp_path / "locked"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return listing(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    (tmp_path / "locked").mkdir()
+    found = expand_inputs([str(folder), str(tmp_path / "locked")])
+    assert found.paths == [str(folder / "a.png")]
+    assert [(e.path, e.reason) for e in found.errors] == [
+        (str(folder / "private"), "folder cannot be read (Permission denied)"),
+        (str(tmp_path / "locked"), "folder cannot be read (Permission denied)"),
+    ]
 
 
 def test_caption_leaves_a_gallery_among_its_inputs_out_and_says_how_many_files(bundles, tmp_path, capsys):
