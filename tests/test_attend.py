@@ -51,8 +51,17 @@ def test_force_replaces_the_gallery_and_nothing_of_the_users(bundle, tmp_path, c
     (project / "0006_list.txt").write_text("mine")
     users = snapshot(project)
     assert attend(bundle, str(project / "images"), "--out", str(project)) == 2  # not empty: needs --force
-    assert "pass --force to overwrite it" in capsys.readouterr().err
-    for _ in range(2):  # the second replaces the first's files
+    assert capsys.readouterr().err.splitlines() == [  # the gallery goes among the user's files: none replaced
+        f"error: --out {project}: {project} holds files; pass --force to write the gallery among them (none is "
+        "replaced)"
+    ]
+    for run in range(2):  # the second replaces the first's files
+        if run:
+            assert attend(bundle, str(project / "images"), "--out", str(project)) == 2
+            assert capsys.readouterr().err.splitlines() == [
+                f"error: --out {project}: {project} holds an earlier gallery; pass --force to replace it (its files "
+                "only: nothing else there is touched)"
+            ]
         assert attend(bundle, str(project / "images"), "--out", str(project), "--force") == 0
         err = capsys.readouterr().err
         assert re.search(r"summary: 2 captioned, 0 failed", err), err
