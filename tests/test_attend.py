@@ -317,7 +317,7 @@ def test_force_replaces_an_earlier_gallery(bundles, inputs, tmp_path, capsys):
     assert cli.main([*args, good[2], "--force"]) == 0
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     name = f"0000_{Path(good[2]).stem}"
-    gallery = ["index.html", f"{name}.jpg", f"{name}.panels.jpg", f"images/{name}.png"]
+    gallery = ["index.html", f"{name}.jpg", f"{name}.panels.jpg", f"images/{name}.jpg"]  # grey and alpha: on white
     assert written == sorted([*gallery, "notes.txt", ".captioner-gallery"])
     assert sorted(json.loads(line) for line in (out / ".captioner-gallery").read_text().splitlines()) == sorted(gallery)
 

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 from urllib.parse import unquote, unquote_to_bytes
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -91,6 +92,25 @@ def test_every_copy_gets_its_own_name(tmp_path):
     assert colours[1][1] > 100 > colours[1][0]  # green (0, 128, 0), through JPEG
     recorded = [json.loads(line) for line in (out / ".captioner-gallery").read_text().splitlines()]
     assert sorted(recorded) == sorted([image_link, strip_link, overlay_link, "index.html"])
+
+
+def test_an_image_with_transparency_is_copied_on_white_as_it_was_captioned(tmp_path):
+    """Copied as it is, a browser showed its transparent pixels on the page's grey: a white logo on transparency,
+    which the model saw as all white, showed its shape. Now re-encoded as load_rgb gives it, on white."""
+    logo = tmp_path / "logo.png"
+    pixels = np.zeros((8, 8, 4), np.uint8)
+    pixels[2:6, 2:6] = 255  # a white square, opaque, on transparent black
+    Image.fromarray(pixels, "RGBA").save(logo)
+    palette = tmp_path / "palette.gif"
+    Image.new("P", (8, 8), 0).save(palette, transparency=0)
+    out = tmp_path / "gallery"
+    write_gallery(out, [GalleryEntry(logo, "a square"), GalleryEntry(palette, "nothing")])
+    parser = Links()
+    parser.feed((out / "index.html").read_text())
+    assert parser.links == ["images/0000_logo.jpg", "images/0001_palette.jpg"]
+    for link in parser.links:
+        with Image.open(out / link) as copy:
+            assert copy.format == "JPEG" and np.asarray(copy).min() >= 250  # white all over, as captioned
 
 
 def test_a_large_gallery_pages_with_failures_first(tmp_path, monkeypatch):

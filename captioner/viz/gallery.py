@@ -32,8 +32,8 @@ from captioner.viz.layout import GalleryFiles
 from captioner.viz.sheet import Strip
 
 PAGE_SIZE = 50  # captioned images per page
-AS_IS = ("PNG", "JPEG", "GIF", "WEBP")  # formats every browser shows: a still RGB or grey one small enough is copied
-# byte for byte (an EXIF orientation kept: browsers apply it)
+AS_IS = ("PNG", "JPEG", "GIF", "WEBP")  # formats every browser shows: a still, opaque RGB or grey one small enough is
+# copied byte for byte (an EXIF orientation kept: browsers apply it)
 COPY_SIDE = 1024  # copies are shrunk to this longest side (pixels)
 SHOWN = (640, 320)  # images and panels are shown scaled to fit this box (width, height), small ones enlarged ...
 SHOWN_MIN = 120  # ... and in a box at least this wide and high: a 4000 x 20 image keeps room for its label
@@ -145,7 +145,8 @@ def _local(
     if Path(inside).parts[0] != "..":
         return _link(inside)
     with open_header(target) as header:
-        still = not getattr(header, "is_animated", False) and header.mode != "CMYK"  # as captioned, as shown
+        # as captioned, as shown: the first frame, RGB, transparency on white (a browser shows it on the page's grey)
+        still = not getattr(header, "is_animated", False) and header.mode != "CMYK" and not header.has_transparency_data
         as_is = header.format in AS_IS and still and max(header.size) <= COPY_SIDE
         suffix = {"JPEG": ".jpg"}.get(header.format, f".{str(header.format).lower()}") if as_is else ".jpg"
     copy = files.record(files.copy(number, image, role, suffix))
