@@ -250,6 +250,17 @@ def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path,
     assert "given more than once" in capsys.readouterr().err
 
 
+def test_a_path_on_standard_input_that_is_not_utf8_names_its_file(bundles, tmp_path, monkeypatch, capsys):
+    """``find photos | captioner caption -`` under a strict UTF-8 locale (en_US.UTF-8): a Latin-1 name was a
+    UnicodeDecodeError, a traceback; it is read as its bytes and names its file."""
+    latin = tmp_path / os.fsdecode(b"caf\xe9.png")
+    noise((20, 20)).save(latin)
+    stdin = io.TextIOWrapper(io.BytesIO(os.fsencode(latin) + b"\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert cli.main(["caption", "-", "--model", bundles["soft"], *QUICK, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(latin)
+
+
 def test_nul_separated_paths_from_standard_input(bundles, inputs, monkeypatch, capsys):
     good = inputs[1][:2]
     odd = "\n".join(good)  # a name with a newline is no problem with -0 (here: two names, one per line)

@@ -22,8 +22,9 @@ __all__ = ["build_parser", "main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command and return its exit status: 0 done, 1 some input image failed (or none was given), 2 a
     bad argument, model file or dataset (one line on stderr, never a traceback), 130 interrupted."""
-    if isinstance(sys.stdout, io.TextIOWrapper):  # a file name that is not UTF-8 (caf\xe9.jpg) is printed as its bytes
-        sys.stdout.reconfigure(errors="surrogateescape")  # as a C.UTF-8 locale has it, not a UnicodeEncodeError
+    for stream in (sys.stdin, sys.stdout):  # a file name that is not UTF-8 (caf\xe9.jpg) is read and printed as its
+        if isinstance(stream, io.TextIOWrapper):  # bytes, as a C.UTF-8 locale has it, not a UnicodeError
+            stream.reconfigure(errors="surrogateescape")
     try:
         args = parse(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
