@@ -117,6 +117,18 @@ def test_a_reader_of_stdout_that_goes_away_ends_the_rows_not_the_gallery(bundle,
     assert cli.main(["caption", str(images[0]), "--model", bundle, "--workers", "0"]) == 1  # its rows: all it makes
 
 
+def test_an_image_with_a_long_name_gets_a_gallery_entry_of_a_name_cut_short(bundle, tmp_path, capsys):
+    """Its sheet's name, 0000_ and 240 bytes and .panels.jpg, was past the 255 bytes a file's name holds: 'File name
+    too long', and no gallery at all. Now the name is cut at a whole character (a Japanese one is 3 bytes)."""
+    long_name, japanese = "x" * 240, "写真" * 40  # 240 bytes each
+    photos(tmp_path / "in", f"{long_name}.png", f"{japanese}.png")
+    out = tmp_path / "gallery"
+    assert attend(bundle, str(tmp_path / "in"), "--out", str(out)) == 0
+    assert re.search(r"summary: 2 captioned, 0 failed", capsys.readouterr().err)
+    sheets = sorted(path.name for path in out.glob("*.jpg") if not path.name.endswith(".panels.jpg"))
+    assert sheets == [f"0000_{long_name[:200]}.jpg", f"0001_{japanese[:66]}.jpg"]  # 198 bytes: 66 characters
+
+
 def test_a_bad_model_or_a_users_file_leaves_everything_as_it_was(bundle, tmp_path, capsys):
     out = tmp_path / "gallery"
     (image,) = photos(tmp_path / "in", "cat.png")
