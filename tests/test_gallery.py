@@ -113,6 +113,26 @@ def test_an_image_with_transparency_is_copied_on_white_as_it_was_captioned(tmp_p
             assert copy.format == "JPEG" and np.asarray(copy).min() >= 250  # white all over, as captioned
 
 
+def test_an_image_turned_by_exif_is_shown_upright_whatever_its_format(tmp_path):
+    """Chromium turns a JPEG by its EXIF orientation but not a WebP, which the page showed on its side (in a box of
+    the upright proportions) beside upright panels: such a copy is re-encoded upright; a JPEG is copied as it is."""
+    stored = Image.new("RGB", (40, 20), "white")
+    stored.paste((255, 0, 0), (0, 0, 10, 10))  # red in the stored image's top-left corner
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turn 90 degrees clockwise to display: red in the top-right corner, 20 x 40
+    for name in ("photo.webp", "photo.png", "photo.jpg"):
+        stored.save(tmp_path / name, exif=exif.tobytes(), **({"lossless": True} if name.endswith("webp") else {}))
+    out = tmp_path / "gallery"
+    write_gallery(out, [GalleryEntry(tmp_path / name, "red") for name in ("photo.webp", "photo.png", "photo.jpg")])
+    parser = Links()
+    parser.feed((out / "index.html").read_text())
+    assert parser.links == ["images/0000_photo.jpg", "images/0001_photo.jpg", "images/0002_photo.jpg"]
+    for link in parser.links[:2]:
+        with Image.open(out / link) as copy:
+            assert copy.size == (20, 40) and copy.getpixel((17, 2))[1] < 80  # upright: red top right
+    assert (out / parser.links[2]).read_bytes() == (tmp_path / "photo.jpg").read_bytes()
+
+
 def test_a_large_gallery_pages_with_failures_first(tmp_path, monkeypatch):
     monkeypatch.setattr(gallery, "PAGE_SIZE", 2)
     images = [make_png(tmp_path / f"{k}.png") for k in range(5)]

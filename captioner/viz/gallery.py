@@ -33,7 +33,7 @@ from captioner.viz.sheet import Strip
 
 PAGE_SIZE = 50  # captioned images per page
 AS_IS = ("PNG", "JPEG", "GIF", "WEBP")  # formats every browser shows: a still, opaque RGB or grey one small enough is
-# copied byte for byte (an EXIF orientation kept: browsers apply it)
+# copied byte for byte (a JPEG's EXIF orientation kept: browsers apply it; another turned one is re-encoded upright)
 COPY_SIDE = 1024  # copies are shrunk to this longest side (pixels)
 SHOWN = (640, 320)  # images and panels are shown scaled to fit this box (width, height), small ones enlarged ...
 SHOWN_MIN = 120  # ... and in a box at least this wide and high: a 4000 x 20 image keeps room for its label
@@ -147,7 +147,9 @@ def _local(
     with open_header(target) as header:
         # as captioned, as shown: the first frame, RGB, transparency on white (a browser shows it on the page's grey)
         still = not getattr(header, "is_animated", False) and header.mode != "CMYK" and not header.has_transparency_data
-        as_is = header.format in AS_IS and still and max(header.size) <= COPY_SIDE
+        # upright: every browser turns a JPEG by its EXIF orientation, not every one another format (Chromium a WebP)
+        upright = header.format == "JPEG" or header.getexif().get(ExifTags.Base.Orientation, 1) == 1
+        as_is = header.format in AS_IS and still and upright and max(header.size) <= COPY_SIDE
         suffix = {"JPEG": ".jpg"}.get(header.format, f".{str(header.format).lower()}") if as_is else ".jpg"
     copy = files.record(files.copy(number, image, role, suffix))
     if as_is:
