@@ -111,12 +111,18 @@ def _holds_an_image(path: Path) -> bool:
         return False
 
 
+def _broken_link(path: Path) -> bool:
+    """Whether ``path`` is a symbolic link whose target is gone."""
+    return path.is_symlink() and not path.exists()
+
+
 def _files(folder: Path, leave_out: Callable[[Path], bool], unread: list[Skipped] | None = None) -> list[Path]:
     """The files under ``folder``, recursively, sorted: regular files and links to them (a link whose target is
-    gone too: loading it says so); hidden files and folders (``.thumbs/``, ``._photo.jpg``) and those ``leave_out``
-    names left out. A link to a folder outside ``folder`` (``photos/nas -> /mnt/nas/photos``) is searched once; one
-    to a folder inside it is not, since the search reaches that folder itself (a link up the tree: a loop). Each
-    folder that cannot be listed (no permission) is added to ``unread``."""
+    gone too: loading it says so; never a pipe, which a look at its header would wait on forever); hidden files and
+    folders (``.thumbs/``, ``._photo.jpg``) and those ``leave_out`` names left out. A link to a folder outside
+    ``folder`` (``photos/nas -> /mnt/nas/photos``) is searched once; one to a folder inside it is not, since the
+    search reaches that folder itself (a link up the tree: a loop). Each folder that cannot be listed (no
+    permission) is added to ``unread``."""
     root = os.path.realpath(folder)
     linked: set[str] = set()  # the real folders of the links searched
     files = []
@@ -142,7 +148,7 @@ def _files(folder: Path, leave_out: Callable[[Path], bool], unread: list[Skipped
             Path(top, name)
             for name in names
             if not name.startswith(".")
-            and (Path(top, name).is_file() or Path(top, name).is_symlink())
+            and (Path(top, name).is_file() or _broken_link(Path(top, name)))
             and not leave_out(Path(top, name))
         ]
     return sorted(files)
