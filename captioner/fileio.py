@@ -36,7 +36,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", durable: bool = True
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # the temporary name takes at most 48 characters (192 bytes) of the file's: one of up to 255 bytes can be written
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:48]}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, mode) as handle:

@@ -287,9 +287,12 @@ def load_model(
 
     A list of them loads an ensemble (``LoadedEnsemble``, even of one model): the models must share one
     vocabulary (ConfigError otherwise); ``mean`` says how their word distributions are averaged (``EnsembleMean``:
-    "log", the normalised mean of their log-probabilities, or "prob", of their probabilities)."""
+    "log", the normalised mean of their log-probabilities, or "prob", of their probabilities); another ``mean`` with
+    one model is a ConfigError, as ``--ensemble-mean`` with one ``--model`` is."""
     if not isinstance(path, (str, os.PathLike)):
         return load_ensemble(path, map_location, mean)
+    if mean != EnsembleMean.log:
+        raise ConfigError(f"mean={mean!r} goes with a list of models (an ensemble's): one model has nothing to average")
     trained = load_trained(path, map_location)
     fields = {field.name: getattr(trained, field.name) for field in dataclasses.fields(trained)}
     return LoadedModel(**fields, source=os.fspath(path))

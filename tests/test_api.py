@@ -149,6 +149,8 @@ def test_a_seed_gives_the_same_samples_as_the_command_line_s_and_leaves_torch_s_
         (torch.rand(4, 8, 8), ValueError, r"got \(4, 8, 8\)"),
         (torch.rand(3, 8, 8) * 2 - 1, ValueError, "values in \\[0, 1\\] \\(not normalised\\)"),
         (torch.zeros(3, 8, 8, dtype=torch.int64), ValueError, "uint8 or floating point"),
+        (np.zeros((0, 8, 3), np.uint8), ValueError, "the image is 8x0 pixels: it has none to caption"),
+        (Image.new("RGB", (5, 0)), ValueError, "the image is 5x0 pixels"),  # was captioned as a black image
         ("missing.jpg", ImageError, "missing.jpg: file not found"),
     ],
 )

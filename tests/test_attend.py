@@ -6,7 +6,9 @@ once the model has loaded; a gallery inside its input folder is never read as in
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,8 +51,17 @@ def test_force_replaces_the_gallery_and_nothing_of_the_users(bundle, tmp_path, c
     (project / "0006_list.txt").write_text("mine")
     users = snapshot(project)
     assert attend(bundle, str(project / "images"), "--out", str(project)) == 2  # not empty: needs --force
-    assert "pass --force to overwrite it" in capsys.readouterr().err
-    for _ in range(2):  # the second replaces the first's files
+    assert capsys.readouterr().err.splitlines() == [  # the gallery goes among the user's files: none replaced
+        f"error: --out {project}: {project} holds files; pass --force to write the gallery among them (none is "
+        "replaced)"
+    ]
+    for run in range(2):  # the second replaces the first's files
+        if run:
+            assert attend(bundle, str(project / "images"), "--out", str(project)) == 2
+            assert capsys.readouterr().err.splitlines() == [
+                f"error: --out {project}: {project} holds an earlier gallery; pass --force to replace it (its files "
+                "only: nothing else there is touched)"
+            ]
         assert attend(bundle, str(project / "images"), "--out", str(project), "--force") == 0
         err = capsys.readouterr().err
         assert re.search(r"summary: 2 captioned, 0 failed", err), err
@@ -67,6 +78,55 @@ def test_force_replaces_the_gallery_and_nothing_of_the_users(bundle, tmp_path, c
     assert {name: after.get(name) for name in users} == users
     assert not (project / "0001_0002_dog.jpg").exists() and not (project / "0001_0002_dog.panels.jpg").exists()
     assert (project / "0000_0002_dog.jpg").is_file()
+
+
+@pytest.fixture
+def stdout_read_by_none(monkeypatch):
+    """Make stdout a pipe whose reader went away (``| head -1`` once it has a line): writes raise BrokenPipeError."""
+    opened = []
+
+    def make() -> None:
+        read, write = os.pipe()
+        os.close(read)
+        opened.append(open(write, "w", encoding="utf-8"))  # noqa: SIM115  # closed below
+        monkeypatch.setattr(sys, "stdout", opened[-1])
+
+    yield make
+    for stdout in opened:
+        stdout.close()  # stdout_gone pointed it at the null device
+
+
+def _drawn(number: int, image: Path) -> tuple[str, str]:
+    return f"{number:04d}_{image.stem}.panels.jpg", f"{number:04d}_{image.stem}.jpg"
+
+
+def test_a_reader_of_stdout_that_goes_away_ends_the_rows_not_the_gallery(bundle, tmp_path, capsys, stdout_read_by_none):
+    images = photos(tmp_path / "in", "cat.png", "dog.png")
+    out = tmp_path / "gallery"
+    stdout_read_by_none()
+    assert attend(bundle, str(tmp_path / "in"), "--out", str(out)) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"summary: 2 captioned, 0 failed", err) and "Traceback" not in err, err
+    parser = Links()
+    parser.feed((out / "index.html").read_text())
+    assert parser.links == [  # per image: its copy, the strip of its panels, its sheet
+        link for n, image in enumerate(images) for link in (f"images/{n:04d}_{image.name}", *_drawn(n, image))
+    ]
+    assert all((out / link).is_file() for link in parser.links)
+    stdout_read_by_none()
+    assert cli.main(["caption", str(images[0]), "--model", bundle, "--workers", "0"]) == 1  # its rows: all it makes
+
+
+def test_an_image_with_a_long_name_gets_a_gallery_entry_of_a_name_cut_short(bundle, tmp_path, capsys):
+    """Its sheet's name, 0000_ and 240 bytes and .panels.jpg, was past the 255 bytes a file's name holds: 'File name
+    too long', and no gallery at all. Now the name is cut at a whole character (a Japanese one is 3 bytes)."""
+    long_name, japanese = "x" * 240, "写真" * 40  # 240 bytes each
+    photos(tmp_path / "in", f"{long_name}.png", f"{japanese}.png")
+    out = tmp_path / "gallery"
+    assert attend(bundle, str(tmp_path / "in"), "--out", str(out)) == 0
+    assert re.search(r"summary: 2 captioned, 0 failed", capsys.readouterr().err)
+    sheets = sorted(path.name for path in out.glob("*.jpg") if not path.name.endswith(".panels.jpg"))
+    assert sheets == [f"0000_{long_name[:200]}.jpg", f"0001_{japanese[:66]}.jpg"]  # 198 bytes: 66 characters
 
 
 def test_a_bad_model_or_a_users_file_leaves_everything_as_it_was(bundle, tmp_path, capsys):
@@ -269,7 +329,7 @@ def test_force_replaces_an_earlier_gallery(bundles, inputs, tmp_path, capsys):
     assert cli.main([*args, good[2], "--force"]) == 0
     written = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     name = f"0000_{Path(good[2]).stem}"
-    gallery = ["index.html", f"{name}.jpg", f"{name}.panels.jpg", f"images/{name}.png"]
+    gallery = ["index.html", f"{name}.jpg", f"{name}.panels.jpg", f"images/{name}.jpg"]  # grey and alpha: on white
     assert written == sorted([*gallery, "notes.txt", ".captioner-gallery"])
     assert sorted(json.loads(line) for line in (out / ".captioner-gallery").read_text().splitlines()) == sorted(gallery)
 

@@ -4,9 +4,12 @@ blocking, a seeded sample); a run folder as --model; --max-pixels for a large im
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
 import shutil
+import sys
 
 import pytest
 from PIL import Image
@@ -98,6 +101,19 @@ def test_tsv_fields_are_escaped_and_json_has_a_record_for_every_input(bundles, t
     ]
     assert [row["path"] for row in rows if "caption" in row] == [str(odd)]
     assert len(before_summary(err, captioned=1, failed=3)) == 3  # each failure also named on stderr
+
+
+def test_a_file_name_that_is_not_utf8_is_printed_as_its_bytes(bundles, tmp_path, monkeypatch):
+    """On a terminal whose encoding is strict UTF-8 (a desktop's en_US.UTF-8 locale) a Latin-1 name from an old
+    archive is printed byte for byte, as ls and find print it, so that the path on the line opens the file."""
+    latin = tmp_path / os.fsdecode(b"caf\xe9.png")
+    noise((20, 20)).save(latin)
+    stdout = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert cli.main(["caption", str(tmp_path), "--model", bundles["soft"], *QUICK]) == 0
+    stdout.flush()
+    path, caption = stdout.buffer.getvalue().rstrip(b"\n").split(b"\t")
+    assert path == os.fsencode(latin) and len(caption.split()) == int(MAX_LEN)
 
 
 def test_sampling_takes_a_seed(bundles, inputs, capsys):

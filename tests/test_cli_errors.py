@@ -4,6 +4,7 @@ a traceback, and nothing is written."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -12,8 +13,9 @@ import pytest
 import torch
 
 from captioner import cli
+from captioner.cli import options
 from captioner.data.vocab import Vocabulary
-from cli_helpers import WORDS, one_error_line
+from cli_helpers import QUICK, WORDS, one_error_line
 from conftest import tampered
 
 
@@ -150,3 +152,26 @@ def test_out_without_image_info_says_what_it_is_for(bundles, inputs, tmp_path, c
     assert cli.main(["caption", image, "--model", bundles["soft"], "--images", "x", "--force"]) == 2
     assert capsys.readouterr().err.startswith("error: --images, --force go with --image-info")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("command", ["evaluate", "server", "gallery", "overlay"])
+def test_an_out_that_cannot_be_written_is_refused_before_the_model_loads(
+    command, bundles, shapes, tmp_path, monkeypatch, capsys
+):
+    """Not after an evaluation or a test set captioned for hours: the folder of --out takes no file (here a file
+    stands where it would go, as a read-only mount or another user's folder refuses it)."""
+    taken = tmp_path / "taken"
+    taken.write_text("a file where --out wants a folder")
+    out = taken / "results"
+    image = sorted((shapes / "images" / "test").glob("*.png"))[0]
+    info = tmp_path / "image_info_test2014.json"
+    info.write_text(json.dumps({"images": [{"id": 1, "file_name": image.name}]}))
+    args = {
+        "evaluate": ["evaluate", "--shapes", str(shapes), "--split", "test", "--out", str(out)],
+        "server": ["caption", "--image-info", str(info), "--images", str(image.parent), "--out", str(out)],
+        "gallery": ["attend", str(image.parent), "--out", str(out)],
+        "overlay": ["attend", str(image), "--out", f"{out}.png"],
+    }[command]
+    monkeypatch.setattr(options, "load", lambda *_: pytest.fail("the model was loaded"))
+    assert cli.main([*args, "--model", bundles["soft"], *QUICK]) == 2
+    one_error_line(capsys.readouterr().err, f"--out {out}", f"{taken} cannot be written (Not a directory)")

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
+import threading
 import warnings
+
+import pytest
 
 from captioner import cli
 from captioner.cli.inputs import LeftOut, expand_inputs
+from captioner.data.images import ImageError, load_rgb
 from cli_helpers import QUICK, before_summary, noise
 from conftest import ROOT
 
@@ -75,6 +80,26 @@ def test_a_folder_scan_tries_files_without_a_suffix_and_counts_what_it_skips(bun
     assert f"e.g. {folder / 'README'}" in err
 
 
+def test_a_folder_scan_takes_avif_and_jfif_and_says_what_a_heic_photo_needs(bundles, tmp_path, capsys):
+    """A browser's .jfif and an AVIF (Pillow reads both) are captioned, and an iPhone's HEIC (Pillow needs a plugin)
+    is a failure that says so; all three were skipped as files that are not images."""
+    folder = tmp_path / "phone"
+    folder.mkdir()
+    noise((20, 20)).save(folder / "saved.jfif", format="JPEG")
+    noise((20, 20)).save(folder / "IMG_0002.avif", format="AVIF")
+    (folder / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64))
+    assert cli.main(["caption", str(folder), "--model", bundles["soft"], "--max-len", "1", "--workers", "0"]) == 1
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[0] for line in out.splitlines()] == [
+        str(folder / "IMG_0002.avif"),
+        str(folder / "saved.jfif"),
+    ]
+    assert before_summary(err, captioned=2, failed=1, skipped=0) == [
+        f"error: {folder / 'IMG_0001.HEIC'}: a HEIF/HEIC photo, which Pillow decodes only with the pillow-heif plugin: "
+        "convert it to JPEG first"
+    ]
+
+
 def test_a_folder_scan_takes_regular_files_skips_hidden_ones_and_names_each_file_once(tmp_path):
     folder = tmp_path / "photos"
     (folder / "album.jpg").mkdir(parents=True)  # a folder named like an image is walked
@@ -85,6 +110,69 @@ def test_a_folder_scan_takes_regular_files_skips_hidden_ones_and_names_each_file
     found = expand_inputs(named)
     assert found.paths == [str(folder / "a.png"), str(folder / "album.jpg" / "b.png")]
     assert found.errors == [] and found.skipped == []
+
+
+def test_a_folder_scan_follows_links_out_of_the_folder_once_and_names_a_broken_one(tmp_path):
+    """A link to a folder elsewhere is searched (it was silently left out), once, without looping; a link to a
+    folder inside is not (its files are found there), and a broken link named like an image is that image's error
+    (it was silently dropped)."""
+    folder, nas = tmp_path / "photos", tmp_path / "nas"
+    for name in ("photos/a.png", "photos/sub/b.png", "nas/c.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        noise((8, 8)).save(tmp_path / name)
+    (folder / "nas").symlink_to(nas)
+    (folder / "nas_again").symlink_to(nas)
+    (nas / "loop").symlink_to(nas)
+    (folder / "sub_again").symlink_to(folder / "sub")
+    (folder / "sub" / "up").symlink_to(folder)
+    (folder / "gone.jpg").symlink_to(tmp_path / "deleted.jpg")
+    found = expand_inputs([str(folder)])
+    assert found.paths == [str(folder / name) for name in ("a.png", "gone.jpg", "nas/c.png", "sub/b.png")]
+    assert found.errors == [] and found.skipped == []
+    with pytest.raises(ImageError, match=f"gone.jpg: broken symbolic link: its target {tmp_path}/deleted.jpg is not"):
+        load_rgb(found.paths[1])
+
+
+def test_a_folder_scan_never_opens_a_pipe(tmp_path):
+    """A named pipe, or a link to one without a suffix (whose header the search would read), is left out: opening
+    it waits for a writer that never comes."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    noise((8, 8)).save(folder / "a.png")
+    os.mkfifo(folder / "pipe")
+    (folder / "to_pipe").symlink_to(folder / "pipe")
+    found: list = []
+    search = threading.Thread(target=lambda: found.append(expand_inputs([str(folder)])), daemon=True)
+    search.start()
+    search.join(10)
+    waited = search.is_alive()
+    if waited:  # a writer lets the search's open() of the pipe return
+        os.close(os.open(folder / "pipe", os.O_WRONLY | os.O_NONBLOCK))
+        search.join()
+    assert not waited and found[0].paths == [str(folder / "a.png")] and found[0].skipped == []
+
+
+def test_a_folder_that_cannot_be_listed_is_an_input_error(tmp_path, monkeypatch):
+    """A subfolder without read permission was silently left out, and a whole folder of it 'held no image files'.
+    (Root reads any folder, so listing is refused here as it is for another user.)"""
+    folder = tmp_path / "photos"
+    (folder / "private").mkdir(parents=True)
+    noise((8, 8)).save(folder / "a.png")
+    listing = os.scandir
+
+    def scandir(path="."):
+        if os.path.basename(os.fspath(path)) == "private" or os.fspath(path) == str(tmp_path / "locked"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return listing(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    (tmp_path / "locked").mkdir()
+    found = expand_inputs([str(folder), str(tmp_path / "locked")])
+    assert found.paths == [str(folder / "a.png")]
+    assert [(e.path, e.reason) for e in found.errors] == [
+        (str(folder / "private"), "folder cannot be read (Permission denied)"),
+        (str(tmp_path / "locked"), "folder cannot be read (Permission denied)"),
+    ]
 
 
 def test_caption_leaves_a_gallery_among_its_inputs_out_and_says_how_many_files(bundles, tmp_path, capsys):
@@ -180,6 +268,17 @@ def test_a_dash_reads_image_paths_from_standard_input(bundles, inputs, tmp_path,
     assert before_summary(err, captioned=4, failed=1) == [f"error: {missing}: file not found"]
     assert cli.main(["caption", "-", "-", "--model", bundles["soft"]]) == 2
     assert "given more than once" in capsys.readouterr().err
+
+
+def test_a_path_on_standard_input_that_is_not_utf8_names_its_file(bundles, tmp_path, monkeypatch, capsys):
+    """``find photos | captioner caption -`` under a strict UTF-8 locale (en_US.UTF-8): a Latin-1 name was a
+    UnicodeDecodeError, a traceback; it is read as its bytes and names its file."""
+    latin = tmp_path / os.fsdecode(b"caf\xe9.png")
+    noise((20, 20)).save(latin)
+    stdin = io.TextIOWrapper(io.BytesIO(os.fsencode(latin) + b"\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert cli.main(["caption", "-", "--model", bundles["soft"], *QUICK, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == str(latin)
 
 
 def test_nul_separated_paths_from_standard_input(bundles, inputs, monkeypatch, capsys):

@@ -169,6 +169,9 @@ def test_different_vocabularies_are_refused_in_one_line(bundles, photos, capsys)
     with pytest.raises(ConfigError, match="^mean='geometric': an ensemble averages 'log' or 'prob'$"):
         load_model([bundles["a"], bundles["a"]], mean="geometric")
     assert "mean of their probabilities" in repr(load_model([bundles["a"], bundles["a"]], mean="prob"))
+    for mean in ("prob", "geometric"):  # with one model, as --ensemble-mean with one --model: not silently ignored
+        with pytest.raises(ConfigError, match=f"^mean='{mean}' goes with a list of models"):
+            load_model(bundles["a"], mean=mean)
     args = ["caption", photos[0], "--model", str(bundles["a"]), "--model", str(bundles["other_words"]), *QUICK]
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip()

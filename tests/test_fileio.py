@@ -29,6 +29,14 @@ def test_an_interrupted_write_leaves_the_previous_file(tmp_path: Path) -> None:
     assert path.stat().st_mode == (tmp_path / "plain.txt").stat().st_mode  # not private like mkstemp's
 
 
+def test_a_file_of_the_longest_name_is_written(tmp_path: Path) -> None:
+    """A name of 255 bytes is a file's longest: the temporary file beside it, named after it, was past that."""
+    target = tmp_path / ("x" * 251 + ".png")  # captioner attend photo.jpg --out <such a name>
+    with atomic_write(target, "wb") as handle:
+        handle.write(b"drawn")
+    assert target.read_bytes() == b"drawn" and os.listdir(tmp_path) == [target.name]
+
+
 def test_run_folders_are_never_shared(tmp_path: Path) -> None:
     folders: list[Path] = []
     threads = [

@@ -2,12 +2,14 @@
 
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import unquote, unquote_to_bytes
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -52,6 +54,23 @@ def test_links_are_relative_and_every_file_lies_inside_the_gallery(tmp_path):
     assert f"Not captioned (1){tmp_path / 'gone.jpg'}: file not found" in text
 
 
+def test_a_file_name_that_is_not_utf8_keeps_its_bytes_in_the_links(tmp_path):
+    """A name from an old archive (Latin-1 ``café.png``: the byte 0xE9) is linked byte for byte, inside the gallery
+    and copied in, and named in the page's text with the byte escaped."""
+    latin = os.fsdecode(b"caf\xe9")  # "caf\udce9": how Python names such a file
+    out = tmp_path / "gallery"
+    strip = make_png(out / f"{latin}.panels.png")
+    entry = GalleryEntry(make_png(tmp_path / f"{latin}.png"), "a red square", panels=Panels(strip, ("a",), (8, 8)))
+    write_gallery(out, [entry])
+    page = (out / "index.html").read_bytes().decode("utf-8")  # UTF-8 throughout
+    parser = Links()
+    parser.feed(page)
+    assert parser.links == ["images/0000_caf%E9.png", "caf%E9.panels.png"]
+    for link in parser.links:
+        assert (os.fsencode(out) + b"/" + unquote_to_bytes(link)) in {os.fsencode(p) for p in out.rglob("*")}
+    assert "caf\\udce9.png" in "".join(parser.text)
+
+
 def test_every_copy_gets_its_own_name(tmp_path):
     image = make_png(tmp_path / "photos" / "cat.png")
     overlay = tmp_path / "overlays" / "cat.png"
@@ -73,6 +92,45 @@ def test_every_copy_gets_its_own_name(tmp_path):
     assert colours[1][1] > 100 > colours[1][0]  # green (0, 128, 0), through JPEG
     recorded = [json.loads(line) for line in (out / ".captioner-gallery").read_text().splitlines()]
     assert sorted(recorded) == sorted([image_link, strip_link, overlay_link, "index.html"])
+
+
+def test_an_image_with_transparency_is_copied_on_white_as_it_was_captioned(tmp_path):
+    """Copied as it is, a browser showed its transparent pixels on the page's grey: a white logo on transparency,
+    which the model saw as all white, showed its shape. Now re-encoded as load_rgb gives it, on white."""
+    logo = tmp_path / "logo.png"
+    pixels = np.zeros((8, 8, 4), np.uint8)
+    pixels[2:6, 2:6] = 255  # a white square, opaque, on transparent black
+    Image.fromarray(pixels, "RGBA").save(logo)
+    palette = tmp_path / "palette.gif"
+    Image.new("P", (8, 8), 0).save(palette, transparency=0)
+    out = tmp_path / "gallery"
+    write_gallery(out, [GalleryEntry(logo, "a square"), GalleryEntry(palette, "nothing")])
+    parser = Links()
+    parser.feed((out / "index.html").read_text())
+    assert parser.links == ["images/0000_logo.jpg", "images/0001_palette.jpg"]
+    for link in parser.links:
+        with Image.open(out / link) as copy:
+            assert copy.format == "JPEG" and np.asarray(copy).min() >= 250  # white all over, as captioned
+
+
+def test_an_image_turned_by_exif_is_shown_upright_whatever_its_format(tmp_path):
+    """Chromium turns a JPEG by its EXIF orientation but not a WebP, which the page showed on its side (in a box of
+    the upright proportions) beside upright panels: such a copy is re-encoded upright; a JPEG is copied as it is."""
+    stored = Image.new("RGB", (40, 20), "white")
+    stored.paste((255, 0, 0), (0, 0, 10, 10))  # red in the stored image's top-left corner
+    exif = Image.Exif()
+    exif[0x0112] = 6  # turn 90 degrees clockwise to display: red in the top-right corner, 20 x 40
+    for name in ("photo.webp", "photo.png", "photo.jpg"):
+        stored.save(tmp_path / name, exif=exif.tobytes(), **({"lossless": True} if name.endswith("webp") else {}))
+    out = tmp_path / "gallery"
+    write_gallery(out, [GalleryEntry(tmp_path / name, "red") for name in ("photo.webp", "photo.png", "photo.jpg")])
+    parser = Links()
+    parser.feed((out / "index.html").read_text())
+    assert parser.links == ["images/0000_photo.jpg", "images/0001_photo.jpg", "images/0002_photo.jpg"]
+    for link in parser.links[:2]:
+        with Image.open(out / link) as copy:
+            assert copy.size == (20, 40) and copy.getpixel((17, 2))[1] < 80  # upright: red top right
+    assert (out / parser.links[2]).read_bytes() == (tmp_path / "photo.jpg").read_bytes()
 
 
 def test_a_large_gallery_pages_with_failures_first(tmp_path, monkeypatch):

@@ -193,6 +193,32 @@ def test_a_very_wide_image_keeps_a_readable_panel_height():
     assert height >= 0.5 * overlay.PANEL_INCHES  # not 20/4000 of a panel's width
 
 
+def test_a_panorama_is_drawn_as_a_band_its_attention_shows_in():
+    """A 20000 x 20 panorama shrunk to 448 pixels across is 1 pixel high: its panels are stretched to 8:1, the
+    attended cell lit, and the sheet shows them as bands, not a line (or nothing) under each word."""
+    from captioner.viz.sheet import CELL, GAP, TEXT, sheet_picture
+
+    shading = overlay.shade(Image.new("RGB", (20000, 20), "white"), ["left"], np.eye(1, 4), (2, 2))
+    assert shading.picture.size == shading.panels[0].size == (448, 56)
+    panel = np.asarray(shading.panels[0])[..., 0].astype(float)  # (56, 448)
+    assert panel[:28, :224].mean() > 3 * panel[28:, 224:].mean()  # the top-left cell bright, the rest dimmed
+    sheet = np.asarray(sheet_picture(shading, ["left"], None))
+    column = sheet[GAP + TEXT + 8 :, GAP + CELL + GAP + 3 * CELL // 4]  # down the dimmed right of the panel
+    assert (column.min(axis=-1) < 250).sum() == CELL // overlay.MAX_ASPECT  # 25 rows of the panel, not 0 or 1
+    assert overlay.shade(Image.new("RGB", (4000, 500)), ["a"], np.eye(1, 4), (2, 2)).picture.size == (448, 56)
+
+
+def test_a_tiny_image_is_enlarged_until_its_panels_show_each_cell():
+    """A 1 x 1 image on a 12 x 12 grid was one pixel, each word's panel the mean of its attention: now each pixel
+    is a block of 24 x 24 and the attended cell is lit; an image whose cells cover 2 pixels is drawn as it is."""
+    shading = overlay.shade(Image.new("RGB", (1, 1), "white"), ["a"], np.eye(1, 144), (12, 12))
+    assert shading.picture.size == shading.panels[0].size == (24, 24)
+    assert np.asarray(shading.picture).min() == 255  # the one white pixel, repeated
+    panel = np.asarray(shading.panels[0])[..., 0]
+    assert panel[0, 0] == 255 and panel[12:, 12:].max() < 0.2 * 255  # the first cell lit, the far ones dimmed
+    assert overlay.shade(Image.new("RGB", (24, 30)), ["a"], np.eye(1, 144), (12, 12)).picture.size == (24, 30)
+
+
 def test_the_sheet_shows_a_small_image_at_a_whole_multiple_each_pixel_a_block_and_a_large_one_shrunk():
     from captioner.viz.sheet import CELL, GAP, TEXT, sheet_picture
 

@@ -9,7 +9,7 @@ device), and one module per command (``caption``, ``attend``, ``evaluate``), imp
 from __future__ import annotations
 
 import importlib
-import os
+import io
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +22,9 @@ __all__ = ["build_parser", "main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command and return its exit status: 0 done, 1 some input image failed (or none was given), 2 a
     bad argument, model file or dataset (one line on stderr, never a traceback), 130 interrupted."""
+    for stream in (sys.stdin, sys.stdout):  # a file name that is not UTF-8 (caf\xe9.jpg) is read and printed as its
+        if isinstance(stream, io.TextIOWrapper):  # bytes, as a C.UTF-8 locale has it, not a UnicodeError
+            stream.reconfigure(errors="surrogateescape")
     try:
         args = parse(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
@@ -33,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader of stdout went away (`captioner caption ... | head`)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        from captioner.cli.output import stdout_gone  # loaded with the command: --help imports no torch
+
+        stdout_gone()
         return 1
     except OSError as exc:  # e.g. an --out folder that cannot be written
         print(f"error: {exc}", file=sys.stderr)

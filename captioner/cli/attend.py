@@ -83,8 +83,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out}: overlays are PNG files; give NAME.png or a folder")
     if single and out.is_dir():
         raise ConfigError(f"--out {out} is a folder; give a .png file name, or a folder without .png")
-    if single or (out.is_dir() and any(out.iterdir())):
+    if single:
         options.refuse_overwrite(out, args)
+    elif out.is_dir() and any(out.iterdir()) and not args.force:
+        raise ConfigError(
+            f"--out {out}: {out} holds an earlier gallery; pass --force to replace it (its files only: nothing else "
+            "there is touched)"
+            if GalleryFiles(out).earlier
+            else f"--out {out}: {out} holds files; pass --force to write the gallery among them (none is replaced)"
+        )
+    options.check_writable(out if single else out / MANIFEST, args)
     files = GalleryFiles(out)
     found = expand_inputs(args.inputs, nul=args.nul, leave_out=LeftOut(None if single else out))
     if single and len(found.paths) > 1:
@@ -114,7 +122,7 @@ def _draw(
 
     numbers = {path: number for number, path in enumerate(found.paths)}  # entry n: the n-th input, for every name
     entries: list[GalleryEntry | None] = [None] * len(found.paths)
-    output = Output()
+    output = Output(files=True)
     show = options.progress(args, len(found.paths))
     # (its files' writing in the background, the result, its sheet, its strip, its shading, its entry), in order
     pending: deque[tuple[Future, Captioned, Path, Path | None, Shading, int]] = deque()

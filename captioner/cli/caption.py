@@ -111,13 +111,14 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
     options.check_options(args)
     target = Path(args.out) / server_results_name(args.image_info, args.name)
     options.refuse_overwrite(target, args)
+    options.check_writable(target, args)
     records = read_image_info(args.image_info, args.image_dir)
     if not records:
         raise ConfigError(f"--image-info {args.image_info} lists no images")
     options.check_images_found(args, Path(args.image_info).name, [record.image_path for record in records])
     device = options.device(args.device)
     loaded = options.load(args, device)
-    output = Output(getattr(args, "json", False), rows=echo)
+    output = Output(getattr(args, "json", False), rows=echo, files=True)
     paths = [record.image_path for record in records]
     output.start(len(paths))
     captions: dict[int, str] = {}

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     for name in (RESULTS_FILE, METRICS_FILE, PER_IMAGE_FILE):
         options.refuse_overwrite(out / name, args)
+    options.check_writable(out / RESULTS_FILE, args)
     records = _records(args)
     loaded = options.load(args, device)
     metrics, skipped = evaluate_split(

@@ -18,7 +18,12 @@ from captioner.data.images import open_header
 from captioner.errors import ConfigError
 from captioner.viz.layout import MANIFEST, GalleryFiles
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm")
+# What a folder search takes as an image by its name: photos' and the web's formats (a browser saves JPEGs as .jfif;
+# HEIC, an iPhone's, is named so that its error says what it is rather than that it is no image)
+IMAGE_SUFFIXES = (
+    *(".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"),
+    *(".avif", ".heic", ".heif", ".ppm", ".pgm", ".pbm"),
+)
 
 
 @dataclass
@@ -106,31 +111,63 @@ def _holds_an_image(path: Path) -> bool:
         return False
 
 
-def _files(folder: Path, leave_out: Callable[[Path], bool]) -> list[Path]:
-    """The regular files under ``folder``, recursively, sorted; hidden files and folders (``.thumbs/``,
-    ``._photo.jpg``) and those ``leave_out`` names left out."""
+def _broken_link(path: Path) -> bool:
+    """Whether ``path`` is a symbolic link whose target is gone."""
+    return path.is_symlink() and not path.exists()
+
+
+def _files(folder: Path, leave_out: Callable[[Path], bool], unread: list[Skipped] | None = None) -> list[Path]:
+    """The files under ``folder``, recursively, sorted: regular files and links to them (a link whose target is
+    gone too: loading it says so; never a pipe, which a look at its header would wait on forever); hidden files and
+    folders (``.thumbs/``, ``._photo.jpg``) and those ``leave_out`` names left out. A link to a folder outside
+    ``folder`` (``photos/nas -> /mnt/nas/photos``) is searched once; one to a folder inside it is not, since the
+    search reaches that folder itself (a link up the tree: a loop). Each folder that cannot be listed (no
+    permission) is added to ``unread``."""
+    root = os.path.realpath(folder)
+    linked: set[str] = set()  # the real folders of the links searched
     files = []
-    for top, folders, names in os.walk(folder):
-        folders[:] = [name for name in folders if not name.startswith(".") and not leave_out(Path(top, name))]
+
+    def cannot_list(exc: OSError) -> None:
+        if unread is not None:
+            unread.append(Skipped(os.fspath(exc.filename), f"folder cannot be read ({exc.strerror or exc})"))
+
+    for top, folders, names in os.walk(folder, onerror=cannot_list, followlinks=True):
+        kept = []
+        for name in sorted(folders):  # of two links to one folder, the first by name is searched
+            path = Path(top, name)
+            if name.startswith(".") or leave_out(path):
+                continue
+            if path.is_symlink():
+                real = os.path.realpath(path)
+                if real in linked or Path(real).is_relative_to(root):
+                    continue
+                linked.add(real)
+            kept.append(name)
+        folders[:] = kept
         files += [
             Path(top, name)
             for name in names
-            if not name.startswith(".") and Path(top, name).is_file() and not leave_out(Path(top, name))
+            if not name.startswith(".")
+            and (Path(top, name).is_file() or _broken_link(Path(top, name)))
+            and not leave_out(Path(top, name))
         ]
     return sorted(files)
 
 
 def _scan(folder: Path, found: Inputs, leave_out: LeftOut) -> None:
     """A folder's image files (``_files``): files named like an image, and files without a suffix whose
-    header is an image's (a download or a camera's file without one). Other files are skipped."""
+    header is an image's (a download or a camera's file without one). Other files are skipped; a folder that
+    cannot be listed is an input error, as one without images is."""
     images = []
-    for path in _files(folder, leave_out):
+    unread: list[Skipped] = []
+    for path in _files(folder, leave_out, unread):
         suffix = path.suffix.lower()
         if suffix in IMAGE_SUFFIXES or (not suffix and _holds_an_image(path)):
             images.append(str(path))
         else:
             found.skipped.append(str(path))
-    if not images:
+    found.errors.extend(unread)
+    if not images and not unread:
         found.errors.append(Skipped(str(folder), "folder holds no image files"))
     found.paths.extend(images)
 

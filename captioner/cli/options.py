@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -107,3 +108,17 @@ def refuse_overwrite(target: Path, args: argparse.Namespace) -> None:
     """ConfigError when ``target`` exists and ``--force`` was not given."""
     if target.exists() and not args.force:
         raise ConfigError(f"--out {args.out}: {target} already exists; pass --force to overwrite it")
+
+
+def check_writable(target: Path, args: argparse.Namespace) -> None:
+    """ConfigError, before any work, when the file ``target`` of ``--out`` could not be written there: the nearest
+    folder of its path that exists takes no new file (read-only, another user's, a file where a folder would go).
+    A file is made there and removed to find out, since permission bits do not tell (root, a read-only mount)."""
+    there = target.parent
+    while not there.exists() and there != there.parent:
+        there = there.parent
+    try:
+        with tempfile.TemporaryFile(dir=there):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out}: {there} cannot be written ({exc.strerror or exc})") from None

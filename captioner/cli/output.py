@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -19,18 +20,27 @@ def tsv_line(*fields: object) -> str:
     return "\t".join(str(item).translate(_ESCAPES) for item in fields)
 
 
+def stdout_gone() -> None:
+    """Point stdout at the null device once its reader went away (``captioner caption ... | head``), so that nothing
+    written to it later, nor the interpreter's flush at exit, raises BrokenPipeError again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 class Output:
     """The rows of a captioning command and the counts of its closing summary.
 
     stdout gets one row per input: ``PATH<TAB>CAPTION[<TAB>more]`` (escaped by ``tsv_line``; with n-best captions
     one such row for each, best first) or, with ``as_json``, a JSON object per line (``n_best``: the list of
     ``{"caption", "score", "tokens"}``), ``{"path", "error"}`` for an input that failed. Each failure is
-    also one line ``error: PATH: REASON`` on stderr. ``rows=False`` only counts the captioned images.
+    also one line ``error: PATH: REASON`` on stderr. ``rows=False`` only counts the captioned images. ``files``: the
+    command's work is the files it writes (a gallery, a results file), so a reader of stdout that goes away (``|
+    head``) ends the rows, not the command; else BrokenPipeError ends it.
     """
 
-    def __init__(self, as_json: bool = False, rows: bool = True) -> None:
+    def __init__(self, as_json: bool = False, rows: bool = True, files: bool = False) -> None:
         self.as_json = as_json
         self.rows = rows
+        self.files = files
         self.captioned = 0
         self.failed = 0
         self.failed_inputs: list[Skipped] = []  # the inputs that could not be used, in order
@@ -56,10 +66,22 @@ class Output:
                 row["n_best"] = [
                     {"caption": one.caption, "score": round(one.score, 4), "tokens": one.words} for one in result.n_best
                 ]
-            print(json.dumps(row), flush=True)
+            self._row(json.dumps(row))
         else:
             for caption in [result.caption] if result.n_best is None else [one.caption for one in result.n_best]:
-                print(tsv_line(result.path, caption, *more), flush=True)
+                self._row(tsv_line(result.path, caption, *more))
+
+    def _row(self, line: str) -> None:
+        """Print ``line`` on stdout, while its reader is there (``files``: once it has gone, no more rows)."""
+        if not self.rows:
+            return
+        try:
+            print(line, flush=True)
+        except BrokenPipeError:
+            if not self.files:
+                raise
+            stdout_gone()
+            self.rows = False
 
     def note(self, line: str) -> None:
         """A line on stderr that the user should read, but no failure (what a folder search left out)."""
@@ -71,7 +93,7 @@ class Output:
         self.failed_inputs.append(failed)
         print(f"error: {failed.path}: {failed.reason}", file=sys.stderr, flush=True)
         if self.as_json:
-            print(json.dumps({"path": failed.path, "error": failed.reason}), flush=True)
+            self._row(json.dumps({"path": failed.path, "error": failed.reason}))
 
     def failures(self, failed: Sequence[Skipped]) -> None:
         """``failure`` for each of ``failed``."""

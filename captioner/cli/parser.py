@@ -61,7 +61,7 @@ CAPTION_OUTPUT = """output:
   without a suffix that hold an image; other files are skipped and counted in the summary, hidden files and
   folders (.thumbs/, ._photo.jpg) are left out, and so are the files of a captioner attend gallery (those
   its .captioner-gallery lists; a line on stderr counts them). A file named twice (directly, by its folder,
-  by a glob) is captioned once.
+  by a glob) is captioned once. Links are followed: to a file, and to a folder outside the one searched (once).
   stderr ends with one summary line: images captioned, failed, skipped, images/s.
   Exit status: 0 every input captioned, 1 some input failed or no image was given (an empty folder, empty
   standard input), 2 a bad argument or model file."""

@@ -20,6 +20,9 @@ from torchvision.transforms.v2.functional import to_pil_image
 from captioner.errors import DataError, check_range, first_line
 
 _INTEGER_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+# The brands of an ISO media file (bytes 8-12, after "ftyp") that say HEIF: an iPhone's HEIC photos, which Pillow reads
+# only with the pillow-heif plugin (AVIF, HEIF's AV1 kind, it reads itself)
+HEIF_BRANDS = (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"hevm", b"hevs", b"mif1", b"msf1")
 _WHITE = (255, 255, 255, 255)
 # Decodes past Pillow's own limit take turns: silencing its warning changes the process's warning filters.
 _PAST_PILLOW_S_LIMIT = threading.Lock()
@@ -84,7 +87,7 @@ def load_rgb(
             "TIFF, WebP and GIF decoders check whatever max_pixels says)",
         ) from None
     except UnidentifiedImageError:
-        raise ImageError(path, "not an image file (Pillow cannot identify its format)") from None
+        raise ImageError(path, _unidentified(path, data)) from None
     except PermissionError:
         raise ImageError(path, "permission denied") from None
     except Exception as exc:  # Pillow's decoders raise OSError, SyntaxError, ValueError, EOFError, ...
@@ -148,6 +151,16 @@ def open_header(path: str | Path, data: bytes | None = None) -> ImageFile.ImageF
     raise UnidentifiedImageError(f"cannot identify image file {os.fspath(path)!r}")
 
 
+def _unidentified(path: Path, data: bytes | None) -> str:
+    """Why Pillow found no format for the file ``path`` (or its bytes ``data``): a HEIF photo's, or no image's."""
+    if data is None:
+        with path.open("rb") as file:
+            data = file.read(12)
+    if data[4:8] == b"ftyp" and data[8:12] in HEIF_BRANDS:
+        return "a HEIF/HEIC photo, which Pillow decodes only with the pillow-heif plugin: convert it to JPEG first"
+    return "not an image file (Pillow cannot identify its format)"
+
+
 def _draft_size(full: tuple[int, int], limit: int, size: int | None) -> tuple[int, int]:
     """The (width, height) to ask libjpeg for, which decodes at the largest of 1/2, 1/4, 1/8 that keeps both
     sides at least this: ``size`` by ``size`` when given, else the image at the least of those scales that
@@ -199,9 +212,11 @@ def to_rgb(image: Image.Image | torch.Tensor) -> Image.Image:
     A PIL image of any mode is converted as ``load_rgb`` converts a decoded file (upright by its EXIF
     orientation). A tensor is a torchvision image, not normalised: (3, H, W) or (1, H, W), uint8 in
     [0, 255] or floating point in [0, 1]. Raises TypeError for another kind of object and ValueError for a
-    tensor of another shape or range.
+    tensor of another shape or range, or an image without pixels (0 wide or high: nothing to caption).
     """
     if isinstance(image, Image.Image):
+        if 0 in image.size:
+            raise ValueError(f"the image is {image.width}x{image.height} pixels: it has none to caption")
         return _to_rgb(ImageOps.exif_transpose(image))
     if not isinstance(image, torch.Tensor):
         raise TypeError(f"an image is a file path, a PIL image or a tensor, not a {type(image).__name__}")
@@ -223,7 +238,8 @@ def to_rgb(image: Image.Image | torch.Tensor) -> Image.Image:
 def _check_file(path: Path) -> None:
     """Raise ImageError unless ``path`` is a non-empty regular file."""
     if not path.exists():
-        raise ImageError(path, "file not found")
+        gone = f"broken symbolic link: its target {os.readlink(path)} is not found" if path.is_symlink() else ""
+        raise ImageError(path, gone or "file not found")
     if path.is_dir():
         raise ImageError(path, "is a directory, not an image file")
     if not path.is_file():

@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote_to_bytes
 
 from PIL import ExifTags
 
@@ -32,8 +32,8 @@ from captioner.viz.layout import GalleryFiles
 from captioner.viz.sheet import Strip
 
 PAGE_SIZE = 50  # captioned images per page
-AS_IS = ("PNG", "JPEG", "GIF", "WEBP")  # formats every browser shows: a still RGB or grey one small enough is copied
-# byte for byte (an EXIF orientation kept: browsers apply it)
+AS_IS = ("PNG", "JPEG", "GIF", "WEBP")  # formats every browser shows: a still, opaque RGB or grey one small enough is
+# copied byte for byte (a JPEG's EXIF orientation kept: browsers apply it; another turned one is re-encoded upright)
 COPY_SIDE = 1024  # copies are shrunk to this longest side (pixels)
 SHOWN = (640, 320)  # images and panels are shown scaled to fit this box (width, height), small ones enlarged ...
 SHOWN_MIN = 120  # ... and in a box at least this wide and high: a 4000 x 20 image keeps room for its label
@@ -119,8 +119,18 @@ document.querySelectorAll(".entry[data-words]").forEach(entry => {
 
 def _href(target: Path, out_dir: Path) -> str:
     """A relative, URL-quoted and HTML-escaped link from ``out_dir`` to ``target`` (a file inside it)."""
-    relative = os.path.relpath(target.resolve(), out_dir.resolve())
-    return html.escape(quote(Path(relative).as_posix()), quote=True)
+    return _link(Path(os.path.relpath(target.resolve(), out_dir.resolve())).as_posix())
+
+
+def _link(relative: str) -> str:
+    """The link to the file of the POSIX path ``relative``: URL-quoted byte for byte, as the file system names it
+    (a name that is not UTF-8, from an old archive, keeps its bytes: ``caf%E9.jpg``), and HTML-escaped."""
+    return html.escape(quote(os.fsencode(relative)), quote=True)
+
+
+def _linked(link: str) -> str:
+    """The relative path a link of :func:`_link` names."""
+    return os.fsdecode(unquote_to_bytes(html.unescape(link)))
 
 
 def _local(
@@ -133,10 +143,13 @@ def _local(
         raise FileNotFoundError(f"gallery file not found: {target}")
     inside = files.relative(target)  # links resolved, as _href resolves them
     if Path(inside).parts[0] != "..":
-        return html.escape(quote(inside), quote=True)
+        return _link(inside)
     with open_header(target) as header:
-        still = not getattr(header, "is_animated", False) and header.mode != "CMYK"  # as captioned, as shown
-        as_is = header.format in AS_IS and still and max(header.size) <= COPY_SIDE
+        # as captioned, as shown: the first frame, RGB, transparency on white (a browser shows it on the page's grey)
+        still = not getattr(header, "is_animated", False) and header.mode != "CMYK" and not header.has_transparency_data
+        # upright: every browser turns a JPEG by its EXIF orientation, not every one another format (Chromium a WebP)
+        upright = header.format == "JPEG" or header.getexif().get(ExifTags.Base.Orientation, 1) == 1
+        as_is = header.format in AS_IS and still and upright and max(header.size) <= COPY_SIDE
         suffix = {"JPEG": ".jpg"}.get(header.format, f".{str(header.format).lower()}") if as_is else ".jpg"
     copy = files.record(files.copy(number, image, role, suffix))
     if as_is:
@@ -169,7 +182,7 @@ def _box(size: tuple[int, int]) -> str:
 def _shown(link: str, files: GalleryFiles) -> str:
     """The ``style`` that shows the image of ``link`` (in the gallery of ``files``) in its :func:`_box`, as a
     browser turns it (EXIF orientation)."""
-    with open_header(files.current(unquote(html.unescape(link)))) as image:
+    with open_header(files.current(_linked(link))) as image:
         width, height = image.size
         if image.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8):  # a browser turns it on its side
             width, height = height, width
@@ -321,5 +334,5 @@ def write_gallery(
         navigation = _navigation(index, pages, files)
         parts += [navigation, *body, navigation, f"<script>{_SCRIPT}</script>", "</body>", "</html>", ""]
         with atomic_write(files.record(files.page(index)), "wb") as handle:
-            handle.write("\n".join(parts).encode("utf-8"))
+            handle.write("\n".join(parts).encode("utf-8", "backslashreplace"))  # a name not UTF-8: caf\\udce9.jpg
     return files.page(0)

@@ -22,6 +22,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 MANIFEST = ".captioner-gallery"  # the record of the files a gallery wrote into its folder
+# At most this many bytes of an image's name go into its entry's: a file's name holds 255 bytes (NAME_MAX), and the
+# longest of an entry's files with its temporary name while it is written (".0007_NAME.panels.jpg.abcd1234.tmp") adds
+# 31 to it; the number keeps the cut names apart
+NAME_BYTES = 200
 COPIES = "images"  # the folder, inside the gallery's, that holds the copies of files from elsewhere
 
 
@@ -55,8 +59,12 @@ class GalleryFiles:
     # ----------------------------------------------------------------------------------------- names
     @staticmethod
     def entry(number: int, image: str | os.PathLike) -> str:
-        """The name of entry ``number`` (its position in the gallery, from 0) of ``image``: ``0007_cat``."""
-        return f"{number:04d}_{Path(image).stem}"
+        """The name of entry ``number`` (its position in the gallery, from 0) of ``image``: ``0007_cat``, the name cut
+        to NAME_BYTES (a long download's name: whole characters)."""
+        stem = Path(image).stem
+        while len(os.fsencode(stem)) > NAME_BYTES:
+            stem = stem[:-1]
+        return f"{number:04d}_{stem}"
 
     def sheet(self, number: int, image: str | os.PathLike) -> Path:
         """The sheet of every word (captioner.viz.sheet) of entry ``number``."""

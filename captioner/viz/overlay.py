@@ -2,10 +2,11 @@
 
 The first panel is the image; each following panel has the word as its title and shows the image
 dimmed where the attention used to emit that word is low. The (H, W) attention grid is upsampled
-smoothly (bicubic) to the image's own size and aspect ratio. All panels of a caption share one
-brightness scale, from no attention (dimmed) to the caption's highest weight on a cell (as is), and a
-colour bar gives that scale with uniform attention (1/L) marked: a flat map looks flat, a sharp one
-bright on its spot. For hard attention the chosen cell is outlined.
+smoothly (bicubic) to the image's own size and aspect ratio (up to MAX_ASPECT: a panorama is stretched to
+it; a tiny image is enlarged, CELL_PIXELS). All panels of a caption share one brightness scale, from no
+attention (dimmed) to the caption's highest weight on a cell (as is), and a colour bar gives that scale with
+uniform attention (1/L) marked: a flat map looks flat, a sharp one bright on its spot. For hard attention the
+chosen cell is outlined.
 
 :func:`shade` computes the panels once (one image per word, without titles or axes); :func:`overlay_figure` lays
 them out as a matplotlib figure (for notebooks; the object-oriented API on an Agg canvas: no display, and no pyplot
@@ -37,6 +38,10 @@ PANEL_INCHES = 2.4  # width of one panel
 DIM_FLOOR = 0.15  # brightness left where a word puts no attention
 DPI = 100
 ASPECT_RANGE = (0.5, 2.0)  # a panel's height / width, whatever the image's
+MAX_ASPECT = 8  # a picture at most this many times wider than high (or higher than wide); one beyond is stretched
+# across to it: a 20000 x 20 panorama's panels are a band its attention shows in, not a line 1 pixel high
+CELL_PIXELS = 2  # a smaller picture is enlarged by a whole factor (each pixel a block) until a grid cell covers this
+# many pixels each way: a 1 x 1 image's panels show where each word looked, not one pixel of the mean
 
 
 @functools.lru_cache(maxsize=64)
@@ -81,11 +86,29 @@ class Shading:
     """The panels of one caption: the image, and per word the image dimmed where the word's attention is low,
     on the caption's one brightness scale from 0 (dimmed to DIM_FLOOR) to ``top`` (as is)."""
 
-    picture: Image.Image  # the image, RGB, shrunk to at most MAX_SIDE pixels
+    picture: Image.Image  # the image, RGB, shrunk to at most MAX_SIDE pixels (``_drawn``)
     panels: tuple[Image.Image, ...]  # one per word, the picture's size; hard attention: the chosen cell outlined
     top: float  # the scale's top: the caption's highest upsampled weight per cell (at least 1/L)
     uniform: float  # 1/L: the weight of every cell under uniform attention
     cells: tuple[tuple[float, float, float, float], ...] | None  # hard attention: the outlined box per word
+
+
+def _drawn(image: Image.Image, grid: tuple[int, int]) -> Image.Image:
+    """``image`` as the panels of attention on ``grid`` draw it: RGB, shrunk to at most MAX_SIDE pixels, its aspect
+    ratio kept up to MAX_ASPECT and its short side stretched to that ratio beyond it, and a small one enlarged by a
+    whole factor (CELL_PIXELS)."""
+    picture = image.convert("RGB")
+    picture.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.LANCZOS)
+    width, height = picture.size
+    size = (max(width, math.ceil(height / MAX_ASPECT)), max(height, math.ceil(width / MAX_ASPECT)))
+    if size != picture.size:
+        picture = picture.resize(size, Image.Resampling.BILINEAR)
+    rows, cols = grid
+    factor = max(math.ceil(CELL_PIXELS * cols / size[0]), math.ceil(CELL_PIXELS * rows / size[1]))
+    factor = min(factor, max(1, MAX_SIDE // max(size)))
+    if factor < 2:
+        return picture
+    return picture.resize((size[0] * factor, size[1] * factor), Image.Resampling.NEAREST)
 
 
 def shade(
@@ -109,8 +132,7 @@ def shade(
         bad = [loc for loc in locations[: len(words)] if not 0 <= int(loc) < rows * cols]
         if bad:
             raise ValueError(f"locations {bad} are outside the {rows}x{cols} grid")
-    picture = image.convert("RGB")
-    picture.thumbnail((MAX_SIDE, MAX_SIDE), Image.Resampling.LANCZOS)
+    picture = _drawn(image, grid)
     width, height = picture.size
     pixels = np.asarray(picture, dtype=np.float32)  # (height, width, 3)
     uniform = 1.0 / (rows * cols)
