@@ -194,6 +194,31 @@ def test_every_problem_of_json_lines_is_raised_at_once(tmp_path: Path) -> None:
     ]
 
 
+def test_a_caption_without_words_is_a_problem_as_an_empty_one_is(tmp_path: Path) -> None:
+    # Only punctuation, symbols or emoji: the tokenizer reads no word, so it would train <start> <end>.
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg", "d.jpg"])
+    (tmp_path / "captions.csv").write_text(
+        "image,caption\na.jpg,A dog.\na.jpg,...\nb.jpg,\U0001f600 \U0001f600\nc.jpg,\u00e9t\u00e9 42 !\nd.jpg,a cat\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "captions.jsonl").write_text(
+        '{"image": "a.jpg", "captions": ["A dog.", "!!! ???"]}\n{"image": "c.jpg", "caption": "- -"}\n'
+        '{"image": "b.jpg", "caption": "a cat"}\n{"image": "d.jpg", "caption": "a cat"}\n'
+    )
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1))
+    assert [line.split(" line ", 1)[1] for line in info.value.problems] == [
+        "3: caption '...' has no words (only punctuation, symbols or emoji)",
+        "4: caption '\U0001f600 \U0001f600' has no words (only punctuation, symbols or emoji)",
+    ]
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.jsonl", CaptionsSpec(val=1, test=1))
+    assert [line.split(" line ", 1)[1] for line in info.value.problems] == [
+        "1: caption '!!! ???' has no words (only punctuation, symbols or emoji)",
+        "2: caption '- -' has no words (only punctuation, symbols or emoji)",
+    ]
+
+
 def test_a_file_that_is_not_utf8_says_so_with_its_line(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_bytes("image,caption\na.jpg,ok\nb.jpg,caf\xe9\n".encode("latin-1"))
     with pytest.raises(DataProblems, match="line 3: not UTF-8 text"):

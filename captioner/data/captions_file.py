@@ -12,8 +12,8 @@ The layouts people have (Flickr8k's token file turned into a table, Kaggle's set
 Image paths are relative to ``CaptionsSpec.images`` (else the file's folder); an absolute path stays as it is.
 An image's captions are all its rows' (it may have one or dozens); its id is its order of first appearance in
 the file, from 0. A caption given twice for the same image is a duplicate row: kept once and counted. Every other
-problem (a missing column, an image not found, an empty caption, a bad split value, a malformed line) is
-collected with its line number, and all of them are raised at once (``DataProblems``).
+problem (a missing column, an image not found, an empty caption or one without words, a bad split value, a
+malformed line) is collected with its line number, and all of them are raised at once (``DataProblems``).
 
 Without a split column the images are split by a seeded hash of their path (``assign_splits``): the same
 file and seed give the same split whatever the rows' order, and an image never has captions in two splits. A
@@ -35,6 +35,7 @@ from typing import Any
 from captioner.config import CaptionsSpec
 from captioner.data.readers import Record
 from captioner.data.splits import SPLITS
+from captioner.data.vocab import tokenize
 from captioner.errors import DataError, DataProblems
 from captioner.fileio import read_json
 
@@ -101,6 +102,16 @@ class CaptionsSet:
 def _words(text: str) -> str:
     """A caption with its whitespace (line breaks of a quoted field too) collapsed to single spaces."""
     return " ".join(text.split())
+
+
+def _caption_problem(caption: str) -> str | None:
+    """What is wrong with a caption (whitespace collapsed): empty, or no word the tokenizer reads (only
+    punctuation, symbols or emoji, which would train an empty sentence); None when nothing is."""
+    if not caption:
+        return "empty caption"
+    if not tokenize(caption):
+        return f"caption {caption!r} has no words (only punctuation, symbols or emoji)"
+    return None
 
 
 def _is_json_lines(path: Path, first: str) -> bool:
@@ -172,9 +183,9 @@ def _row(
             return
     if not image:
         problems.add(line, "no image path")
-    if not caption:
-        problems.add(line, "empty caption")
-    if image and caption:
+    if (problem := _caption_problem(caption)) is not None:
+        problems.add(line, problem)
+    if image and problem is None:
         yield Row(line, os.path.normpath(image), [caption], split)
 
 
@@ -207,8 +218,8 @@ def _json_rows(path: Path, spec: CaptionsSpec, problems: Problems) -> Iterator[R
             for caption in [*given, *listed]:
                 if not isinstance(caption, str):
                     problems.add(line, f"a caption of type {type(caption).__name__}, expected a string")
-                elif not _words(caption):
-                    problems.add(line, "empty caption")
+                elif (problem := _caption_problem(_words(caption))) is not None:
+                    problems.add(line, problem)
                 else:
                     captions.append(_words(caption))
             split = None
