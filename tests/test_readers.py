@@ -174,6 +174,11 @@ def missing_file_name(data):
     return data
 
 
+def repeated_image(data):
+    data["images"][2]["id"] = 42  # another file under image 42's id: its captions would go with that file
+    return data
+
+
 def no_annotations(data):
     del data["annotations"]
     return data
@@ -186,6 +191,7 @@ def no_annotations(data):
         (broken_caption, "annotation 1 has 'caption' of type int, expected str"),
         (unknown_image, "annotation 0 has 'image_id' 1234, which no entry of the file defines"),
         (missing_file_name, "image 1 has no 'file_name'"),
+        (repeated_image, "image 2 repeats image id 42"),
         (
             no_annotations,
             "the file has no 'annotations': it lists images without captions (an image_info file, as "
@@ -207,6 +213,7 @@ def test_malformed_coco_captions(tmp_path, corrupt, problem):
         (lambda d: d["annotations"][1].update(bbox=[1, 2, 3]), "annotation 1 has 'bbox' [1, 2, 3]"),
         (lambda d: d["annotations"][0].update(category_id=99), "annotation 0 has 'category_id' 99"),
         (lambda d: d["images"][0].update(width=0), "image 0 has 'width' 0; expected a positive number"),
+        (lambda d: d["images"][1].update(id=42), "image 1 repeats image id 42"),
         (lambda d: d["categories"][0].pop("name"), "category 0 has no 'name'"),
     ],
 )

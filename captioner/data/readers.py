@@ -55,7 +55,8 @@ def read_coco(
     """Records of a COCO captions file (2014 or 2017 format), sorted by image id.
 
     Images without captions are left out. With ``instances_file`` each record gets the boxes of its
-    objects, labelled with the category name. Raises DataError for a missing or malformed file.
+    objects, labelled with the category name. Raises DataError for a missing or malformed file (an image id
+    listed twice among them: pycocotools would give the id the last entry's file and the first's captions).
     """
     check_choice("split", split, SPLITS)
     captions = _coco_index(captions_file, "COCO captions file", _check_captions)
@@ -80,9 +81,7 @@ def read_image_info(info_file: str | Path, image_dir: str | Path) -> list[Record
     data = _read_object(info_file, "COCO image list")
     _check_images(data, info_file, {"file_name": str})
     records: dict[int, Record] = {}
-    for index, image in enumerate(data["images"]):
-        if image["id"] in records:
-            _fail(info_file, f"image {index} repeats image id {image['id']}")
+    for image in data["images"]:
         records[image["id"]] = Record(str(Path(image_dir) / image["file_name"]), image["id"], (), "test")
     return [record for _, record in sorted(records.items())]
 
@@ -205,11 +204,14 @@ def _check_instances(data: dict, path: str | Path) -> None:
 
 
 def _check_images(data: dict, path: str | Path, fields: dict[str, type | tuple[type, ...]]) -> set[int]:
-    """Check ``images[]`` (an int ``id`` and the typed ``fields``, numbers positive); return the ids."""
+    """Check ``images[]`` (an int ``id``, each once, and the typed ``fields``, numbers positive); return the ids."""
     ids = set()
     for index, image in enumerate(_field(data, "images", list, "the file", path)):
         where = f"image {index}"
-        ids.add(_field(image, "id", int, where, path))
+        image_id = _field(image, "id", int, where, path)
+        if image_id in ids:
+            _fail(path, f"{where} repeats image id {image_id}")
+        ids.add(image_id)
         for key, kind in fields.items():
             value = _field(image, key, kind, where, path)
             if _is_number(value) and value <= 0:
