@@ -114,6 +114,35 @@ def test_read_karpathy_coco_format(tmp_path):
     assert all(r.boxes == () for r in records)
 
 
+def test_captions_without_a_word_are_left_out_and_counted(tmp_path, caplog):
+    # An empty caption, or one of punctuation only, would train <start> <end> and score as an empty reference.
+    data = karpathy_coco()
+    data["images"][1]["sentences"] += [{"raw": ""}, {"raw": " ... "}]
+    data["images"][2]["sentences"] = [{"raw": "?!"}]
+    split_file = write(tmp_path / "dataset_coco.json", data)
+    with caplog.at_level("WARNING", logger="captioner.data.readers"):
+        records = read_karpathy(split_file, tmp_path)
+    assert [(r.image_id, r.captions) for r in records] == [
+        (50, ("A cat 50.", "a dog")),
+        (100, ("A cat 100.", "a dog")),
+        (300, ("A cat 300.", "a dog")),
+    ]
+    assert caplog.messages == [
+        f"{split_file}: 3 captions without a word (empty, or only punctuation or symbols) left out: image 100 '', "
+        "image 100 '...', image 200 '?!'; 1 image left with none, left out too"
+    ]
+    coco = coco_captions(lambda i: f"{i}.jpg")
+    coco["annotations"].append({"id": 4, "image_id": 9, "caption": " - "})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="captioner.data.readers"):
+        records = read_coco(write(tmp_path / "c.json", coco), tmp_path, "train")
+    assert [(r.image_id, r.captions) for r in records] == [
+        (9, ("Two cats",)),
+        (42, ("A dog on a couch.", "a brown dog")),
+    ]
+    assert len(caplog.messages) == 1 and "1 caption without a word" in caplog.messages[0]
+
+
 def test_read_karpathy_restval_both_ways_and_split_selection(tmp_path):
     split_file = write(tmp_path / "dataset_coco.json", karpathy_coco())
     with_restval = read_karpathy(split_file, tmp_path, splits=("train",))
