@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+from codecs import BOM_UTF16_BE, BOM_UTF16_LE, BOM_UTF32_LE
 from pathlib import Path
 
 import pytest
@@ -223,6 +224,36 @@ def test_a_file_that_is_not_utf8_says_so_with_its_line(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_bytes("image,caption\na.jpg,ok\nb.jpg,caf\xe9\n".encode("latin-1"))
     with pytest.raises(DataProblems, match="line 3: not UTF-8 text"):
         read_captions(tmp_path / "captions.csv", CaptionsSpec())
+
+
+def test_a_windows_1252_file_is_named_with_its_line_and_read_with_data_source_encoding(tmp_path: Path) -> None:
+    # A spreadsheet's plain 'CSV' on Windows: the bad byte far past the decoder's first chunk of 8 KiB.
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg", "d.jpg"])
+    rows = [f"{name},a plain caption {k}" for k in range(400) for name in ("a.jpg", "b.jpg", "c.jpg")]
+    text = "image,caption\r\n" + "\r\n".join([*rows, "d.jpg,Caf\u00e9 cr\u00e8me \u2014 na\u00efve"]) + "\r\n"
+    (tmp_path / "captions.csv").write_bytes(text.encode("cp1252"))
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1))
+    assert info.value.problems == [
+        f"{tmp_path / 'captions.csv'} line 1202: not UTF-8 text (byte 0xe9; as cp1252 the line reads "
+        "'d.jpg,Caf\u00e9 cr\u00e8me \u2014 na\u00efve'): save the file as UTF-8 (a spreadsheet's 'CSV UTF-8'), or "
+        "read it as it is with data.source.encoding=cp1252"
+    ]
+    found = read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1, encoding="cp1252"))
+    assert found.records[3].captions == ("Caf\u00e9 cr\u00e8me \u2014 na\u00efve",)
+    with pytest.raises(DataProblems, match=r"line 1202: not ascii text \(byte 0xe9\): give the file's encoding"):
+        read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1, encoding="ascii"))
+    with pytest.raises(ConfigError, match="encoding='nope' is not a text encoding"):
+        CaptionsSpec(encoding="nope")
+
+
+def test_a_byte_order_mark_names_the_encoding_utf16_as_excel_s_unicode_text(tmp_path: Path) -> None:
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"])
+    text = "image\tcaption\r\na.jpg\tna\u00efve caf\u00e9\r\nb.jpg\tb\r\nc.jpg\tc\r\n"
+    for bom, encoding in ((BOM_UTF16_LE, "utf-16-le"), (BOM_UTF16_BE, "utf-16-be"), (BOM_UTF32_LE, "utf-32-le")):
+        (tmp_path / "captions.txt").write_bytes(bom + text.encode(encoding))
+        found = read_captions(tmp_path / "captions.txt", CaptionsSpec(val=1, test=1, encoding="cp1252"))
+        assert [record.captions for record in found.records] == [("na\u00efve caf\u00e9",), ("b",), ("c",)]
 
 
 def test_duplicate_rows_are_kept_once_counted_and_reported_not_fatal(

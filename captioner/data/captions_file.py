@@ -23,8 +23,10 @@ back (``read_split``) and so scores exactly the run's test images, with the run'
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
+import io
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -46,6 +48,16 @@ DELIMITERS = {".csv": ",", ".tsv": "\t", ".tab": "\t"}  # by the file's suffix; 
 REMEDY = "fix the captions file"  # of each problem (training's preflight adds the guide's section)
 GUIDE = "docs/datasets.md#your-own-images"
 LINES_SHOWN = 5  # line numbers given for an image that several rows name
+# A byte-order mark names the file's encoding, whatever CaptionsSpec.encoding says (UTF-32's before UTF-16's: its
+# little-endian mark starts with UTF-16's).
+BOMS = (
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+WINDOWS = "cp1252"  # what a spreadsheet's plain 'CSV' is on Windows in the West: named when a file is not UTF-8
 
 
 @dataclass
@@ -119,10 +131,40 @@ def _is_json_lines(path: Path, first: str) -> bool:
     return path.suffix.lower() in JSON_LINES_SUFFIXES or first.lstrip().startswith("{")
 
 
-def _first_line(path: Path) -> str:
-    """The file's first non-blank line (BOM removed); empty for an empty file."""
-    with open(path, encoding="utf-8-sig", errors="replace") as handle:
-        return next((line for line in handle if line.strip()), "")
+def _first_line(text: str) -> str:
+    """The text's first non-blank line; empty for an empty file."""
+    return next((line for line in io.StringIO(text) if line.strip()), "")
+
+
+def _text(path: Path, spec: CaptionsSpec, problems: Problems) -> str | None:
+    """The file's text without its BOM: in the encoding its BOM names (UTF-8, UTF-16 or UTF-32), else in
+    ``spec.encoding``; None and a problem on the first line that is not in that encoding."""
+    raw = path.read_bytes()
+    encoding = next((name for bom, name in BOMS if raw.startswith(bom)), spec.encoding)
+    try:
+        return raw.decode(encoding).removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        problems.add(raw[: exc.start].decode(encoding, errors="replace").count("\n") + 1, _not_encoded(raw, exc))
+        return None
+
+
+def _not_encoded(raw: bytes, exc: UnicodeDecodeError) -> str:
+    """The problem of a file ``raw`` that is not in the encoding it was read in (``exc``): the byte, and how to
+    read the file. A UTF-8 reading that Windows-1252 (a spreadsheet's plain 'CSV' on Windows) would take shows the
+    line as that encoding reads it, so that the user sees whether it is the one."""
+    byte = f"byte 0x{raw[exc.start]:02x}"
+    if codecs.lookup(exc.encoding).name not in ("utf-8", "utf-8-sig"):
+        return f"not {exc.encoding} text ({byte}): give the file's encoding with data.source.encoding"
+    try:
+        raw.decode(WINDOWS)
+    except UnicodeDecodeError:
+        return f"not UTF-8 text ({byte}): save the file as UTF-8, or give its encoding with data.source.encoding"
+    end = raw.find(b"\n", exc.start)
+    line = raw[raw.rfind(b"\n", 0, exc.start) + 1 : end if end >= 0 else len(raw)].decode(WINDOWS).strip()
+    return (
+        f"not UTF-8 text ({byte}; as {WINDOWS} the line reads {line!r}): save the file as UTF-8 (a spreadsheet's "
+        f"'CSV UTF-8'), or read it as it is with data.source.encoding={WINDOWS}"
+    )
 
 
 def _split_value(value: str, line: int, problems: Problems) -> str | None:
@@ -134,9 +176,9 @@ def _split_value(value: str, line: int, problems: Problems) -> str | None:
     return name
 
 
-def _table_rows(path: Path, delimiter: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
-    """The rows of a CSV or TSV file with a header; a problem for each row that cannot be read."""
-    with open(path, encoding="utf-8-sig", newline="") as handle:
+def _table_rows(text: str, delimiter: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
+    """The rows of a CSV or TSV file's ``text`` with a header; a problem for each row that cannot be read."""
+    with io.StringIO(text, newline="") as handle:
         reader = csv.reader(handle, delimiter=delimiter)
         header: list[str] | None = None
         start = 1
@@ -189,10 +231,10 @@ def _row(
         yield Row(line, os.path.normpath(image), [caption], split)
 
 
-def _json_rows(path: Path, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
-    """The rows of a JSON Lines file; a problem for each line that cannot be read."""
+def _json_rows(text: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
+    """The rows of a JSON Lines file's ``text``; a problem for each line that cannot be read."""
     keys = f"{spec.caption_column!r} (a string) or {spec.captions_column!r} (a list of strings)"
-    with open(path, encoding="utf-8-sig") as handle:
+    with io.StringIO(text, newline=None) as handle:
         for line, text in enumerate(handle, 1):
             if not text.strip():
                 continue
@@ -234,15 +276,15 @@ def _json_rows(path: Path, spec: CaptionsSpec, problems: Problems) -> Iterator[R
 def read_rows(path: str | Path, spec: CaptionsSpec, problems: Problems) -> list[Row]:
     """The rows of a captions file in its layout (module docstring); its problems go to ``problems``."""
     path = Path(path)
+    text = _text(path, spec, problems)
+    if text is None:
+        return []
     try:
-        first = _first_line(path)
+        first = _first_line(text)
         if _is_json_lines(path, first):
-            return list(_json_rows(path, spec, problems))
+            return list(_json_rows(text, spec, problems))
         delimiter = DELIMITERS.get(path.suffix.lower(), "\t" if "\t" in first and "," not in first else ",")
-        return list(_table_rows(path, delimiter, spec, problems))
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        problems.add(line, "not UTF-8 text: save the file as UTF-8 (a spreadsheet's 'CSV UTF-8')")
+        return list(_table_rows(text, delimiter, spec, problems))
     except csv.Error as exc:
         problems.add(0, f"not readable as CSV: {exc}")
     return []
