@@ -241,6 +241,37 @@ def test_a_single_process_reads_every_sample_once_with_padding_to_whole_batches(
     assert len(three) == 21 and list(three)[-1] is PADDING
 
 
+def test_a_shard_cut_short_is_warned_about_once_and_read_up_to_the_break(
+    shards: tuple[str, list], tiny_shapes: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A download cut off: shard 1's tar truncated mid-member; its _stats.json still says 9 samples.
+    pattern, captions = shards
+    folder = Path(pattern).parent
+    for shard in (0, 1):
+        data = (folder / f"{shard:05d}.tar").read_bytes()
+        (tmp_path / f"{shard:05d}.tar").write_bytes(data if shard == 0 else data[: len(data) // 2 + 100])
+        (tmp_path / f"{shard:05d}_stats.json").write_text(json.dumps({"successes": SIZES[shard]}))
+    built = source(f"{tmp_path}/{{00000..00001}}.tar", tiny_shapes, shuffle_buffer=1)
+    with caplog.at_level("WARNING", logger="captioner.data.shards"):
+        read = list(built.captions())  # the vocabulary's pass: a traceback from tarfile before
+    kept = len(read) - SIZES[0]
+    assert 0 < kept < SIZES[1] and read == captions[: len(read)]
+    broken = f"{tmp_path}/00001.tar: the shard breaks off (unexpected end of data): its samples up to there are read"
+    assert caplog.messages == [broken]
+    caplog.clear()
+    vocab = Vocabulary.build(c for sample in read for c in sample)
+    stream = ShardStream.of(
+        built, vocab, build_transform(IMAGE_SIZE, train=False), max_len=16, batch_size=BATCH, rank=0, ranks=1, workers=0
+    )
+    with caplog.at_level("WARNING", logger="captioner.data.shards"):
+        items = list(stream)
+    assert caplog.messages == [broken]
+    assert len(items) == len(stream) == 28 and items[-(SIZES[1] - kept) :] == [PADDING] * (SIZES[1] - kept)
+    assert sorted(item["index"] for item in items if isinstance(item, dict)) == [
+        index for index in range(len(read)) if index != CORRUPT
+    ]
+
+
 def read_ranks(pattern: str, out: Path) -> None:
     """Two gloo ranks, each through a loader of two persistent workers as ``CaptionDataModule._loader`` builds
     it, read two epochs of the shards; every batch all-reduces, so ranks with unequal batch counts would hang.

@@ -17,7 +17,7 @@ import logging
 import math
 import re
 import tarfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -166,12 +166,32 @@ def _json(data: bytes | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def broken_off(url: str) -> Callable[[Exception], bool]:
+    """The ``webdataset`` handler for the shard ``url`` breaking off mid-read (a truncated tar, a failed command):
+    one warning naming the shard and why, and the reading goes on with what came before (a reader pads for it)."""
+
+    warned = []  # webdataset's layers each hand the same break on: one warning a read
+
+    def handler(exc: Exception) -> bool:
+        reason = str(exc.args[0]).split(" @ ")[0] if exc.args else type(exc).__name__  # webdataset appends where
+        if not warned:
+            log.warning("%s: the shard breaks off (%s): its samples up to there are read", url, reason)
+            warned.append(reason)
+        return True
+
+    return handler
+
+
 def stream_captions(shards: Sequence[Shard], captions_field: str) -> Iterator[list[str]]:
-    """Each sample's captions of ``shards``, in order: one pass that reads their txt and json members only."""
+    """Each sample's captions of ``shards``, in order: one pass that reads their txt and json members only (a shard
+    that breaks off: ``broken_off``)."""
     wds = _webdataset()
     select = re.compile(r".*\.(txt|json)$", re.IGNORECASE).match
     for shard in shards:
-        for sample in wds.tariterators.tarfile_samples([{"url": shard.url}], select_files=select):
+        samples = wds.tariterators.tarfile_samples(
+            [{"url": shard.url}], handler=broken_off(shard.url), select_files=select
+        )
+        for sample in samples:
             yield list(sample_captions(sample, captions_field))
 
 
