@@ -164,6 +164,16 @@ def test_preflight_names_a_missing_shard_and_the_evaluation_source_s_files(
         f"+data.source.eval_source={{_target_:captioner.data.sources.ShapesSource,root:'{tiny_shapes}'}}",
     ]
     assert not [str(p) for p in problems(compose_plain(with_shapes, tmp_path)) if "data.source" in str(p)]
+    # too few shards for the readers: found before the run's folder exists, not by the first epoch's loader
+    for readers, given in ((6, ["data.num_workers=6"]), (6, ["trainer=ddp_cpu", "data.num_workers=3"])):
+        found = [str(p) for p in problems(compose_plain([*with_shapes, *given], tmp_path))]
+        ranks = 2 if "trainer=ddp_cpu" in given else 1
+        assert found == [
+            f"data.source.train has 5 shards for {ranks} ranks x {readers // ranks} loader workers = {readers} "
+            "readers; give at least as many shards as readers (more shards, fewer data.num_workers or fewer devices) "
+            "(docs/datasets.md#webdataset-shards-datawebdataset)"
+        ], found
+    assert not problems(compose_plain([*with_shapes, "trainer=ddp_cpu", "data.num_workers=2"], tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -195,14 +195,22 @@ def stream_captions(shards: Sequence[Shard], captions_field: str) -> Iterator[li
             yield list(sample_captions(sample, captions_field))
 
 
+READERS_REMEDY = "give at least as many shards as readers (more shards, fewer data.num_workers or fewer devices)"
+
+
+def too_few_shards(shards: int, ranks: int, workers: int) -> str | None:
+    """What is wrong when ``shards`` shards are fewer than the readers (``ranks`` x ``workers``), else None."""
+    readers = ranks * workers
+    if shards >= readers:
+        return None
+    return f"data.source.train has {shards} shards for {ranks} ranks x {workers} loader workers = {readers} readers"
+
+
 def readers_needed(shards: Sequence[Shard], readers: int, ranks: int, workers: int) -> None:
     """ConfigError unless there are at least as many shards as ``readers`` (``ranks`` x ``workers``): a reader
     would otherwise only read parts of shards that others read too."""
-    if len(shards) < readers:
-        raise ConfigError(
-            f"data.source.train has {len(shards)} shards for {ranks} ranks x {workers} loader workers = {readers} "
-            "readers; give at least as many shards as readers (more shards, fewer data.num_workers or fewer devices)"
-        )
+    if (problem := too_few_shards(len(shards), ranks, workers)) is not None:
+        raise ConfigError(f"{problem}; {READERS_REMEDY}")
 
 
 def epoch_plan(shards: Sequence[Shard], epoch: int, seed: int, readers: int) -> list[list[Piece]]:

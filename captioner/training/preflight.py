@@ -52,6 +52,7 @@ class Section(enum.StrEnum):
     encoder_weights = "encoder-weights"
     gpu = "gpu"
     train = "train"
+    shards = "webdataset-shards-datawebdataset"
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,8 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
     if found:
         return found
     streams = getattr(built, "streams", False)  # data=webdataset: the shards stream, val and test come from held_out
+    if streams and (few := _readers_problem(cfg, built.train)) is not None:
+        return [few]
     built = built.held_out if streams else built
     if isinstance(built, ShapesSource):
         return []  # generated on first use
@@ -145,6 +148,20 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
     ]
     # a file's own problems come with every split read from it: listed once
     return list(dict.fromkeys(problem for split in needed for problem in _split_problems(built, split)))
+
+
+def _readers_problem(cfg: dict[str, Any], patterns: str) -> Problem | None:
+    """data=webdataset: fewer shards than readers, the trainer's ranks (its devices, when a count or a list, x its
+    nodes; else at least 1) x the loader workers; the run checks it again with Lightning's world size."""
+    from captioner.data.shards import READERS_REMEDY, expand, too_few_shards
+    from captioner.training.datamodule import loader_workers
+
+    devices = cfg["trainer"].get("devices")
+    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
+    ranks = max(1, count) * max(1, int(cfg["trainer"].get("num_nodes") or 1))
+    workers = max(1, loader_workers(cfg["data"].get("num_workers")))
+    problem = too_few_shards(len(expand(patterns)), ranks, workers)
+    return None if problem is None else Problem(problem, READERS_REMEDY, Section.shards)
 
 
 def _file_problems(cfg: dict[str, Any]) -> list[Problem]:
