@@ -206,6 +206,31 @@ def test_vocabulary_streams_from_the_shards_captions(shards: tuple[str, list], t
     assert datamodule.splits["train"] == [] and len(datamodule.splits["val"]) == 24
 
 
+def test_captions_that_are_not_text_with_a_word_are_left_out_and_counted(
+    tiny_shapes: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A null or a number in the json's list, a txt in Windows-1252, blank and punctuation-only lines: before, they
+    # trained as "None", "3", "caf<U+FFFD> au lait" (tokenised "caf", "au", "lait") and <start> <end>.
+    samples = [
+        {"json": json.dumps({"captions": ["A dog.", None, "...", 3]}).encode()},
+        {"txt": "caf\u00e9 au lait\n".encode("cp1252")},
+        {"txt": b"a cat\n\n - \n"},
+        {"json": json.dumps({"caption": ""}).encode()},
+    ]
+    with wds.TarWriter(str(tmp_path / "00000.tar")) as writer:
+        for key, sample in enumerate(samples):
+            writer.write({"__key__": f"{key:09d}", "jpg": b"x", **sample})
+    built = source(str(tmp_path / "00000.tar"), tiny_shapes)
+    with caplog.at_level("WARNING", logger="captioner.data.shards"):
+        assert list(built.captions()) == [["A dog."], [], ["a cat"], []]
+    shard = tmp_path / "00000.tar"
+    assert caplog.messages == [
+        f"6 captions of the shards left out (not text, not UTF-8, empty, or without a word): {shard}#000000000 None; "
+        f"{shard}#000000000 '...'; {shard}#000000000 3; {shard}#000000001 b'caf\\xe9 au lait'; {shard}#000000002 ' - ' "
+        "and 1 more"
+    ]
+
+
 def test_a_single_process_reads_every_sample_once_with_padding_to_whole_batches(
     shards: tuple[str, list], tiny_shapes: Path
 ) -> None:

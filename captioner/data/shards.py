@@ -27,6 +27,7 @@ import numpy as np
 
 from captioner.data.readers import Record
 from captioner.data.sources import Holds, Source, SourcePath, check_paths
+from captioner.data.vocab import tokenize
 from captioner.errors import ConfigError, DataError, check_range
 
 if TYPE_CHECKING:
@@ -141,18 +142,32 @@ def image_id(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") >> 1
 
 
-def sample_captions(sample: Mapping[str, Any], captions_field: str) -> list[str]:
-    """The captions of a sample (its members' bytes by extension): the list under ``captions_field`` of its json,
-    else the lines of its txt, else the json's ``caption``; empty ones left out."""
+def _given_captions(sample: Mapping[str, Any], captions_field: str) -> list[Any]:
+    """What a sample gives as its captions, unchecked: the list under ``captions_field`` of its json, else the
+    non-blank lines of its txt (as bytes when it is not UTF-8), else the json's ``caption``."""
     meta = _json(sample.get("json"))
     listed = meta.get(captions_field)
     if isinstance(listed, list):
-        texts = [str(text) for text in listed]
-    elif "txt" in sample:
-        texts = sample["txt"].decode("utf-8", errors="replace").splitlines()
-    else:
-        texts = [meta["caption"]] if isinstance(meta.get("caption"), str) else []
-    return [text.strip() for text in texts if text.strip()]
+        return listed
+    if "txt" in sample:
+        try:
+            lines: list[Any] = sample["txt"].decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            lines = sample["txt"].splitlines()
+        return [line for line in lines if line.strip()]
+    return [meta["caption"]] if "caption" in meta else []
+
+
+def _is_caption(given: Any) -> bool:
+    """Whether ``given`` is a caption: text with a word (``tokenize`` finds one)."""
+    return isinstance(given, str) and bool(tokenize(given))
+
+
+def sample_captions(sample: Mapping[str, Any], captions_field: str) -> list[str]:
+    """The captions of a sample (its members' bytes by extension): the list under ``captions_field`` of its json,
+    else the lines of its txt, else the json's ``caption``; what is not text with a word left out (a json entry that
+    is no string, a txt not in UTF-8, an empty caption, one of punctuation only: ``stream_captions`` counts them)."""
+    return [given.strip() for given in _given_captions(sample, captions_field) if _is_caption(given)]
 
 
 def _json(data: bytes | None) -> dict[str, Any]:
@@ -184,15 +199,26 @@ def broken_off(url: str) -> Callable[[Exception], bool]:
 
 def stream_captions(shards: Sequence[Shard], captions_field: str) -> Iterator[list[str]]:
     """Each sample's captions of ``shards``, in order: one pass that reads their txt and json members only (a shard
-    that breaks off: ``broken_off``)."""
+    that breaks off: ``broken_off``). The captions ``sample_captions`` leaves out are counted in one warning at the
+    end of the pass, naming the first few."""
     wds = _webdataset()
     select = re.compile(r".*\.(txt|json)$", re.IGNORECASE).match
+    left_out, shown = 0, []  # the count, and the first few with their samples' names
     for shard in shards:
         samples = wds.tariterators.tarfile_samples(
             [{"url": shard.url}], handler=broken_off(shard.url), select_files=select
         )
         for sample in samples:
-            yield list(sample_captions(sample, captions_field))
+            bad = [given for given in _given_captions(sample, captions_field) if not _is_caption(given)]
+            left_out += len(bad)
+            shown += [f"{shard.url}#{sample['__key__']} {given!r}" for given in bad[: 5 - len(shown)]]
+            yield sample_captions(sample, captions_field)
+    if left_out:
+        more = f" and {left_out - len(shown):,} more" if left_out > len(shown) else ""
+        log.warning(
+            "%s captions of the shards left out (not text, not UTF-8, empty, or without a word): %s%s",
+            f"{left_out:,}", "; ".join(shown), more,
+        )  # fmt: skip
 
 
 READERS_REMEDY = "give at least as many shards as readers (more shards, fewer data.num_workers or fewer devices)"
