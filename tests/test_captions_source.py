@@ -159,6 +159,28 @@ def test_line_numbers_count_a_quoted_caption_s_line_breaks_and_blank_lines(tmp_p
     assert info.value.problems == [f"{tmp_path / 'captions.csv'} line 5: empty caption"]
 
 
+def test_a_header_in_another_case_and_a_semicolon_csv_read_as_a_spreadsheet_writes_them(tmp_path: Path) -> None:
+    # Excel where the decimal mark is a comma saves 'CSV' with ';'; headers come as typed: "Image; Caption;SPLIT".
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"])
+    (tmp_path / "captions.csv").write_text(
+        "Image; Caption;SPLIT\r\na.jpg;A dog, a cat;train\r\nb.jpg;2,5 apples;val\r\nc.jpg;a tree;test\r\n"
+    )
+    found = read_captions(tmp_path / "captions.csv", CaptionsSpec())
+    assert [(Path(r.image_path).name, r.captions, r.split) for r in found.records] == [
+        ("a.jpg", ("A dog, a cat",), "train"),
+        ("b.jpg", ("2,5 apples",), "val"),
+        ("c.jpg", ("a tree",), "test"),
+    ]
+    # two columns that differ only in case: neither is guessed
+    (tmp_path / "captions.csv").write_text("Image,IMAGE,caption\na.jpg,b.jpg,x\n")
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec())
+    assert info.value.problems == [
+        f"{tmp_path / 'captions.csv'} line 1: the header has no 'image' column (it has 'Image', 'IMAGE', 'caption'); "
+        "name the file's column with data.source.image_column"
+    ]
+
+
 def test_a_missing_column_names_the_header_and_the_key(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_text("\n\nfilename,text\na.jpg,x\n")
     with pytest.raises(DataProblems) as info:

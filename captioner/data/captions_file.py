@@ -44,7 +44,7 @@ from captioner.fileio import read_json
 SPLIT_FILE = "captions_split.json"  # in a training run's folder: the images' ids and splits (split_document)
 SPLIT_FORMAT = "captioner captions split"  # what a split file says it is (its "format")
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
-DELIMITERS = {".csv": ",", ".tsv": "\t", ".tab": "\t"}  # by the file's suffix; others: from the header
+DELIMITERS = {".csv": ",", ".tsv": "\t", ".tab": "\t"}  # by the file's suffix (``_delimiter``); others: the header
 REMEDY = "fix the captions file"  # of each problem (training's preflight adds the guide's section)
 GUIDE = "docs/datasets.md#your-own-images"
 LINES_SHOWN = 5  # line numbers given for an image that several rows name
@@ -176,6 +176,30 @@ def _split_value(value: str, line: int, problems: Problems) -> str | None:
     return name
 
 
+def _columns(header: list[str], spec: CaptionsSpec) -> dict[str, int]:
+    """Each column's index by its name in ``header``; a column ``spec`` names (image, caption, split) that the
+    header spells in another case (``Image``, ``CAPTION``), and no other column does, under ``spec``'s name too."""
+    columns = {name: index for index, name in reversed(list(enumerate(header)))}
+    for name in (spec.image_column, spec.caption_column, spec.split_column):
+        folded = [
+            index for index, given in enumerate(header) if name is not None and given.casefold() == name.casefold()
+        ]
+        if name not in columns and len(folded) == 1:
+            columns[name] = folded[0]
+    return columns
+
+
+def _delimiter(path: Path, first: str) -> str:
+    """The delimiter of a table whose first line is ``first``: its suffix's (``DELIMITERS``), unless that line
+    holds none of it and one other of theirs and ``;`` (a spreadsheet where the decimal mark is a comma saves its
+    'CSV' with ``;``); without a suffix, the header's one of them; else a comma."""
+    given = DELIMITERS.get(path.suffix.lower())
+    if given is not None and given in first:
+        return given
+    found = [delimiter for delimiter in (",", "\t", ";") if delimiter in first]
+    return found[0] if len(found) == 1 else given or ","
+
+
 def _table_rows(text: str, delimiter: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
     """The rows of a CSV or TSV file's ``text`` with a header; a problem for each row that cannot be read."""
     with io.StringIO(text, newline="") as handle:
@@ -188,10 +212,11 @@ def _table_rows(text: str, delimiter: str, spec: CaptionsSpec, problems: Problem
                 continue  # a blank line
             if header is None:
                 header = [name.strip() for name in fields]
+                columns = _columns(header, spec)
                 missing = [
                     (key, name)
                     for key, name in (("image_column", spec.image_column), ("caption_column", spec.caption_column))
-                    if name not in header
+                    if name not in columns
                 ]
                 for key, name in missing:
                     problems.add(
@@ -201,7 +226,6 @@ def _table_rows(text: str, delimiter: str, spec: CaptionsSpec, problems: Problem
                     )
                 if missing:
                     return
-                columns = {name: header.index(name) for name in header}
                 continue
             if len(fields) != len(header):
                 hint = "; a caption that holds the delimiter must be quoted" if len(fields) > len(header) else ""
@@ -283,8 +307,7 @@ def read_rows(path: str | Path, spec: CaptionsSpec, problems: Problems) -> list[
         first = _first_line(text)
         if _is_json_lines(path, first):
             return list(_json_rows(text, spec, problems))
-        delimiter = DELIMITERS.get(path.suffix.lower(), "\t" if "\t" in first and "," not in first else ",")
-        return list(_table_rows(text, delimiter, spec, problems))
+        return list(_table_rows(text, _delimiter(path, first), spec, problems))
     except csv.Error as exc:
         problems.add(0, f"not readable as CSV: {exc}")
     return []
