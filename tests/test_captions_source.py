@@ -181,6 +181,15 @@ def test_a_header_in_another_case_and_a_semicolon_csv_read_as_a_spreadsheet_writ
     ]
 
 
+def test_a_file_with_a_header_and_no_row_says_so(tmp_path: Path) -> None:
+    (tmp_path / "captions.csv").write_text("image,caption\r\n\r\n")
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec())
+    assert info.value.problems == [
+        f"{tmp_path / 'captions.csv'}: the file has a header and no row: it needs a row per caption"
+    ]
+
+
 def test_a_missing_column_names_the_header_and_the_key(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_text("\n\nfilename,text\na.jpg,x\n")
     with pytest.raises(DataProblems) as info:

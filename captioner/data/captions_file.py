@@ -205,7 +205,7 @@ def _table_rows(text: str, delimiter: str, spec: CaptionsSpec, problems: Problem
     with io.StringIO(text, newline="") as handle:
         reader = csv.reader(handle, delimiter=delimiter)
         header: list[str] | None = None
-        start = 1
+        start, rows = 1, 0
         for fields in reader:
             line, start = start, reader.line_num + 1
             if not any(value.strip() for value in fields):
@@ -231,9 +231,12 @@ def _table_rows(text: str, delimiter: str, spec: CaptionsSpec, problems: Problem
                 hint = "; a caption that holds the delimiter must be quoted" if len(fields) > len(header) else ""
                 problems.add(line, f"{len(fields)} fields, the header has {len(header)}{hint}")
                 continue
+            rows += 1
             yield from _row(line, fields, columns, spec, problems)
         if header is None:
             problems.add(0, "the file is empty: it needs a header (image,caption) and a row per caption")
+        elif not rows:
+            problems.add(0, "the file has a header and no row: it needs a row per caption")
 
 
 def _row(
