@@ -190,6 +190,18 @@ def test_a_file_with_a_header_and_no_row_says_so(tmp_path: Path) -> None:
     ]
 
 
+def test_a_windows_path_not_found_says_the_path_with_slashes_is_there(tmp_path: Path) -> None:
+    write_images(tmp_path, ["sub/a.jpg", "b.jpg", "c.jpg"])
+    (tmp_path / "captions.csv").write_text("image,caption\nsub\\a.jpg,a dog\nb.jpg,a cat\nc.jpg,a cow\nd\\e.jpg,x\n")
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1))
+    assert info.value.problems == [
+        f"{tmp_path / 'captions.csv'} line 2: image not found: {tmp_path}/sub\\a.jpg; sub/a.jpg is there: write the "
+        "file's paths with '/' (here a backslash is part of a file's name)",
+        f"{tmp_path / 'captions.csv'} line 5: image not found: {tmp_path}/d\\e.jpg",
+    ]
+
+
 def test_a_missing_column_names_the_header_and_the_key(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_text("\n\nfilename,text\na.jpg,x\n")
     with pytest.raises(DataProblems) as info:

@@ -365,6 +365,15 @@ def _merge(rows: list[Row], problems: Problems) -> tuple[dict[str, list[str]], d
     return captions, lines, duplicates
 
 
+def _windows_path(image: str, root: Path) -> str:
+    """A hint for an image not found whose path has backslashes (written on Windows) and is there with slashes:
+    here a backslash is part of a file's name, so the path is not read as the other one."""
+    slashed = image.replace("\\", "/")
+    if slashed == image or not os.path.isfile(os.path.join(root, slashed)):
+        return ""
+    return f"; {slashed} is there: write the file's paths with '/' (here a backslash is part of a file's name)"
+
+
 def shown_lines(lines: list[int]) -> str:
     """``(lines 4, 9)`` or ``(lines 4, 9, 11, 20, 31 and 3 more)``: the rows that name an image."""
     shown = ", ".join(str(line) for line in lines[:LINES_SHOWN])
@@ -389,7 +398,7 @@ def read_captions(
     for image, path in paths.items():
         if path not in present:
             also = f" (named on {shown_lines(lines[image])})" if len(lines[image]) > 1 else ""
-            problems.add(lines[image][0], f"image not found: {path}{also}")
+            problems.add(lines[image][0], f"image not found: {path}{also}{_windows_path(image, root)}")
     left_out = []
     if reused is not None:
         absent = [image for image in reused if image not in captions]
