@@ -190,15 +190,24 @@ def test_a_file_with_a_header_and_no_row_says_so(tmp_path: Path) -> None:
     ]
 
 
-def test_a_windows_path_not_found_says_the_path_with_slashes_is_there(tmp_path: Path) -> None:
-    write_images(tmp_path, ["sub/a.jpg", "b.jpg", "c.jpg"])
-    (tmp_path / "captions.csv").write_text("image,caption\nsub\\a.jpg,a dog\nb.jpg,a cat\nc.jpg,a cow\nd\\e.jpg,x\n")
+def test_a_windows_path_not_found_says_the_path_on_disk_when_there_is_one(tmp_path: Path) -> None:
+    # Written on Windows: backslashes, and names in another case than the disk's (its paths ignore case).
+    write_images(tmp_path, ["sub/a.jpg", "b.jpg", "c.jpg", "IMG_7.JPG", "sub/Dog.jpg", "x.jpg", "X.jpg"])
+    (tmp_path / "captions.csv").write_text(
+        "image,caption\nsub\\a.jpg,a dog\nb.jpg,a cat\nc.jpg,a cow\nd\\e.jpg,x\nimg_7.jpg,y\nsub\\dog.JPG,z\nx.JPG,w\n"
+    )
     with pytest.raises(DataProblems) as info:
         read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1))
-    assert info.value.problems == [
-        f"{tmp_path / 'captions.csv'} line 2: image not found: {tmp_path}/sub\\a.jpg; sub/a.jpg is there: write the "
-        "file's paths with '/' (here a backslash is part of a file's name)",
-        f"{tmp_path / 'captions.csv'} line 5: image not found: {tmp_path}/d\\e.jpg",
+    hint = (
+        " is there: write the file's paths as they are on disk (here case counts and a backslash is part of a "
+        "file's name)"
+    )
+    assert [line.split(" line ", 1)[1] for line in info.value.problems] == [
+        f"2: image not found: {tmp_path}/sub\\a.jpg; sub/a.jpg{hint}",
+        f"5: image not found: {tmp_path}/d\\e.jpg",
+        f"6: image not found: {tmp_path}/img_7.jpg; IMG_7.JPG{hint}",
+        f"7: image not found: {tmp_path}/sub\\dog.JPG; sub/Dog.jpg{hint}",
+        f"8: image not found: {tmp_path}/x.JPG",  # x.jpg and X.jpg: no guess
     ]
 
 

@@ -365,13 +365,30 @@ def _merge(rows: list[Row], problems: Problems) -> tuple[dict[str, list[str]], d
     return captions, lines, duplicates
 
 
-def _windows_path(image: str, root: Path) -> str:
-    """A hint for an image not found whose path has backslashes (written on Windows) and is there with slashes:
-    here a backslash is part of a file's name, so the path is not read as the other one."""
+def _found_as(image: str, root: Path, listed: dict[str, dict[str, list[str]]]) -> str:
+    """A hint for an image not found that is there once its backslashes are slashes or its file name is spelt in
+    the disk's case (a file written on Windows, whose paths take backslashes and ignore case): here a backslash is
+    part of a file's name and case counts, so neither is guessed. ``listed``: each folder's names by their
+    case-folded spelling, filled as folders are looked at."""
     slashed = image.replace("\\", "/")
-    if slashed == image or not os.path.isfile(os.path.join(root, slashed)):
-        return ""
-    return f"; {slashed} is there: write the file's paths with '/' (here a backslash is part of a file's name)"
+    folder, name = os.path.split(slashed)
+    if slashed != image and os.path.isfile(os.path.join(root, slashed)):
+        found = slashed
+    else:
+        where = os.path.join(root, folder)
+        if where not in listed:
+            names = os.listdir(where) if os.path.isdir(where) else []
+            listed[where] = {}
+            for entry in names:
+                listed[where].setdefault(entry.casefold(), []).append(entry)
+        same = listed[where].get(name.casefold(), [])
+        if len(same) != 1 or not os.path.isfile(os.path.join(where, same[0])):
+            return ""
+        found = os.path.join(folder, same[0])
+    return (
+        f"; {found} is there: write the file's paths as they are on disk (here case counts and a backslash is part "
+        "of a file's name)"
+    )
 
 
 def shown_lines(lines: list[int]) -> str:
@@ -395,10 +412,11 @@ def read_captions(
     root = Path(spec.images) if spec.images is not None else Path(file).parent
     paths = {image: os.path.join(root, image) for image in captions}  # "./a.jpg" for a file in the working folder
     present = set(images_present(list(paths.values())))
+    listed: dict[str, dict[str, list[str]]] = {}
     for image, path in paths.items():
         if path not in present:
             also = f" (named on {shown_lines(lines[image])})" if len(lines[image]) > 1 else ""
-            problems.add(lines[image][0], f"image not found: {path}{also}{_windows_path(image, root)}")
+            problems.add(lines[image][0], f"image not found: {path}{also}{_found_as(image, root, listed)}")
     left_out = []
     if reused is not None:
         absent = [image for image in reused if image not in captions]
