@@ -436,6 +436,28 @@ def test_preflight_names_a_missing_file_or_folder_and_lists_each_problem_of_the_
     ]  # read for train, val and test: listed once
 
 
+def test_images_all_elsewhere_are_one_line_and_a_file_broken_on_every_row_is_listed_up_to_a_page(
+    tmp_path: Path,
+) -> None:
+    # The images in another folder than the file's: one line saying so, not one per image (a terminal of 40,000).
+    (tmp_path / "captions.csv").write_text("image,caption\n" + "".join(f"p{k}.jpg,a dog\n" for k in range(150)))
+    captions = f"data.source.captions={tmp_path / 'captions.csv'}"
+    found = [str(p) for p in preflight.problems(compose_plain(["experiment=captions_cpu", captions], tmp_path))]
+    assert found == [
+        f"{tmp_path / 'captions.csv'}: its images: 0 of 150 images found under {tmp_path} (e.g. {tmp_path}/p0.jpg): "
+        f"the paths are relative to the file's folder, {tmp_path}; give the folder they are relative to with "
+        "data.source.images=DIR; fix the captions file (docs/datasets.md#your-own-images)"
+    ]
+    # one of them there: each of the others is a problem of its own line, the first 100 listed, then a count
+    write_images(tmp_path, ["p0.jpg"])
+    found = [str(p) for p in preflight.problems(compose_plain(["experiment=captions_cpu", captions], tmp_path))]
+    assert len(found) == 101 and found[0].startswith(f"{tmp_path / 'captions.csv'} line 3: image not found")
+    assert found[-1] == (
+        "... and 49 more problems of the same file, not listed; fix the captions file "
+        "(docs/datasets.md#your-own-images)"
+    )
+
+
 def test_the_recipes_run_where_the_user_is_under_names_of_their_own(tmp_path: Path) -> None:
     cpu = compose_plain(["experiment=captions_cpu"], tmp_path)
     demo = compose_plain([], tmp_path)

@@ -404,7 +404,7 @@ def read_captions(
     """Every image of the captions ``file`` with its captions, id and split (the module docstring says how);
     with ``reused`` (``read_split`` of a run's split file) the ids and splits are that run's. Raises DataProblems
     with every problem of the file at once."""
-    from captioner.data.images import images_present  # imports torch: not when train.py only checks its config
+    from captioner.data.images import images_present, none_found  # imports torch: not when train.py checks its config
 
     problems = Problems(str(file))
     rows = read_rows(file, spec, problems)
@@ -413,7 +413,14 @@ def read_captions(
     paths = {image: os.path.join(root, image) for image in captions}  # "./a.jpg" for a file in the working folder
     present = set(images_present(list(paths.values())))
     listed: dict[str, dict[str, list[str]]] = {}
-    for image, path in paths.items():
+    if paths and not present:  # the images are elsewhere: one line, not one per image
+        where = f"data.source.images={root}" if spec.images is not None else f"the file's folder, {root}"
+        problems.add(
+            0,
+            f"{none_found('its images', list(paths.values()))}: the paths are relative to {where}; give the folder "
+            "they are relative to with data.source.images=DIR",
+        )
+    for image, path in paths.items() if present else ():
         if path not in present:
             also = f" (named on {shown_lines(lines[image])})" if len(lines[image]) > 1 else ""
             problems.add(lines[image][0], f"image not found: {path}{also}{_found_as(image, root, listed)}")

@@ -90,8 +90,12 @@ def _split_problems(source: Any, split: str) -> Iterator[Problem]:
 
     try:
         records = source.records(split)
-    except DataProblems as exc:  # every problem of a captions file, each on its line
-        yield from (Problem(line, exc.remedy, Section.own_images) for line in exc.problems)
+    except DataProblems as exc:  # every problem of a captions file, each on its line, as many as its message lists
+        shown = exc.problems[: DataProblems.MAX_LISTED]
+        yield from (Problem(line, exc.remedy, Section.own_images) for line in shown)
+        if len(exc.problems) > len(shown):
+            more = f"... and {len(exc.problems) - len(shown):,} more problems of the same file, not listed"
+            yield Problem(more, exc.remedy, Section.own_images)
         return
     except CaptionerError as exc:  # the file's own problem, which each split read from it meets: no split named
         remedy = "give the dataset's own annotation files, or write yours in their format"
