@@ -211,6 +211,33 @@ def test_a_windows_path_not_found_says_the_path_on_disk_when_there_is_one(tmp_pa
     ]
 
 
+def test_a_stray_quote_is_a_problem_of_its_line_not_the_rows_after_it_taken_into_one_caption(tmp_path: Path) -> None:
+    # A lenient reader took lines 3-5 into line 2's caption ('a dog b.jpg,a cat c.jpg,a cow d.jpg,a big" pig').
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg", "d.jpg", "e.jpg"])
+    file = tmp_path / "captions.csv"
+    quote = (
+        "a quote is left open or closed before its field ends; a caption that holds a quote is quoted whole, its "
+        'quotes doubled: "a ""big"" dog"'
+    )
+    closed = "(',' expected after '\"')"
+    cases = [
+        (
+            'a.jpg,"a dog\nb.jpg,a cat\nc.jpg,a cow\nd.jpg,a "big" pig\ne.jpg,ok\n',
+            f"2: not CSV from here to line 5 {closed}",
+        ),
+        ('a.jpg,a dog\nb.jpg,"a cat\nc.jpg,a cow\n', "3: not CSV from here to line 4 (unexpected end of data)"),
+        ('a.jpg,"Hi" he said\n', f"2: not CSV {closed}"),
+    ]
+    for rows, problem in cases:
+        file.write_text("image,caption\n" + rows)
+        with pytest.raises(DataProblems) as info:
+            read_captions(file, CaptionsSpec(val=1, test=1))
+        assert [line for line in info.value.problems if "not CSV" in line] == [f"{file} line {problem}: {quote}"]
+    file.write_text('image,caption\na.jpg,"He said ""hi"", twice"\nb.jpg,a "big" pig\nc.jpg,"two\nlines"\n')
+    found = read_captions(file, CaptionsSpec(val=1, test=1))
+    assert [record.captions for record in found.records] == [('He said "hi", twice',), ('a "big" pig',), ("two lines",)]
+
+
 def test_a_missing_column_names_the_header_and_the_key(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_text("\n\nfilename,text\na.jpg,x\n")
     with pytest.raises(DataProblems) as info:

@@ -200,14 +200,35 @@ def _delimiter(path: Path, first: str) -> str:
     return found[0] if len(found) == 1 else given or ","
 
 
+def _records(reader: Any, problems: Problems) -> Iterator[tuple[int, list[str]]]:
+    """Each record of the CSV ``reader`` with the line it starts on. A record it cannot read (a quote left open, or
+    closed before the field ends: ``strict``, where a lenient reader would take the lines after it into one
+    caption) is a problem of the line it starts on, and the reading stops: what follows cannot be told apart."""
+    start = 1
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            to = f" from here to line {reader.line_num}" if reader.line_num > start else ""
+            problems.add(
+                start,
+                f"not CSV{to} ({exc}): a quote is left open or closed before its field ends; a caption that holds a "
+                'quote is quoted whole, its quotes doubled: "a ""big"" dog"',
+            )
+            return
+        line, start = start, reader.line_num + 1
+        yield line, fields
+
+
 def _table_rows(text: str, delimiter: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
     """The rows of a CSV or TSV file's ``text`` with a header; a problem for each row that cannot be read."""
     with io.StringIO(text, newline="") as handle:
-        reader = csv.reader(handle, delimiter=delimiter)
+        reader = csv.reader(handle, delimiter=delimiter, strict=True)
         header: list[str] | None = None
-        start, rows = 1, 0
-        for fields in reader:
-            line, start = start, reader.line_num + 1
+        rows = 0
+        for line, fields in _records(reader, problems):
             if not any(value.strip() for value in fields):
                 continue  # a blank line
             if header is None:
@@ -235,7 +256,7 @@ def _table_rows(text: str, delimiter: str, spec: CaptionsSpec, problems: Problem
             yield from _row(line, fields, columns, spec, problems)
         if header is None:
             problems.add(0, "the file is empty: it needs a header (image,caption) and a row per caption")
-        elif not rows:
+        elif not rows and not problems.found:  # rows that are problems say so themselves
             problems.add(0, "the file has a header and no row: it needs a row per caption")
 
 
@@ -306,14 +327,10 @@ def read_rows(path: str | Path, spec: CaptionsSpec, problems: Problems) -> list[
     text = _text(path, spec, problems)
     if text is None:
         return []
-    try:
-        first = _first_line(text)
-        if _is_json_lines(path, first):
-            return list(_json_rows(text, spec, problems))
-        return list(_table_rows(text, _delimiter(path, first), spec, problems))
-    except csv.Error as exc:
-        problems.add(0, f"not readable as CSV: {exc}")
-    return []
+    first = _first_line(text)
+    if _is_json_lines(path, first):
+        return list(_json_rows(text, spec, problems))
+    return list(_table_rows(text, _delimiter(path, first), spec, problems))
 
 
 def assign_splits(images: list[str], spec: CaptionsSpec) -> dict[str, str]:
