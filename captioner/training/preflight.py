@@ -162,7 +162,8 @@ def _readers_problem(cfg: dict[str, Any], patterns: str) -> Problem | None:
 
     devices = cfg["trainer"].get("devices")
     count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
-    ranks = max(1, count) * max(1, int(cfg["trainer"].get("num_nodes") or 1))
+    nodes = cfg["trainer"].get("num_nodes")
+    ranks = max(1, count) * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
     workers = max(1, loader_workers(cfg["data"].get("num_workers")))
     problem = too_few_shards(len(expand(patterns)), ranks, workers)
     return None if problem is None else Problem(problem, READERS_REMEDY, Section.shards)
