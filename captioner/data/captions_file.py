@@ -190,9 +190,9 @@ def _columns(header: list[str], spec: CaptionsSpec) -> dict[str, int]:
 
 
 def _delimiter(path: Path, first: str) -> str:
-    """The delimiter of a table whose first line is ``first``: its suffix's (``DELIMITERS``), unless that line
-    holds none of it and one other of theirs and ``;`` (a spreadsheet where the decimal mark is a comma saves its
-    'CSV' with ``;``); without a suffix, the header's one of them; else a comma."""
+    """The delimiter of a table whose first line is ``first``: its suffix's (``DELIMITERS``) when that line holds
+    it; else the one of comma, tab and ``;`` that the line holds, when it holds only one (a spreadsheet where the
+    decimal mark is a comma saves its 'CSV' with ``;``); else the suffix's, or a comma."""
     given = DELIMITERS.get(path.suffix.lower())
     if given is not None and given in first:
         return given
@@ -279,10 +279,10 @@ def _row(
         yield Row(line, os.path.normpath(image), [caption], split)
 
 
-def _json_rows(text: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
-    """The rows of a JSON Lines file's ``text``; a problem for each line that cannot be read."""
+def _json_rows(content: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
+    """The rows of a JSON Lines file's ``content``; a problem for each line that cannot be read."""
     keys = f"{spec.caption_column!r} (a string) or {spec.captions_column!r} (a list of strings)"
-    with io.StringIO(text, newline=None) as handle:
+    with io.StringIO(content, newline=None) as handle:
         for line, text in enumerate(handle, 1):
             if not text.strip():
                 continue

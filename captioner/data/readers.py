@@ -122,8 +122,9 @@ def _worded(records: list[Record], file: str | Path) -> list[Record]:
     or symbols), and without the images left with no caption; one warning counts what was left out."""
     kept, dropped, emptied = [], [], 0
     for record in records:
-        captions = tuple(caption for caption in record.captions if tokenize(caption))
-        dropped += [(record.image_id, caption) for caption in record.captions if not tokenize(caption)]
+        worded = [bool(tokenize(caption)) for caption in record.captions]
+        captions = tuple(caption for caption, word in zip(record.captions, worded) if word)
+        dropped += [(record.image_id, caption) for caption, word in zip(record.captions, worded) if not word]
         if captions:
             kept.append(record if len(captions) == len(record.captions) else replace(record, captions=captions))
         elif record.captions:
