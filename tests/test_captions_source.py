@@ -238,6 +238,26 @@ def test_a_stray_quote_is_a_problem_of_its_line_not_the_rows_after_it_taken_into
     assert [record.captions for record in found.records] == [('He said "hi", twice',), ('a "big" pig',), ("two lines",)]
 
 
+def test_an_image_given_as_a_url_says_to_download_the_images_first(tmp_path: Path) -> None:
+    write_images(tmp_path, ["b.jpg", "c.jpg", "d.jpg"])
+    url = (
+        "; it is a URL: the images are read from files, so download them first (img2dataset writes them as "
+        "WebDataset shards, which data=webdataset reads)"
+    )
+    file = tmp_path / "captions.csv"
+    file.write_text("image,caption\nhttps://example.com/a.jpg,a dog\nb.jpg,a cat\nc.jpg,a cow\nd.jpg,a hen\n")
+    with pytest.raises(DataProblems) as info:
+        read_captions(file, CaptionsSpec(val=1, test=1))
+    assert info.value.problems == [f"{file} line 2: image not found: {tmp_path}/https:/example.com/a.jpg{url}"]
+    file.write_text("image,caption\nhttps://example.com/a.jpg,a dog\nhttps://example.com/b.jpg,a cat\n")
+    with pytest.raises(DataProblems) as info:
+        read_captions(file, CaptionsSpec(val=1, test=1))
+    assert info.value.problems[0] == (
+        f"{file}: its images: 0 of 2 images found under {tmp_path}/https:/example.com (e.g. "
+        f"{tmp_path}/https:/example.com/a.jpg){url}"
+    )
+
+
 def test_a_missing_column_names_the_header_and_the_key(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_text("\n\nfilename,text\na.jpg,x\n")
     with pytest.raises(DataProblems) as info:

@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,6 +58,7 @@ BOMS = (
     (codecs.BOM_UTF16_LE, "utf-16"),
     (codecs.BOM_UTF16_BE, "utf-16"),
 )
+URL = re.compile(r"^[a-z][a-z0-9+.-]+:/", re.IGNORECASE)  # an image path that is a URL (a drive letter's is not)
 WINDOWS = "cp1252"  # what a spreadsheet's plain 'CSV' is on Windows in the West: named when a file is not UTF-8
 
 
@@ -382,6 +384,16 @@ def _merge(rows: list[Row], problems: Problems) -> tuple[dict[str, list[str]], d
     return captions, lines, duplicates
 
 
+def _url(image: str) -> str:
+    """A hint for an image whose path is a URL (``https://...``, read as a path: ``https:/...``), else ""."""
+    if not URL.match(image):
+        return ""
+    return (
+        "; it is a URL: the images are read from files, so download them first (img2dataset writes them as "
+        "WebDataset shards, which data=webdataset reads)"
+    )
+
+
 def _found_as(image: str, root: Path, listed: dict[str, dict[str, list[str]]]) -> str:
     """A hint for an image not found that is there once its backslashes are slashes or its file name is spelt in
     the disk's case (a file written on Windows, whose paths take backslashes and ignore case): here a backslash is
@@ -432,15 +444,15 @@ def read_captions(
     listed: dict[str, dict[str, list[str]]] = {}
     if paths and not present:  # the images are elsewhere: one line, not one per image
         where = f"data.source.images={root}" if spec.images is not None else f"the file's folder, {root}"
-        problems.add(
-            0,
-            f"{none_found('its images', list(paths.values()))}: the paths are relative to {where}; give the folder "
-            "they are relative to with data.source.images=DIR",
+        folder = (
+            f": the paths are relative to {where}; give the folder they are relative to with data.source.images=DIR"
         )
+        problems.add(0, none_found("its images", list(paths.values())) + (_url(next(iter(paths))) or folder))
     for image, path in paths.items() if present else ():
         if path not in present:
             also = f" (named on {shown_lines(lines[image])})" if len(lines[image]) > 1 else ""
-            problems.add(lines[image][0], f"image not found: {path}{also}{_found_as(image, root, listed)}")
+            hint = _url(image) or _found_as(image, root, listed)
+            problems.add(lines[image][0], f"image not found: {path}{also}{hint}")
     left_out = []
     if reused is not None:
         absent = [image for image in reused if image not in captions]
