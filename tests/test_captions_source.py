@@ -258,6 +258,21 @@ def test_an_image_given_as_a_url_says_to_download_the_images_first(tmp_path: Pat
     )
 
 
+def test_one_file_named_two_ways_is_a_problem_not_two_images_that_could_be_in_two_splits(tmp_path: Path) -> None:
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg", "d.jpg"])
+    (tmp_path / "link.jpg").symlink_to(tmp_path / "b.jpg")
+    file = tmp_path / "captions.csv"
+    file.write_text(
+        f"image,caption\na.jpg,a dog\nb.jpg,a cat\n{tmp_path}/a.jpg,a hound\nc.jpg,x\nd.jpg,y\nlink.jpg,z\n"
+    )
+    with pytest.raises(DataProblems) as info:
+        read_captions(file, CaptionsSpec(val=1, test=1))
+    assert info.value.problems == [
+        f"{file} line 4: {tmp_path}/a.jpg is the file a.jpg names (line 2): name each image one way",
+        f"{file} line 7: link.jpg is the file b.jpg names (line 3): name each image one way",
+    ]
+
+
 def test_a_missing_column_names_the_header_and_the_key(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_text("\n\nfilename,text\na.jpg,x\n")
     with pytest.raises(DataProblems) as info:

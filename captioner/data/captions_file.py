@@ -384,6 +384,22 @@ def _merge(rows: list[Row], problems: Problems) -> tuple[dict[str, list[str]], d
     return captions, lines, duplicates
 
 
+def _same_files(
+    paths: Mapping[str, str], present: set[str], lines: Mapping[str, list[int]], problems: Problems
+) -> None:
+    """A problem for each image named in two ways that are the same file (``a.jpg`` and its absolute path, or a
+    link to it): taken as two images, it could be in two splits, trained on and scored as unseen."""
+    first: dict[str, str] = {}
+    for image, path in paths.items():
+        if path in present:
+            same = first.setdefault(os.path.realpath(path), image)
+            if same != image:
+                problems.add(
+                    lines[image][0],
+                    f"{image} is the file {same} names (line {lines[same][0]}): name each image one way",
+                )
+
+
 def _url(image: str) -> str:
     """A hint for an image whose path is a URL (``https://...``, read as a path: ``https:/...``), else ""."""
     if not URL.match(image):
@@ -441,6 +457,7 @@ def read_captions(
     root = Path(spec.images) if spec.images is not None else Path(file).parent
     paths = {image: os.path.join(root, image) for image in captions}  # "./a.jpg" for a file in the working folder
     present = set(images_present(list(paths.values())))
+    _same_files(paths, present, lines, problems)
     listed: dict[str, dict[str, list[str]]] = {}
     if paths and not present:  # the images are elsewhere: one line, not one per image
         where = f"data.source.images={root}" if spec.images is not None else f"the file's folder, {root}"
