@@ -273,6 +273,23 @@ def test_one_file_named_two_ways_is_a_problem_not_two_images_that_could_be_in_tw
     ]
 
 
+def test_a_json_null_split_is_no_split_not_the_split_named_none(tmp_path: Path) -> None:
+    # pandas' to_json(lines=True) writes a missing value as null
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"])
+    file = tmp_path / "captions.jsonl"
+    file.write_text(
+        '{"image": "a.jpg", "caption": "x", "split": "train"}\n{"image": "b.jpg", "caption": "y", "split": null}\n'
+    )
+    with pytest.raises(DataProblems) as info:
+        read_captions(file, CaptionsSpec())
+    assert info.value.problems == [f"{file} line 2: no 'split', which line 1 gives"]
+    file.write_text(
+        '{"image": "a.jpg", "caption": "x", "split": null}\n{"image": "b.jpg", "caption": "y", "split": null}\n'
+        '{"image": "c.jpg", "caption": "z", "split": null}\n'
+    )
+    assert sorted(r.split for r in read_captions(file, CaptionsSpec(val=1, test=1)).records) == ["test", "train", "val"]
+
+
 def test_a_missing_column_names_the_header_and_the_key(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_text("\n\nfilename,text\na.jpg,x\n")
     with pytest.raises(DataProblems) as info:

@@ -315,7 +315,7 @@ def _json_rows(content: str, spec: CaptionsSpec, problems: Problems) -> Iterator
                 else:
                     captions.append(_words(caption))
             split = None
-            if spec.split_column is not None and spec.split_column in entry:
+            if spec.split_column is not None and entry.get(spec.split_column) is not None:  # null: none given
                 split = _split_value(str(entry[spec.split_column]), line, problems)
                 if split is None:
                     continue
