@@ -37,7 +37,7 @@ from captioner.data.shards import (
 from captioner.data.sources import ShapesSource
 from captioner.data.stream import PADDING, ShardStream
 from captioner.data.vocab import Vocabulary
-from captioner.errors import ConfigError
+from captioner.errors import ConfigError, DataError
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.module import CaptionerModule
 from captioner.training.preflight import problems
@@ -123,6 +123,13 @@ def test_shard_sizes_come_from_stats_or_from_counting_members(shards: tuple[str,
     finally:
         stats.write_text(json.dumps({"successes": SIZES[0]}))
     assert stats_url("pipe:aws s3 cp s3://b/cc3m/00012.tar -") == "pipe:aws s3 cp s3://b/cc3m/00012_stats.json -"
+
+
+def test_a_pipe_command_that_fails_is_named_with_its_exit_status(tmp_path: Path) -> None:
+    url = f"pipe:exit 3 {tmp_path}/00000.tar"
+    with pytest.raises(DataError) as info:
+        count_samples(url)
+    assert str(info.value) == f"{url}: cannot read the shard (the command exited with status 3)"
 
 
 def test_epoch_plan_covers_every_sample_once_in_even_runs_and_changes_by_epoch(shards: tuple[str, list]) -> None:

@@ -101,6 +101,16 @@ def _stated_size(url: str) -> int | None:
     return successes if isinstance(successes, int) and not isinstance(successes, bool) and successes >= 0 else None
 
 
+def why_unread(exc: BaseException) -> str:
+    """Why a shard could not be read, in a few words: the exception's first argument without what ``webdataset``
+    appends (`` @ <stream>``), and for a ``pipe:`` command that failed, its exit status (webdataset's message holds
+    the call's arguments: ``(('aws s3 cp ...',), {'shell': True, ...}): exit 1 (read) {}``)."""
+    text = str(exc.args[0]).split(" @ ")[0] if exc.args else type(exc).__name__
+    if (status := re.search(r"\): exit (-?\d+) \(read\)", text)) is not None:
+        return f"the command exited with status {status.group(1)}"
+    return text
+
+
 def count_samples(url: str) -> int:
     """The samples of the shard ``url``, counted from its members' names (no member is decoded)."""
     keys = set()
@@ -112,7 +122,7 @@ def count_samples(url: str) -> int:
                 if member.isreg() and key is not None and not key.startswith("__"):
                     keys.add(key)
     except (OSError, tarfile.TarError) as exc:
-        raise DataError(f"{url}: cannot read the shard ({exc})") from None
+        raise DataError(f"{url}: cannot read the shard ({why_unread(exc)})") from None
     return len(keys)
 
 
@@ -188,7 +198,7 @@ def broken_off(url: str) -> Callable[[Exception], bool]:
     warned = []  # webdataset's layers each hand the same break on: one warning a read
 
     def handler(exc: Exception) -> bool:
-        reason = str(exc.args[0]).split(" @ ")[0] if exc.args else type(exc).__name__  # webdataset appends where
+        reason = why_unread(exc)
         if not warned:
             log.warning("%s: the shard breaks off (%s): its samples up to there are read", url, reason)
             warned.append(reason)
