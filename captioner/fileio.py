@@ -78,12 +78,13 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> Non
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
-    """Read JSON, raising DataError that names the file for a missing or malformed one."""
+    """Read JSON (UTF-8; a byte-order mark, which Windows editors write, is dropped), raising DataError that names
+    the file for a missing or malformed one."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{what} not found: {path}")
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:
             return json.load(handle)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{what} {path} is not valid JSON: {exc}") from None

@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+from codecs import BOM_UTF16_BE, BOM_UTF16_LE, BOM_UTF32_LE
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,137 @@ def test_line_numbers_count_a_quoted_caption_s_line_breaks_and_blank_lines(tmp_p
     assert info.value.problems == [f"{tmp_path / 'captions.csv'} line 5: empty caption"]
 
 
+def test_a_header_in_another_case_and_a_semicolon_csv_read_as_a_spreadsheet_writes_them(tmp_path: Path) -> None:
+    # Excel where the decimal mark is a comma saves 'CSV' with ';'; headers come as typed: "Image; Caption;SPLIT".
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"])
+    (tmp_path / "captions.csv").write_text(
+        "Image; Caption;SPLIT\r\na.jpg;A dog, a cat;train\r\nb.jpg;2,5 apples;val\r\nc.jpg;a tree;test\r\n"
+    )
+    found = read_captions(tmp_path / "captions.csv", CaptionsSpec())
+    assert [(Path(r.image_path).name, r.captions, r.split) for r in found.records] == [
+        ("a.jpg", ("A dog, a cat",), "train"),
+        ("b.jpg", ("2,5 apples",), "val"),
+        ("c.jpg", ("a tree",), "test"),
+    ]
+    # two columns that differ only in case: neither is guessed
+    (tmp_path / "captions.csv").write_text("Image,IMAGE,caption\na.jpg,b.jpg,x\n")
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec())
+    assert info.value.problems == [
+        f"{tmp_path / 'captions.csv'} line 1: the header has no 'image' column (it has 'Image', 'IMAGE', 'caption'); "
+        "name the file's column with data.source.image_column"
+    ]
+
+
+def test_a_file_with_a_header_and_no_row_says_so(tmp_path: Path) -> None:
+    (tmp_path / "captions.csv").write_text("image,caption\r\n\r\n")
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec())
+    assert info.value.problems == [
+        f"{tmp_path / 'captions.csv'}: the file has a header and no row: it needs a row per caption"
+    ]
+
+
+def test_a_windows_path_not_found_says_the_path_on_disk_when_there_is_one(tmp_path: Path) -> None:
+    # Written on Windows: backslashes, and names in another case than the disk's (its paths ignore case).
+    write_images(tmp_path, ["sub/a.jpg", "b.jpg", "c.jpg", "IMG_7.JPG", "sub/Dog.jpg", "x.jpg", "X.jpg"])
+    (tmp_path / "captions.csv").write_text(
+        "image,caption\nsub\\a.jpg,a dog\nb.jpg,a cat\nc.jpg,a cow\nd\\e.jpg,x\nimg_7.jpg,y\nsub\\dog.JPG,z\nx.JPG,w\n"
+    )
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1))
+    hint = (
+        " is there: write the file's paths as they are on disk (here case counts and a backslash is part of a "
+        "file's name)"
+    )
+    assert [line.split(" line ", 1)[1] for line in info.value.problems] == [
+        f"2: image not found: {tmp_path}/sub\\a.jpg; sub/a.jpg{hint}",
+        f"5: image not found: {tmp_path}/d\\e.jpg",
+        f"6: image not found: {tmp_path}/img_7.jpg; IMG_7.JPG{hint}",
+        f"7: image not found: {tmp_path}/sub\\dog.JPG; sub/Dog.jpg{hint}",
+        f"8: image not found: {tmp_path}/x.JPG",  # x.jpg and X.jpg: no guess
+    ]
+
+
+def test_a_stray_quote_is_a_problem_of_its_line_not_the_rows_after_it_taken_into_one_caption(tmp_path: Path) -> None:
+    # A lenient reader took lines 3-5 into line 2's caption ('a dog b.jpg,a cat c.jpg,a cow d.jpg,a big" pig').
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg", "d.jpg", "e.jpg"])
+    file = tmp_path / "captions.csv"
+    quote = (
+        "a quote is left open or closed before its field ends; a caption that holds a quote is quoted whole, its "
+        'quotes doubled: "a ""big"" dog"'
+    )
+    closed = "(',' expected after '\"')"
+    cases = [
+        (
+            'a.jpg,"a dog\nb.jpg,a cat\nc.jpg,a cow\nd.jpg,a "big" pig\ne.jpg,ok\n',
+            f"2: not CSV from here to line 5 {closed}",
+        ),
+        ('a.jpg,a dog\nb.jpg,"a cat\nc.jpg,a cow\n', "3: not CSV from here to line 4 (unexpected end of data)"),
+        ('a.jpg,"Hi" he said\n', f"2: not CSV {closed}"),
+    ]
+    for rows, problem in cases:
+        file.write_text("image,caption\n" + rows)
+        with pytest.raises(DataProblems) as info:
+            read_captions(file, CaptionsSpec(val=1, test=1))
+        assert [line for line in info.value.problems if "not CSV" in line] == [f"{file} line {problem}: {quote}"]
+    file.write_text('image,caption\na.jpg,"He said ""hi"", twice"\nb.jpg,a "big" pig\nc.jpg,"two\nlines"\n')
+    found = read_captions(file, CaptionsSpec(val=1, test=1))
+    assert [record.captions for record in found.records] == [('He said "hi", twice',), ('a "big" pig',), ("two lines",)]
+
+
+def test_an_image_given_as_a_url_says_to_download_the_images_first(tmp_path: Path) -> None:
+    write_images(tmp_path, ["b.jpg", "c.jpg", "d.jpg"])
+    url = (
+        "; it is a URL: the images are read from files, so download them first (img2dataset writes them as "
+        "WebDataset shards, which data=webdataset reads)"
+    )
+    file = tmp_path / "captions.csv"
+    file.write_text("image,caption\nhttps://example.com/a.jpg,a dog\nb.jpg,a cat\nc.jpg,a cow\nd.jpg,a hen\n")
+    with pytest.raises(DataProblems) as info:
+        read_captions(file, CaptionsSpec(val=1, test=1))
+    assert info.value.problems == [f"{file} line 2: image not found: {tmp_path}/https:/example.com/a.jpg{url}"]
+    file.write_text("image,caption\nhttps://example.com/a.jpg,a dog\nhttps://example.com/b.jpg,a cat\n")
+    with pytest.raises(DataProblems) as info:
+        read_captions(file, CaptionsSpec(val=1, test=1))
+    assert info.value.problems[0] == (
+        f"{file}: its images: 0 of 2 images found under {tmp_path}/https:/example.com (e.g. "
+        f"{tmp_path}/https:/example.com/a.jpg){url}"
+    )
+
+
+def test_one_file_named_two_ways_is_a_problem_not_two_images_that_could_be_in_two_splits(tmp_path: Path) -> None:
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg", "d.jpg"])
+    (tmp_path / "link.jpg").symlink_to(tmp_path / "b.jpg")
+    file = tmp_path / "captions.csv"
+    file.write_text(
+        f"image,caption\na.jpg,a dog\nb.jpg,a cat\n{tmp_path}/a.jpg,a hound\nc.jpg,x\nd.jpg,y\nlink.jpg,z\n"
+    )
+    with pytest.raises(DataProblems) as info:
+        read_captions(file, CaptionsSpec(val=1, test=1))
+    assert info.value.problems == [
+        f"{file} line 4: {tmp_path}/a.jpg is the file a.jpg names (line 2): name each image one way",
+        f"{file} line 7: link.jpg is the file b.jpg names (line 3): name each image one way",
+    ]
+
+
+def test_a_json_null_split_is_no_split_not_the_split_named_none(tmp_path: Path) -> None:
+    # pandas' to_json(lines=True) writes a missing value as null
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"])
+    file = tmp_path / "captions.jsonl"
+    file.write_text(
+        '{"image": "a.jpg", "caption": "x", "split": "train"}\n{"image": "b.jpg", "caption": "y", "split": null}\n'
+    )
+    with pytest.raises(DataProblems) as info:
+        read_captions(file, CaptionsSpec())
+    assert info.value.problems == [f"{file} line 2: no 'split', which line 1 gives"]
+    file.write_text(
+        '{"image": "a.jpg", "caption": "x", "split": null}\n{"image": "b.jpg", "caption": "y", "split": null}\n'
+        '{"image": "c.jpg", "caption": "z", "split": null}\n'
+    )
+    assert sorted(r.split for r in read_captions(file, CaptionsSpec(val=1, test=1)).records) == ["test", "train", "val"]
+
+
 def test_a_missing_column_names_the_header_and_the_key(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_text("\n\nfilename,text\na.jpg,x\n")
     with pytest.raises(DataProblems) as info:
@@ -194,10 +326,65 @@ def test_every_problem_of_json_lines_is_raised_at_once(tmp_path: Path) -> None:
     ]
 
 
+def test_a_caption_without_words_is_a_problem_as_an_empty_one_is(tmp_path: Path) -> None:
+    # Only punctuation, symbols or emoji: the tokenizer reads no word, so it would train <start> <end>.
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg", "d.jpg"])
+    (tmp_path / "captions.csv").write_text(
+        "image,caption\na.jpg,A dog.\na.jpg,...\nb.jpg,\U0001f600 \U0001f600\nc.jpg,\u00e9t\u00e9 42 !\nd.jpg,a cat\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "captions.jsonl").write_text(
+        '{"image": "a.jpg", "captions": ["A dog.", "!!! ???"]}\n{"image": "c.jpg", "caption": "- -"}\n'
+        '{"image": "b.jpg", "caption": "a cat"}\n{"image": "d.jpg", "caption": "a cat"}\n'
+    )
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1))
+    assert [line.split(" line ", 1)[1] for line in info.value.problems] == [
+        "3: caption '...' has no words (only punctuation, symbols or emoji)",
+        "4: caption '\U0001f600 \U0001f600' has no words (only punctuation, symbols or emoji)",
+    ]
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.jsonl", CaptionsSpec(val=1, test=1))
+    assert [line.split(" line ", 1)[1] for line in info.value.problems] == [
+        "1: caption '!!! ???' has no words (only punctuation, symbols or emoji)",
+        "2: caption '- -' has no words (only punctuation, symbols or emoji)",
+    ]
+
+
 def test_a_file_that_is_not_utf8_says_so_with_its_line(tmp_path: Path) -> None:
     (tmp_path / "captions.csv").write_bytes("image,caption\na.jpg,ok\nb.jpg,caf\xe9\n".encode("latin-1"))
     with pytest.raises(DataProblems, match="line 3: not UTF-8 text"):
         read_captions(tmp_path / "captions.csv", CaptionsSpec())
+
+
+def test_a_windows_1252_file_is_named_with_its_line_and_read_with_data_source_encoding(tmp_path: Path) -> None:
+    # A spreadsheet's plain 'CSV' on Windows: the bad byte far past the decoder's first chunk of 8 KiB.
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg", "d.jpg"])
+    rows = [f"{name},a plain caption {k}" for k in range(400) for name in ("a.jpg", "b.jpg", "c.jpg")]
+    text = "image,caption\r\n" + "\r\n".join([*rows, "d.jpg,Caf\u00e9 cr\u00e8me \u2014 na\u00efve"]) + "\r\n"
+    (tmp_path / "captions.csv").write_bytes(text.encode("cp1252"))
+    with pytest.raises(DataProblems) as info:
+        read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1))
+    assert info.value.problems == [
+        f"{tmp_path / 'captions.csv'} line 1202: not UTF-8 text (byte 0xe9; as cp1252 the line reads "
+        "'d.jpg,Caf\u00e9 cr\u00e8me \u2014 na\u00efve'): save the file as UTF-8 (a spreadsheet's 'CSV UTF-8'), or "
+        "read it as it is with data.source.encoding=cp1252"
+    ]
+    found = read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1, encoding="cp1252"))
+    assert found.records[3].captions == ("Caf\u00e9 cr\u00e8me \u2014 na\u00efve",)
+    with pytest.raises(DataProblems, match=r"line 1202: not ascii text \(byte 0xe9\): give the file's encoding"):
+        read_captions(tmp_path / "captions.csv", CaptionsSpec(val=1, test=1, encoding="ascii"))
+    with pytest.raises(ConfigError, match="encoding='nope' is not a text encoding"):
+        CaptionsSpec(encoding="nope")
+
+
+def test_a_byte_order_mark_names_the_encoding_utf16_as_excel_s_unicode_text(tmp_path: Path) -> None:
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"])
+    text = "image\tcaption\r\na.jpg\tna\u00efve caf\u00e9\r\nb.jpg\tb\r\nc.jpg\tc\r\n"
+    for bom, encoding in ((BOM_UTF16_LE, "utf-16-le"), (BOM_UTF16_BE, "utf-16-be"), (BOM_UTF32_LE, "utf-32-le")):
+        (tmp_path / "captions.txt").write_bytes(bom + text.encode(encoding))
+        found = read_captions(tmp_path / "captions.txt", CaptionsSpec(val=1, test=1, encoding="cp1252"))
+        assert [record.captions for record in found.records] == [("na\u00efve caf\u00e9",), ("b",), ("c",)]
 
 
 def test_duplicate_rows_are_kept_once_counted_and_reported_not_fatal(
@@ -326,6 +513,28 @@ def test_preflight_names_a_missing_file_or_folder_and_lists_each_problem_of_the_
         f"{tmp_path / 'captions.csv'} line {lines}: empty caption; fix the captions file "
         "(docs/datasets.md#your-own-images)",
     ]  # read for train, val and test: listed once
+
+
+def test_images_all_elsewhere_are_one_line_and_a_file_broken_on_every_row_is_listed_up_to_a_page(
+    tmp_path: Path,
+) -> None:
+    # The images in another folder than the file's: one line saying so, not one per image (a terminal of 40,000).
+    (tmp_path / "captions.csv").write_text("image,caption\n" + "".join(f"p{k}.jpg,a dog\n" for k in range(150)))
+    captions = f"data.source.captions={tmp_path / 'captions.csv'}"
+    found = [str(p) for p in preflight.problems(compose_plain(["experiment=captions_cpu", captions], tmp_path))]
+    assert found == [
+        f"{tmp_path / 'captions.csv'}: its images: 0 of 150 images found under {tmp_path} (e.g. {tmp_path}/p0.jpg): "
+        f"the paths are relative to the file's folder, {tmp_path}; give the folder they are relative to with "
+        "data.source.images=DIR; fix the captions file (docs/datasets.md#your-own-images)"
+    ]
+    # one of them there: each of the others is a problem of its own line, the first 100 listed, then a count
+    write_images(tmp_path, ["p0.jpg"])
+    found = [str(p) for p in preflight.problems(compose_plain(["experiment=captions_cpu", captions], tmp_path))]
+    assert len(found) == 101 and found[0].startswith(f"{tmp_path / 'captions.csv'} line 3: image not found")
+    assert found[-1] == (
+        "... and 49 more problems of the same file, not listed; fix the captions file "
+        "(docs/datasets.md#your-own-images)"
+    )
 
 
 def test_the_recipes_run_where_the_user_is_under_names_of_their_own(tmp_path: Path) -> None:

@@ -135,6 +135,22 @@ def test_the_share_of_training_words_read_as_unk_is_logged_and_above_5_percent_w
     ]
 
 
+def test_training_captions_longer_than_max_len_are_counted_when_cut(
+    source: ListSource, caplog: pytest.LogCaptureFixture
+) -> None:
+    # training captions of 3, 3, 3 and 3 words: cut at 2 words, every one is; at 3, none (and nothing is said)
+    lines = []
+    for max_len in (2, 3):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="captioner.training.datamodule"):
+            _datamodule(source, max_len=max_len).setup("fit")
+        lines.append([r.getMessage() for r in caplog.records if "data.max_len" in r.getMessage()])
+    assert lines == [
+        ["training captions: 4 of 4 (100.0%) have more than data.max_len=2 words and are cut to 2 (the longest has 3)"],
+        [],
+    ]
+
+
 def test_grow_vocab_appends_the_training_words_a_vocabulary_file_lacks(
     source: ListSource, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -59,6 +59,8 @@ def test_read_json_names_a_missing_or_malformed_file(tmp_path: Path) -> None:
     (tmp_path / "latin1.json").write_bytes('{"caption": "caf\xe9"}'.encode("latin-1"))
     with pytest.raises(DataError, match="latin1.json is not valid JSON"):
         read_json(tmp_path / "latin1.json", "split file")
+    (tmp_path / "notepad.json").write_bytes(b"\xef\xbb\xbf" + '{"caption": "caf\u00e9"}'.encode())  # a BOM: read
+    assert read_json(tmp_path / "notepad.json") == {"caption": "caf\u00e9"}
 
 
 @pytest.mark.parametrize(

@@ -114,6 +114,35 @@ def test_read_karpathy_coco_format(tmp_path):
     assert all(r.boxes == () for r in records)
 
 
+def test_captions_without_a_word_are_left_out_and_counted(tmp_path, caplog):
+    # An empty caption, or one of punctuation only, would train <start> <end> and score as an empty reference.
+    data = karpathy_coco()
+    data["images"][1]["sentences"] += [{"raw": ""}, {"raw": " ... "}]
+    data["images"][2]["sentences"] = [{"raw": "?!"}]
+    split_file = write(tmp_path / "dataset_coco.json", data)
+    with caplog.at_level("WARNING", logger="captioner.data.readers"):
+        records = read_karpathy(split_file, tmp_path)
+    assert [(r.image_id, r.captions) for r in records] == [
+        (50, ("A cat 50.", "a dog")),
+        (100, ("A cat 100.", "a dog")),
+        (300, ("A cat 300.", "a dog")),
+    ]
+    assert caplog.messages == [
+        f"{split_file}: 3 captions without a word (empty, or only punctuation or symbols) left out: image 100 '', "
+        "image 100 '...', image 200 '?!'; 1 image left with none, left out too"
+    ]
+    coco = coco_captions(lambda i: f"{i}.jpg")
+    coco["annotations"].append({"id": 4, "image_id": 9, "caption": " - "})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="captioner.data.readers"):
+        records = read_coco(write(tmp_path / "c.json", coco), tmp_path, "train")
+    assert [(r.image_id, r.captions) for r in records] == [
+        (9, ("Two cats",)),
+        (42, ("A dog on a couch.", "a brown dog")),
+    ]
+    assert len(caplog.messages) == 1 and "1 caption without a word" in caplog.messages[0]
+
+
 def test_read_karpathy_restval_both_ways_and_split_selection(tmp_path):
     split_file = write(tmp_path / "dataset_coco.json", karpathy_coco())
     with_restval = read_karpathy(split_file, tmp_path, splits=("train",))
@@ -174,6 +203,11 @@ def missing_file_name(data):
     return data
 
 
+def repeated_image(data):
+    data["images"][2]["id"] = 42  # another file under image 42's id: its captions would go with that file
+    return data
+
+
 def no_annotations(data):
     del data["annotations"]
     return data
@@ -186,6 +220,7 @@ def no_annotations(data):
         (broken_caption, "annotation 1 has 'caption' of type int, expected str"),
         (unknown_image, "annotation 0 has 'image_id' 1234, which no entry of the file defines"),
         (missing_file_name, "image 1 has no 'file_name'"),
+        (repeated_image, "image 2 repeats image id 42"),
         (
             no_annotations,
             "the file has no 'annotations': it lists images without captions (an image_info file, as "
@@ -207,6 +242,7 @@ def test_malformed_coco_captions(tmp_path, corrupt, problem):
         (lambda d: d["annotations"][1].update(bbox=[1, 2, 3]), "annotation 1 has 'bbox' [1, 2, 3]"),
         (lambda d: d["annotations"][0].update(category_id=99), "annotation 0 has 'category_id' 99"),
         (lambda d: d["images"][0].update(width=0), "image 0 has 'width' 0; expected a positive number"),
+        (lambda d: d["images"][1].update(id=42), "image 1 repeats image id 42"),
         (lambda d: d["categories"][0].pop("name"), "category 0 has no 'name'"),
     ],
 )

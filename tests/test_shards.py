@@ -37,7 +37,7 @@ from captioner.data.shards import (
 from captioner.data.sources import ShapesSource
 from captioner.data.stream import PADDING, ShardStream
 from captioner.data.vocab import Vocabulary
-from captioner.errors import ConfigError
+from captioner.errors import ConfigError, DataError
 from captioner.training.datamodule import CaptionDataModule
 from captioner.training.module import CaptionerModule
 from captioner.training.preflight import problems
@@ -125,6 +125,13 @@ def test_shard_sizes_come_from_stats_or_from_counting_members(shards: tuple[str,
     assert stats_url("pipe:aws s3 cp s3://b/cc3m/00012.tar -") == "pipe:aws s3 cp s3://b/cc3m/00012_stats.json -"
 
 
+def test_a_pipe_command_that_fails_is_named_with_its_exit_status(tmp_path: Path) -> None:
+    url = f"pipe:exit 3 {tmp_path}/00000.tar"
+    with pytest.raises(DataError) as info:
+        count_samples(url)
+    assert str(info.value) == f"{url}: cannot read the shard (the command exited with status 3)"
+
+
 def test_epoch_plan_covers_every_sample_once_in_even_runs_and_changes_by_epoch(shards: tuple[str, list]) -> None:
     listed = list_shards(shards[0])
     total = sum(SIZES)
@@ -164,6 +171,16 @@ def test_preflight_names_a_missing_shard_and_the_evaluation_source_s_files(
         f"+data.source.eval_source={{_target_:captioner.data.sources.ShapesSource,root:'{tiny_shapes}'}}",
     ]
     assert not [str(p) for p in problems(compose_plain(with_shapes, tmp_path)) if "data.source" in str(p)]
+    # too few shards for the readers: found before the run's folder exists, not by the first epoch's loader
+    for readers, given in ((6, ["data.num_workers=6"]), (6, ["trainer=ddp_cpu", "data.num_workers=3"])):
+        found = [str(p) for p in problems(compose_plain([*with_shapes, *given], tmp_path))]
+        ranks = 2 if "trainer=ddp_cpu" in given else 1
+        assert found == [
+            f"data.source.train has 5 shards for {ranks} ranks x {readers // ranks} loader workers = {readers} "
+            "readers; give at least as many shards as readers (more shards, fewer data.num_workers or fewer devices) "
+            "(docs/datasets.md#webdataset-shards-datawebdataset)"
+        ], found
+    assert not problems(compose_plain([*with_shapes, "trainer=ddp_cpu", "data.num_workers=2"], tmp_path))
 
 
 @pytest.mark.parametrize(
@@ -194,6 +211,31 @@ def test_vocabulary_streams_from_the_shards_captions(shards: tuple[str, list], t
     expected = Vocabulary.build((c for sample in captions for c in sample), min_count=2)
     assert datamodule.vocab == expected and len(expected) > 10
     assert datamodule.splits["train"] == [] and len(datamodule.splits["val"]) == 24
+
+
+def test_captions_that_are_not_text_with_a_word_are_left_out_and_counted(
+    tiny_shapes: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A null or a number in the json's list, a txt in Windows-1252, blank and punctuation-only lines: before, they
+    # trained as "None", "3", "caf<U+FFFD> au lait" (tokenised "caf", "au", "lait") and <start> <end>.
+    samples = [
+        {"json": json.dumps({"captions": ["A dog.", None, "...", 3]}).encode()},
+        {"txt": "caf\u00e9 au lait\n".encode("cp1252")},
+        {"txt": b"a cat\n\n - \n"},
+        {"json": json.dumps({"caption": ""}).encode()},
+    ]
+    with wds.TarWriter(str(tmp_path / "00000.tar")) as writer:
+        for key, sample in enumerate(samples):
+            writer.write({"__key__": f"{key:09d}", "jpg": b"x", **sample})
+    built = source(str(tmp_path / "00000.tar"), tiny_shapes)
+    with caplog.at_level("WARNING", logger="captioner.data.shards"):
+        assert list(built.captions()) == [["A dog."], [], ["a cat"], []]
+    shard = tmp_path / "00000.tar"
+    assert caplog.messages == [
+        f"6 captions of the shards left out (not text, not UTF-8, empty, or without a word): {shard}#000000000 None; "
+        f"{shard}#000000000 '...'; {shard}#000000000 3; {shard}#000000001 b'caf\\xe9 au lait'; {shard}#000000002 ' - ' "
+        "and 1 more"
+    ]
 
 
 def test_a_single_process_reads_every_sample_once_with_padding_to_whole_batches(
@@ -239,6 +281,37 @@ def test_a_single_process_reads_every_sample_once_with_padding_to_whole_batches(
         workers=0,
     )
     assert len(three) == 21 and list(three)[-1] is PADDING
+
+
+def test_a_shard_cut_short_is_warned_about_once_and_read_up_to_the_break(
+    shards: tuple[str, list], tiny_shapes: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A download cut off: shard 1's tar truncated mid-member; its _stats.json still says 9 samples.
+    pattern, captions = shards
+    folder = Path(pattern).parent
+    for shard in (0, 1):
+        data = (folder / f"{shard:05d}.tar").read_bytes()
+        (tmp_path / f"{shard:05d}.tar").write_bytes(data if shard == 0 else data[: len(data) // 2 + 100])
+        (tmp_path / f"{shard:05d}_stats.json").write_text(json.dumps({"successes": SIZES[shard]}))
+    built = source(f"{tmp_path}/{{00000..00001}}.tar", tiny_shapes, shuffle_buffer=1)
+    with caplog.at_level("WARNING", logger="captioner.data.shards"):
+        read = list(built.captions())  # the vocabulary's pass: a traceback from tarfile before
+    kept = len(read) - SIZES[0]
+    assert 0 < kept < SIZES[1] and read == captions[: len(read)]
+    broken = f"{tmp_path}/00001.tar: the shard breaks off (unexpected end of data): its samples up to there are read"
+    assert caplog.messages == [broken]
+    caplog.clear()
+    vocab = Vocabulary.build(c for sample in read for c in sample)
+    stream = ShardStream.of(
+        built, vocab, build_transform(IMAGE_SIZE, train=False), max_len=16, batch_size=BATCH, rank=0, ranks=1, workers=0
+    )
+    with caplog.at_level("WARNING", logger="captioner.data.shards"):
+        items = list(stream)
+    assert caplog.messages == [broken]
+    assert len(items) == len(stream) == 28 and items[-(SIZES[1] - kept) :] == [PADDING] * (SIZES[1] - kept)
+    assert sorted(item["index"] for item in items if isinstance(item, dict)) == [
+        index for index in range(len(read)) if index != CORRUPT
+    ]
 
 
 def read_ranks(pattern: str, out: Path) -> None:

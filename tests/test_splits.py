@@ -128,3 +128,26 @@ def test_flickr8k_split_from_its_official_lists(tmp_path: Path, capsys) -> None:
     (text / "Flickr_8k.testImages.txt").write_text("e.jpg\n")
     assert cli.main(["splits", "flickr8k", "--captions-dir", str(text), "--out", str(out), "--force"]) == 2
     assert "e.jpg has no caption in Flickr8k.token.txt" in capsys.readouterr().err
+
+
+def test_flickr8k_s_token_file_with_a_byte_order_mark_or_not_in_utf8(tmp_path: Path, capsys) -> None:
+    # Saved again by an editor on Windows: a BOM hid the first image's first caption; cp1252 was a traceback.
+    text = tmp_path / "Flickr8k_text"
+    text.mkdir()
+    lines = "".join(f"{name}#{k}\tA caf\u00e9 {k} .\r\n" for name in ("a.jpg", "b.jpg", "c.jpg") for k in range(5))
+    for split, name in zip(("train", "dev", "test"), ("a.jpg", "b.jpg", "c.jpg")):
+        (text / f"Flickr_8k.{split}Images.txt").write_text(name + "\n")
+    out = tmp_path / "dataset_flickr8k.json"
+    (text / "Flickr8k.token.txt").write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    assert cli.main(["splits", "flickr8k", "--captions-dir", str(text), "--out", str(out)]) == 0
+    first = json.loads(out.read_text())["images"][0]
+    assert first["filename"] == "a.jpg" and [s["raw"] for s in first["sentences"]] == [
+        f"A caf\u00e9 {k} ." for k in range(5)
+    ]
+    capsys.readouterr()
+    (text / "Flickr8k.token.txt").write_bytes(lines.encode("cp1252"))
+    assert cli.main(["splits", "flickr8k", "--captions-dir", str(text), "--out", str(out), "--force"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {text / 'Flickr8k.token.txt'} line 1: not UTF-8 text (byte 0xe9): save it as UTF-8, as "
+        "Flickr8k_text.zip has it"
+    )

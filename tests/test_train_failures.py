@@ -62,6 +62,20 @@ def test_a_value_a_check_did_not_expect_is_one_line_before_any_run_folder(
     assert sorted(tmp_path.iterdir()) == []  # no run folder, no FAILED litter
 
 
+def test_paths_output_dir_is_refused_so_an_earlier_run_s_folder_is_never_written_into(tmp_path: Path) -> None:
+    # It bypassed NewRunFolder: a run given an earlier run's folder rewrote its bundle, checkpoints and config.
+    earlier = tmp_path / "run"
+    earlier.mkdir()
+    (earlier / "bundle.pt").write_bytes(b"the earlier run's")
+    proc = run_train([f"paths.output_dir={earlier}", f"paths.log_dir={tmp_path / 'logs'}"], check=False, timeout=120)
+    assert error_line(proc) == (
+        f"error: paths.output_dir={str(earlier)!r}: it is the run's own folder, made new for each run (an earlier "
+        "run's is never written into); choose where it goes with hydra.run.dir=DIR"
+    )
+    assert sorted(tmp_path.iterdir()) == [earlier] and sorted(earlier.iterdir()) == [earlier / "bundle.pt"]
+    assert (earlier / "bundle.pt").read_bytes() == b"the earlier run's"
+
+
 def test_a_check_that_fails_unexpectedly_refuses_the_run_with_one_line(monkeypatch) -> None:
     from omegaconf import OmegaConf
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,9 @@ class CaptionsSpec:
     caption_column: str = "caption"  # the column or key of one caption
     captions_column: str = "captions"  # JSON Lines: the key of a list of captions (either key, or both, per line)
     split_column: str | None = "split"  # a column of train/val/test, used when the file has it; None: never
+    # The file's text encoding, any Python codec's name (cp1252: a spreadsheet's plain 'CSV' on Windows); a file
+    # that starts with a byte-order mark is read in the encoding it names (UTF-8, UTF-16, UTF-32) whatever this says
+    encoding: str = "utf-8"
     # Without a split column the images (never their captions) are split by a seeded hash of their path:
     # a count of images (>= 1: 500) or a fraction of them (< 1: 0.05; at least one image), for val and test
     val: float = 0.1
@@ -165,6 +169,12 @@ class CaptionsSpec:
         for name in ("image_column", "caption_column", "captions_column"):
             if not getattr(self, name):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must name a column")
+        try:
+            codecs.lookup(self.encoding)
+        except (LookupError, TypeError):
+            raise ConfigError(
+                f"encoding={self.encoding!r} is not a text encoding Python knows (utf-8, cp1252, ...)"
+            ) from None
         for split in ("val", "test"):
             value = getattr(self, split)
             check_range(split, value, 0.0, kind=(int, float))

@@ -12,8 +12,8 @@ The layouts people have (Flickr8k's token file turned into a table, Kaggle's set
 Image paths are relative to ``CaptionsSpec.images`` (else the file's folder); an absolute path stays as it is.
 An image's captions are all its rows' (it may have one or dozens); its id is its order of first appearance in
 the file, from 0. A caption given twice for the same image is a duplicate row: kept once and counted. Every other
-problem (a missing column, an image not found, an empty caption, a bad split value, a malformed line) is
-collected with its line number, and all of them are raised at once (``DataProblems``).
+problem (a missing column, an image not found, an empty caption or one without words, a bad split value, a
+malformed line) is collected with its line number, and all of them are raised at once (``DataProblems``).
 
 Without a split column the images are split by a seeded hash of their path (``assign_splits``): the same
 file and seed give the same split whatever the rows' order, and an image never has captions in two splits. A
@@ -23,10 +23,13 @@ back (``read_split``) and so scores exactly the run's test images, with the run'
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
+import io
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,16 +38,28 @@ from typing import Any
 from captioner.config import CaptionsSpec
 from captioner.data.readers import Record
 from captioner.data.splits import SPLITS
+from captioner.data.vocab import tokenize
 from captioner.errors import DataError, DataProblems
 from captioner.fileio import read_json
 
 SPLIT_FILE = "captions_split.json"  # in a training run's folder: the images' ids and splits (split_document)
 SPLIT_FORMAT = "captioner captions split"  # what a split file says it is (its "format")
 JSON_LINES_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
-DELIMITERS = {".csv": ",", ".tsv": "\t", ".tab": "\t"}  # by the file's suffix; others: from the header
+DELIMITERS = {".csv": ",", ".tsv": "\t", ".tab": "\t"}  # by the file's suffix (``_delimiter``); others: the header
 REMEDY = "fix the captions file"  # of each problem (training's preflight adds the guide's section)
 GUIDE = "docs/datasets.md#your-own-images"
 LINES_SHOWN = 5  # line numbers given for an image that several rows name
+# A byte-order mark names the file's encoding, whatever CaptionsSpec.encoding says (UTF-32's before UTF-16's: its
+# little-endian mark starts with UTF-16's).
+BOMS = (
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+URL = re.compile(r"^[a-z][a-z0-9+.-]+:/", re.IGNORECASE)  # an image path that is a URL (a drive letter's is not)
+WINDOWS = "cp1252"  # what a spreadsheet's plain 'CSV' is on Windows in the West: named when a file is not UTF-8
 
 
 @dataclass
@@ -103,15 +118,55 @@ def _words(text: str) -> str:
     return " ".join(text.split())
 
 
+def _caption_problem(caption: str) -> str | None:
+    """What is wrong with a caption (whitespace collapsed): empty, or no word the tokenizer reads (only
+    punctuation, symbols or emoji, which would train an empty sentence); None when nothing is."""
+    if not caption:
+        return "empty caption"
+    if not tokenize(caption):
+        return f"caption {caption!r} has no words (only punctuation, symbols or emoji)"
+    return None
+
+
 def _is_json_lines(path: Path, first: str) -> bool:
     """Whether the file is JSON Lines: by its suffix, else by its ``first`` line (an object's ``{``)."""
     return path.suffix.lower() in JSON_LINES_SUFFIXES or first.lstrip().startswith("{")
 
 
-def _first_line(path: Path) -> str:
-    """The file's first non-blank line (BOM removed); empty for an empty file."""
-    with open(path, encoding="utf-8-sig", errors="replace") as handle:
-        return next((line for line in handle if line.strip()), "")
+def _first_line(text: str) -> str:
+    """The text's first non-blank line; empty for an empty file."""
+    return next((line for line in io.StringIO(text) if line.strip()), "")
+
+
+def _text(path: Path, spec: CaptionsSpec, problems: Problems) -> str | None:
+    """The file's text without its BOM: in the encoding its BOM names (UTF-8, UTF-16 or UTF-32), else in
+    ``spec.encoding``; None and a problem on the first line that is not in that encoding."""
+    raw = path.read_bytes()
+    encoding = next((name for bom, name in BOMS if raw.startswith(bom)), spec.encoding)
+    try:
+        return raw.decode(encoding).removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        problems.add(raw[: exc.start].decode(encoding, errors="replace").count("\n") + 1, _not_encoded(raw, exc))
+        return None
+
+
+def _not_encoded(raw: bytes, exc: UnicodeDecodeError) -> str:
+    """The problem of a file ``raw`` that is not in the encoding it was read in (``exc``): the byte, and how to
+    read the file. A UTF-8 reading that Windows-1252 (a spreadsheet's plain 'CSV' on Windows) would take shows the
+    line as that encoding reads it, so that the user sees whether it is the one."""
+    byte = f"byte 0x{raw[exc.start]:02x}"
+    if codecs.lookup(exc.encoding).name not in ("utf-8", "utf-8-sig"):
+        return f"not {exc.encoding} text ({byte}): give the file's encoding with data.source.encoding"
+    try:
+        raw.decode(WINDOWS)
+    except UnicodeDecodeError:
+        return f"not UTF-8 text ({byte}): save the file as UTF-8, or give its encoding with data.source.encoding"
+    end = raw.find(b"\n", exc.start)
+    line = raw[raw.rfind(b"\n", 0, exc.start) + 1 : end if end >= 0 else len(raw)].decode(WINDOWS).strip()
+    return (
+        f"not UTF-8 text ({byte}; as {WINDOWS} the line reads {line!r}): save the file as UTF-8 (a spreadsheet's "
+        f"'CSV UTF-8'), or read it as it is with data.source.encoding={WINDOWS}"
+    )
 
 
 def _split_value(value: str, line: int, problems: Problems) -> str | None:
@@ -123,22 +178,68 @@ def _split_value(value: str, line: int, problems: Problems) -> str | None:
     return name
 
 
-def _table_rows(path: Path, delimiter: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
-    """The rows of a CSV or TSV file with a header; a problem for each row that cannot be read."""
-    with open(path, encoding="utf-8-sig", newline="") as handle:
-        reader = csv.reader(handle, delimiter=delimiter)
+def _columns(header: list[str], spec: CaptionsSpec) -> dict[str, int]:
+    """Each column's index by its name in ``header``; a column ``spec`` names (image, caption, split) that the
+    header spells in another case (``Image``, ``CAPTION``), and no other column does, under ``spec``'s name too."""
+    columns = {name: index for index, name in reversed(list(enumerate(header)))}
+    for name in (spec.image_column, spec.caption_column, spec.split_column):
+        folded = [
+            index for index, given in enumerate(header) if name is not None and given.casefold() == name.casefold()
+        ]
+        if name not in columns and len(folded) == 1:
+            columns[name] = folded[0]
+    return columns
+
+
+def _delimiter(path: Path, first: str) -> str:
+    """The delimiter of a table whose first line is ``first``: its suffix's (``DELIMITERS``) when that line holds
+    it; else the one of comma, tab and ``;`` that the line holds, when it holds only one (a spreadsheet where the
+    decimal mark is a comma saves its 'CSV' with ``;``); else the suffix's, or a comma."""
+    given = DELIMITERS.get(path.suffix.lower())
+    if given is not None and given in first:
+        return given
+    found = [delimiter for delimiter in (",", "\t", ";") if delimiter in first]
+    return found[0] if len(found) == 1 else given or ","
+
+
+def _records(reader: Any, problems: Problems) -> Iterator[tuple[int, list[str]]]:
+    """Each record of the CSV ``reader`` with the line it starts on. A record it cannot read (a quote left open, or
+    closed before the field ends: ``strict``, where a lenient reader would take the lines after it into one
+    caption) is a problem of the line it starts on, and the reading stops: what follows cannot be told apart."""
+    start = 1
+    while True:
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            to = f" from here to line {reader.line_num}" if reader.line_num > start else ""
+            problems.add(
+                start,
+                f"not CSV{to} ({exc}): a quote is left open or closed before its field ends; a caption that holds a "
+                'quote is quoted whole, its quotes doubled: "a ""big"" dog"',
+            )
+            return
+        line, start = start, reader.line_num + 1
+        yield line, fields
+
+
+def _table_rows(text: str, delimiter: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
+    """The rows of a CSV or TSV file's ``text`` with a header; a problem for each row that cannot be read."""
+    with io.StringIO(text, newline="") as handle:
+        reader = csv.reader(handle, delimiter=delimiter, strict=True)
         header: list[str] | None = None
-        start = 1
-        for fields in reader:
-            line, start = start, reader.line_num + 1
+        rows = 0
+        for line, fields in _records(reader, problems):
             if not any(value.strip() for value in fields):
                 continue  # a blank line
             if header is None:
                 header = [name.strip() for name in fields]
+                columns = _columns(header, spec)
                 missing = [
                     (key, name)
                     for key, name in (("image_column", spec.image_column), ("caption_column", spec.caption_column))
-                    if name not in header
+                    if name not in columns
                 ]
                 for key, name in missing:
                     problems.add(
@@ -148,15 +249,17 @@ def _table_rows(path: Path, delimiter: str, spec: CaptionsSpec, problems: Proble
                     )
                 if missing:
                     return
-                columns = {name: header.index(name) for name in header}
                 continue
             if len(fields) != len(header):
                 hint = "; a caption that holds the delimiter must be quoted" if len(fields) > len(header) else ""
                 problems.add(line, f"{len(fields)} fields, the header has {len(header)}{hint}")
                 continue
+            rows += 1
             yield from _row(line, fields, columns, spec, problems)
         if header is None:
             problems.add(0, "the file is empty: it needs a header (image,caption) and a row per caption")
+        elif not rows and not problems.found:  # rows that are problems say so themselves
+            problems.add(0, "the file has a header and no row: it needs a row per caption")
 
 
 def _row(
@@ -172,16 +275,16 @@ def _row(
             return
     if not image:
         problems.add(line, "no image path")
-    if not caption:
-        problems.add(line, "empty caption")
-    if image and caption:
+    if (problem := _caption_problem(caption)) is not None:
+        problems.add(line, problem)
+    if image and problem is None:
         yield Row(line, os.path.normpath(image), [caption], split)
 
 
-def _json_rows(path: Path, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
-    """The rows of a JSON Lines file; a problem for each line that cannot be read."""
+def _json_rows(content: str, spec: CaptionsSpec, problems: Problems) -> Iterator[Row]:
+    """The rows of a JSON Lines file's ``content``; a problem for each line that cannot be read."""
     keys = f"{spec.caption_column!r} (a string) or {spec.captions_column!r} (a list of strings)"
-    with open(path, encoding="utf-8-sig") as handle:
+    with io.StringIO(content, newline=None) as handle:
         for line, text in enumerate(handle, 1):
             if not text.strip():
                 continue
@@ -207,12 +310,12 @@ def _json_rows(path: Path, spec: CaptionsSpec, problems: Problems) -> Iterator[R
             for caption in [*given, *listed]:
                 if not isinstance(caption, str):
                     problems.add(line, f"a caption of type {type(caption).__name__}, expected a string")
-                elif not _words(caption):
-                    problems.add(line, "empty caption")
+                elif (problem := _caption_problem(_words(caption))) is not None:
+                    problems.add(line, problem)
                 else:
                     captions.append(_words(caption))
             split = None
-            if spec.split_column is not None and spec.split_column in entry:
+            if spec.split_column is not None and entry.get(spec.split_column) is not None:  # null: none given
                 split = _split_value(str(entry[spec.split_column]), line, problems)
                 if split is None:
                     continue
@@ -223,18 +326,13 @@ def _json_rows(path: Path, spec: CaptionsSpec, problems: Problems) -> Iterator[R
 def read_rows(path: str | Path, spec: CaptionsSpec, problems: Problems) -> list[Row]:
     """The rows of a captions file in its layout (module docstring); its problems go to ``problems``."""
     path = Path(path)
-    try:
-        first = _first_line(path)
-        if _is_json_lines(path, first):
-            return list(_json_rows(path, spec, problems))
-        delimiter = DELIMITERS.get(path.suffix.lower(), "\t" if "\t" in first and "," not in first else ",")
-        return list(_table_rows(path, delimiter, spec, problems))
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        problems.add(line, "not UTF-8 text: save the file as UTF-8 (a spreadsheet's 'CSV UTF-8')")
-    except csv.Error as exc:
-        problems.add(0, f"not readable as CSV: {exc}")
-    return []
+    text = _text(path, spec, problems)
+    if text is None:
+        return []
+    first = _first_line(text)
+    if _is_json_lines(path, first):
+        return list(_json_rows(text, spec, problems))
+    return list(_table_rows(text, _delimiter(path, first), spec, problems))
 
 
 def assign_splits(images: list[str], spec: CaptionsSpec) -> dict[str, str]:
@@ -286,6 +384,58 @@ def _merge(rows: list[Row], problems: Problems) -> tuple[dict[str, list[str]], d
     return captions, lines, duplicates
 
 
+def _same_files(
+    paths: Mapping[str, str], present: set[str], lines: Mapping[str, list[int]], problems: Problems
+) -> None:
+    """A problem for each image named in two ways that are the same file (``a.jpg`` and its absolute path, or a
+    link to it): taken as two images, it could be in two splits, trained on and scored as unseen."""
+    first: dict[str, str] = {}
+    for image, path in paths.items():
+        if path in present:
+            same = first.setdefault(os.path.realpath(path), image)
+            if same != image:
+                problems.add(
+                    lines[image][0],
+                    f"{image} is the file {same} names (line {lines[same][0]}): name each image one way",
+                )
+
+
+def _url(image: str) -> str:
+    """A hint for an image whose path is a URL (``https://...``, read as a path: ``https:/...``), else ""."""
+    if not URL.match(image):
+        return ""
+    return (
+        "; it is a URL: the images are read from files, so download them first (img2dataset writes them as "
+        "WebDataset shards, which data=webdataset reads)"
+    )
+
+
+def _found_as(image: str, root: Path, listed: dict[str, dict[str, list[str]]]) -> str:
+    """A hint for an image not found that is there once its backslashes are slashes or its file name is spelt in
+    the disk's case (a file written on Windows, whose paths take backslashes and ignore case): here a backslash is
+    part of a file's name and case counts, so neither is guessed. ``listed``: each folder's names by their
+    case-folded spelling, filled as folders are looked at."""
+    slashed = image.replace("\\", "/")
+    folder, name = os.path.split(slashed)
+    if slashed != image and os.path.isfile(os.path.join(root, slashed)):
+        found = slashed
+    else:
+        where = os.path.join(root, folder)
+        if where not in listed:
+            names = os.listdir(where) if os.path.isdir(where) else []
+            listed[where] = {}
+            for entry in names:
+                listed[where].setdefault(entry.casefold(), []).append(entry)
+        same = listed[where].get(name.casefold(), [])
+        if len(same) != 1 or not os.path.isfile(os.path.join(where, same[0])):
+            return ""
+        found = os.path.join(folder, same[0])
+    return (
+        f"; {found} is there: write the file's paths as they are on disk (here case counts and a backslash is part "
+        "of a file's name)"
+    )
+
+
 def shown_lines(lines: list[int]) -> str:
     """``(lines 4, 9)`` or ``(lines 4, 9, 11, 20, 31 and 3 more)``: the rows that name an image."""
     shown = ", ".join(str(line) for line in lines[:LINES_SHOWN])
@@ -299,7 +449,7 @@ def read_captions(
     """Every image of the captions ``file`` with its captions, id and split (the module docstring says how);
     with ``reused`` (``read_split`` of a run's split file) the ids and splits are that run's. Raises DataProblems
     with every problem of the file at once."""
-    from captioner.data.images import images_present  # imports torch: not when train.py only checks its config
+    from captioner.data.images import images_present, none_found  # imports torch: not when train.py checks its config
 
     problems = Problems(str(file))
     rows = read_rows(file, spec, problems)
@@ -307,10 +457,19 @@ def read_captions(
     root = Path(spec.images) if spec.images is not None else Path(file).parent
     paths = {image: os.path.join(root, image) for image in captions}  # "./a.jpg" for a file in the working folder
     present = set(images_present(list(paths.values())))
-    for image, path in paths.items():
+    _same_files(paths, present, lines, problems)
+    listed: dict[str, dict[str, list[str]]] = {}
+    if paths and not present:  # the images are elsewhere: one line, not one per image
+        where = f"data.source.images={root}" if spec.images is not None else f"the file's folder, {root}"
+        folder = (
+            f": the paths are relative to {where}; give the folder they are relative to with data.source.images=DIR"
+        )
+        problems.add(0, none_found("its images", list(paths.values())) + (_url(next(iter(paths))) or folder))
+    for image, path in paths.items() if present else ():
         if path not in present:
             also = f" (named on {shown_lines(lines[image])})" if len(lines[image]) > 1 else ""
-            problems.add(lines[image][0], f"image not found: {path}{also}")
+            hint = _url(image) or _found_as(image, root, listed)
+            problems.add(lines[image][0], f"image not found: {path}{also}{hint}")
     left_out = []
     if reused is not None:
         absent = [image for image in reused if image not in captions]

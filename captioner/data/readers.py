@@ -1,23 +1,29 @@
 """Annotation readers: COCO caption/instance files and Karpathy split files, all into ``Record``s.
 
 Every reader checks the file's structure before using it, so a malformed file fails with one
-DataError that names the file and the problem (``<file>: annotation 3 has no 'caption'``).
+DataError that names the file and the problem (``<file>: annotation 3 has no 'caption'``). A caption without a
+word (empty, or only punctuation or symbols) is left out, counted in one warning (``_worded``): a dataset's own
+files are not the user's to fix, and such a caption would train, and score against, an empty sentence.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from pycocotools.coco import COCO
 
 from captioner.data.splits import SPLITS
+from captioner.data.vocab import tokenize
 from captioner.errors import DataError, check_choice
 from captioner.fileio import read_json
+
+log = logging.getLogger(__name__)
 
 KARPATHY_SPLITS = ("train", "restval", "val", "test")
 # What each of an image's ``sentences`` is in a Karpathy split file (only ``raw`` is read; ``tokens`` is Karpathy's).
@@ -54,8 +60,10 @@ def read_coco(
 ) -> list[Record]:
     """Records of a COCO captions file (2014 or 2017 format), sorted by image id.
 
-    Images without captions are left out. With ``instances_file`` each record gets the boxes of its
-    objects, labelled with the category name. Raises DataError for a missing or malformed file.
+    Images without captions are left out (and captions without a word: ``_worded``). With ``instances_file``
+    each record gets the boxes of its objects, labelled with the category name. Raises DataError for a missing
+    or malformed file (an image id listed twice among them: pycocotools would give the id the last entry's file
+    and the first's captions).
     """
     check_choice("split", split, SPLITS)
     captions = _coco_index(captions_file, "COCO captions file", _check_captions)
@@ -67,7 +75,7 @@ def read_coco(
             path = Path(image_dir) / captions.imgs[image_id]["file_name"]
             texts = tuple(ann["caption"].strip() for ann in anns)
             records.append(Record(str(path), image_id, texts, split, boxes.get(image_id, ())))
-    return records
+    return _worded(records, captions_file)
 
 
 def read_image_info(info_file: str | Path, image_dir: str | Path) -> list[Record]:
@@ -80,9 +88,7 @@ def read_image_info(info_file: str | Path, image_dir: str | Path) -> list[Record
     data = _read_object(info_file, "COCO image list")
     _check_images(data, info_file, {"file_name": str})
     records: dict[int, Record] = {}
-    for index, image in enumerate(data["images"]):
-        if image["id"] in records:
-            _fail(info_file, f"image {index} repeats image id {image['id']}")
+    for image in data["images"]:
         records[image["id"]] = Record(str(Path(image_dir) / image["file_name"]), image["id"], (), "test")
     return [record for _, record in sorted(records.items())]
 
@@ -95,7 +101,8 @@ def read_karpathy(
     The image id is ``cocoid`` when present, else ``imgid``; the path is
     ``image_root/filepath/filename`` (COCO) or ``image_root/filename`` (Flickr). ``restval`` images
     count as ``train`` unless ``restval_as_train`` is False, in which case they are left out.
-    Records are sorted by image id. Raises DataError for a missing or malformed file.
+    Records are sorted by image id; captions without a word are left out (``_worded``). Raises DataError for a
+    missing or malformed file.
     """
     for split in splits:
         check_choice("splits", split, SPLITS)
@@ -107,7 +114,30 @@ def read_karpathy(
         if record.image_id in records:
             _fail(split_file, f"image {index} repeats image id {record.image_id}")
         records[record.image_id] = record
-    return [r for _, r in sorted(records.items()) if r.split in splits and r.captions]
+    return _worded([r for _, r in sorted(records.items()) if r.split in splits], split_file)
+
+
+def _worded(records: list[Record], file: str | Path) -> list[Record]:
+    """``records`` without their captions that have no word (``tokenize`` finds none: empty, or only punctuation
+    or symbols), and without the images left with no caption; one warning counts what was left out."""
+    kept, dropped, emptied = [], [], 0
+    for record in records:
+        worded = [bool(tokenize(caption)) for caption in record.captions]
+        captions = tuple(caption for caption, word in zip(record.captions, worded) if word)
+        dropped += [(record.image_id, caption) for caption, word in zip(record.captions, worded) if not word]
+        if captions:
+            kept.append(record if len(captions) == len(record.captions) else replace(record, captions=captions))
+        elif record.captions:
+            emptied += 1
+    if dropped:
+        shown = ", ".join(f"image {image_id} {caption!r}" for image_id, caption in dropped[:5])
+        more = f" and {len(dropped) - 5:,} more" if len(dropped) > 5 else ""
+        images = f"; {_count(emptied, 'image')} left with none, left out too" if emptied else ""
+        log.warning(
+            "%s: %s without a word (empty, or only punctuation or symbols) left out: %s%s%s",
+            file, _count(len(dropped), "caption"), shown, more, images,
+        )  # fmt: skip
+    return kept
 
 
 def _karpathy_record(entry: Any, where: str, file: str | Path, image_root: Path, restval_as_train: bool) -> Record:
@@ -159,6 +189,11 @@ def coco_box(bbox: Sequence[float], label: str, width: float, height: float) -> 
     return Box(label, clamp(x / width), clamp(y / height), clamp((x + w) / width), clamp((y + h) / height))
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 caption``, ``3 captions``, ``1,200 captions``."""
+    return f"{n:,} {noun}{'s' if n != 1 else ''}"
+
+
 def _coco_index(path: str | Path, what: str, check: Callable[[dict, str | Path], None]) -> COCO:
     """A pycocotools index over a checked COCO file, without pycocotools' prints."""
     data = _read_object(path, what)
@@ -205,11 +240,14 @@ def _check_instances(data: dict, path: str | Path) -> None:
 
 
 def _check_images(data: dict, path: str | Path, fields: dict[str, type | tuple[type, ...]]) -> set[int]:
-    """Check ``images[]`` (an int ``id`` and the typed ``fields``, numbers positive); return the ids."""
+    """Check ``images[]`` (an int ``id``, each once, and the typed ``fields``, numbers positive); return the ids."""
     ids = set()
     for index, image in enumerate(_field(data, "images", list, "the file", path)):
         where = f"image {index}"
-        ids.add(_field(image, "id", int, where, path))
+        image_id = _field(image, "id", int, where, path)
+        if image_id in ids:
+            _fail(path, f"{where} repeats image id {image_id}")
+        ids.add(image_id)
         for key, kind in fields.items():
             value = _field(image, key, kind, where, path)
             if _is_number(value) and value <= 0:

@@ -17,7 +17,7 @@ import logging
 import math
 import re
 import tarfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -27,6 +27,7 @@ import numpy as np
 
 from captioner.data.readers import Record
 from captioner.data.sources import Holds, Source, SourcePath, check_paths
+from captioner.data.vocab import tokenize
 from captioner.errors import ConfigError, DataError, check_range
 
 if TYPE_CHECKING:
@@ -100,6 +101,16 @@ def _stated_size(url: str) -> int | None:
     return successes if isinstance(successes, int) and not isinstance(successes, bool) and successes >= 0 else None
 
 
+def why_unread(exc: BaseException) -> str:
+    """Why a shard could not be read, in a few words: the exception's first argument without what ``webdataset``
+    appends (`` @ <stream>``), and for a ``pipe:`` command that failed, its exit status (webdataset's message holds
+    the call's arguments: ``(('aws s3 cp ...',), {'shell': True, ...}): exit 1 (read) {}``)."""
+    text = str(exc.args[0]).split(" @ ")[0] if exc.args else type(exc).__name__
+    if (status := re.search(r"\): exit (-?\d+) \(read\)", text)) is not None:
+        return f"the command exited with status {status.group(1)}"
+    return text
+
+
 def count_samples(url: str) -> int:
     """The samples of the shard ``url``, counted from its members' names (no member is decoded)."""
     keys = set()
@@ -111,7 +122,7 @@ def count_samples(url: str) -> int:
                 if member.isreg() and key is not None and not key.startswith("__"):
                     keys.add(key)
     except (OSError, tarfile.TarError) as exc:
-        raise DataError(f"{url}: cannot read the shard ({exc})") from None
+        raise DataError(f"{url}: cannot read the shard ({why_unread(exc)})") from None
     return len(keys)
 
 
@@ -141,18 +152,32 @@ def image_id(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big") >> 1
 
 
-def sample_captions(sample: Mapping[str, Any], captions_field: str) -> list[str]:
-    """The captions of a sample (its members' bytes by extension): the list under ``captions_field`` of its json,
-    else the lines of its txt, else the json's ``caption``; empty ones left out."""
+def _given_captions(sample: Mapping[str, Any], captions_field: str) -> list[Any]:
+    """What a sample gives as its captions, unchecked: the list under ``captions_field`` of its json, else the
+    non-blank lines of its txt (as bytes when it is not UTF-8), else the json's ``caption``."""
     meta = _json(sample.get("json"))
     listed = meta.get(captions_field)
     if isinstance(listed, list):
-        texts = [str(text) for text in listed]
-    elif "txt" in sample:
-        texts = sample["txt"].decode("utf-8", errors="replace").splitlines()
-    else:
-        texts = [meta["caption"]] if isinstance(meta.get("caption"), str) else []
-    return [text.strip() for text in texts if text.strip()]
+        return listed
+    if "txt" in sample:
+        try:
+            lines: list[Any] = sample["txt"].decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            lines = sample["txt"].splitlines()
+        return [line for line in lines if line.strip()]
+    return [meta["caption"]] if "caption" in meta else []
+
+
+def _is_caption(given: Any) -> bool:
+    """Whether ``given`` is a caption: text with a word (``tokenize`` finds one)."""
+    return isinstance(given, str) and bool(tokenize(given))
+
+
+def sample_captions(sample: Mapping[str, Any], captions_field: str) -> list[str]:
+    """The captions of a sample (its members' bytes by extension): the list under ``captions_field`` of its json,
+    else the lines of its txt, else the json's ``caption``; what is not text with a word left out (a json entry that
+    is no string, a txt not in UTF-8, an empty caption, one of punctuation only: ``stream_captions`` counts them)."""
+    return [given.strip() for given in _given_captions(sample, captions_field) if _is_caption(given)]
 
 
 def _json(data: bytes | None) -> dict[str, Any]:
@@ -166,23 +191,62 @@ def _json(data: bytes | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def broken_off(url: str) -> Callable[[Exception], bool]:
+    """The ``webdataset`` handler for the shard ``url`` breaking off mid-read (a truncated tar, a failed command):
+    one warning naming the shard and why, and the reading goes on with what came before (a reader pads for it)."""
+
+    warned = []  # webdataset's layers each hand the same break on: one warning a read
+
+    def handler(exc: Exception) -> bool:
+        reason = why_unread(exc)
+        if not warned:
+            log.warning("%s: the shard breaks off (%s): its samples up to there are read", url, reason)
+            warned.append(reason)
+        return True
+
+    return handler
+
+
 def stream_captions(shards: Sequence[Shard], captions_field: str) -> Iterator[list[str]]:
-    """Each sample's captions of ``shards``, in order: one pass that reads their txt and json members only."""
+    """Each sample's captions of ``shards``, in order: one pass that reads their txt and json members only (a shard
+    that breaks off: ``broken_off``). The captions ``sample_captions`` leaves out are counted in one warning at the
+    end of the pass, naming the first few."""
     wds = _webdataset()
     select = re.compile(r".*\.(txt|json)$", re.IGNORECASE).match
+    left_out, shown = 0, []  # the count, and the first few with their samples' names
     for shard in shards:
-        for sample in wds.tariterators.tarfile_samples([{"url": shard.url}], select_files=select):
-            yield list(sample_captions(sample, captions_field))
+        samples = wds.tariterators.tarfile_samples(
+            [{"url": shard.url}], handler=broken_off(shard.url), select_files=select
+        )
+        for sample in samples:
+            bad = [given for given in _given_captions(sample, captions_field) if not _is_caption(given)]
+            left_out += len(bad)
+            shown += [f"{shard.url}#{sample['__key__']} {given!r}" for given in bad[: 5 - len(shown)]]
+            yield sample_captions(sample, captions_field)
+    if left_out:
+        more = f" and {left_out - len(shown):,} more" if left_out > len(shown) else ""
+        log.warning(
+            "%s captions of the shards left out (not text, not UTF-8, empty, or without a word): %s%s",
+            f"{left_out:,}", "; ".join(shown), more,
+        )  # fmt: skip
+
+
+READERS_REMEDY = "give at least as many shards as readers (more shards, fewer data.num_workers or fewer devices)"
+
+
+def too_few_shards(shards: int, ranks: int, workers: int) -> str | None:
+    """What is wrong when ``shards`` shards are fewer than the readers (``ranks`` x ``workers``), else None."""
+    readers = ranks * workers
+    if shards >= readers:
+        return None
+    return f"data.source.train has {shards} shards for {ranks} ranks x {workers} loader workers = {readers} readers"
 
 
 def readers_needed(shards: Sequence[Shard], readers: int, ranks: int, workers: int) -> None:
     """ConfigError unless there are at least as many shards as ``readers`` (``ranks`` x ``workers``): a reader
     would otherwise only read parts of shards that others read too."""
-    if len(shards) < readers:
-        raise ConfigError(
-            f"data.source.train has {len(shards)} shards for {ranks} ranks x {workers} loader workers = {readers} "
-            "readers; give at least as many shards as readers (more shards, fewer data.num_workers or fewer devices)"
-        )
+    if (problem := too_few_shards(len(shards), ranks, workers)) is not None:
+        raise ConfigError(f"{problem}; {READERS_REMEDY}")
 
 
 def epoch_plan(shards: Sequence[Shard], epoch: int, seed: int, readers: int) -> list[list[Piece]]:

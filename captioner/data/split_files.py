@@ -103,10 +103,20 @@ def coco_split(captions_dir: str | Path, partial: bool = False) -> dict[str, Any
 
 
 def _read_lines(path: Path) -> list[str]:
-    """The non-blank lines of a text file, stripped; DataError when it is missing."""
+    """The non-blank lines of a UTF-8 text file (a byte-order mark dropped), stripped; DataError when it is missing
+    or not UTF-8."""
     if not path.is_file():
         raise DataError(f"{path}: file not found (from Flickr8k_text.zip; see docs/datasets.md)")
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(
+            f"{path} line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}): save it as UTF-8, as "
+            "Flickr8k_text.zip has it"
+        ) from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def flickr8k_split(text_dir: str | Path) -> dict[str, Any]:

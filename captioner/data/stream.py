@@ -30,6 +30,7 @@ from captioner.data.shards import (
     Piece,
     Shard,
     WebDatasetSource,
+    broken_off,
     epoch_plan,
     image_id,
     items_per_reader,
@@ -160,12 +161,11 @@ class ShardStream(IterableDataset):
 
 def _read(pieces: Sequence[Piece]) -> Iterator[dict[str, Any]]:
     """The samples of ``pieces`` in order, each with ``__index__`` (its position among all the shards' samples);
-    a shard that breaks off is warned about and left (its reader pads instead)."""
-    from webdataset.handlers import warn_and_continue
+    a shard that breaks off is warned about and left (``broken_off``: its reader pads instead)."""
     from webdataset.tariterators import tarfile_samples
 
     for piece in pieces:
-        samples = tarfile_samples([{"url": piece.shard.url}], handler=warn_and_continue)
+        samples = tarfile_samples([{"url": piece.shard.url}], handler=broken_off(piece.shard.url))
         try:
             wanted = islice(samples, piece.skip, piece.skip + piece.take)
             for position, sample in enumerate(wanted, piece.skip):

@@ -29,9 +29,16 @@ def tokenize(text: str) -> list[str]:
     return _TOKENIZER.tokenize(text.lower())
 
 
-def word_counts(captions: Iterable[str]) -> Counter[str]:
-    """How often each word (``tokenize``'s) occurs in ``captions``."""
-    return Counter(word for caption in captions for word in tokenize(caption))
+def word_counts(captions: Iterable[str], lengths: Counter[int] | None = None) -> Counter[str]:
+    """How often each word (``tokenize``'s) occurs in ``captions``; ``lengths`` (when given) counts the captions
+    by their number of words on the way."""
+    counts: Counter[str] = Counter()
+    for caption in captions:
+        words = tokenize(caption)
+        counts.update(words)
+        if lengths is not None:
+            lengths[len(words)] += 1
+    return counts
 
 
 class Vocabulary:

@@ -88,7 +88,9 @@ class CaptionDataModule(L.LightningDataModule):
             self.splits[split] = [] if self.streams and split == "train" else self.source.records(split)
         if not self.streams and not self.splits["train"]:
             raise DataError("the training split has no images")
-        counts = word_counts(self._counted_captions())  # word -> occurrences, one pass
+        lengths: Counter[int] = Counter()  # training captions by their number of words
+        counts = word_counts(self._counted_captions(), lengths)  # word -> occurrences, one pass
+        self._report_cut(lengths)
         given = Vocabulary.load(self.settings.vocab_file) if self.settings.vocab_file else None
         self.vocab = given
         if given is None or self.grow_vocab:
@@ -96,6 +98,18 @@ class CaptionDataModule(L.LightningDataModule):
         if given is not None and self.grow_vocab:
             log.info(self._grown(given, counts))
         self._report_unknown(counts, fixed=given is not None)
+
+    def _report_cut(self, lengths: Counter[int]) -> None:
+        """Log how many training captions (``lengths``: captions by their number of words) are longer than
+        ``data.max_len`` words, which training cuts to it, and the longest; nothing when none is."""
+        limit = self.settings.max_len
+        cut = sum(n for words, n in lengths.items() if words > limit)
+        if cut:
+            log.info(
+                "training captions: %s of %s (%.1f%%) have more than data.max_len=%d words and are cut to %d "
+                "(the longest has %s)",
+                f"{cut:,}", f"{lengths.total():,}", 100 * cut / lengths.total(), limit, limit, f"{max(lengths):,}",
+            )  # fmt: skip
 
     def _grown(self, given: Vocabulary, counts: Counter[str]) -> str:
         """What growing the vocabulary ``given`` with the training words of ``counts`` added, and left out."""

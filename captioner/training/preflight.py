@@ -52,6 +52,7 @@ class Section(enum.StrEnum):
     encoder_weights = "encoder-weights"
     gpu = "gpu"
     train = "train"
+    shards = "webdataset-shards-datawebdataset"
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,12 @@ def _split_problems(source: Any, split: str) -> Iterator[Problem]:
 
     try:
         records = source.records(split)
-    except DataProblems as exc:  # every problem of a captions file, each on its line
-        yield from (Problem(line, exc.remedy, Section.own_images) for line in exc.problems)
+    except DataProblems as exc:  # every problem of a captions file, each on its line, as many as its message lists
+        shown = exc.problems[: DataProblems.MAX_LISTED]
+        yield from (Problem(line, exc.remedy, Section.own_images) for line in shown)
+        if len(exc.problems) > len(shown):
+            more = f"... and {len(exc.problems) - len(shown):,} more problems of the same file, not listed"
+            yield Problem(more, exc.remedy, Section.own_images)
         return
     except CaptionerError as exc:  # the file's own problem, which each split read from it meets: no split named
         remedy = "give the dataset's own annotation files, or write yours in their format"
@@ -137,6 +142,8 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
     if found:
         return found
     streams = getattr(built, "streams", False)  # data=webdataset: the shards stream, val and test come from held_out
+    if streams and (few := _readers_problem(cfg, built.train)) is not None:
+        return [few]
     built = built.held_out if streams else built
     if isinstance(built, ShapesSource):
         return []  # generated on first use
@@ -145,6 +152,21 @@ def _data_problems(cfg: dict[str, Any]) -> list[Problem]:
     ]
     # a file's own problems come with every split read from it: listed once
     return list(dict.fromkeys(problem for split in needed for problem in _split_problems(built, split)))
+
+
+def _readers_problem(cfg: dict[str, Any], patterns: str) -> Problem | None:
+    """data=webdataset: fewer shards than readers, the trainer's ranks (its devices, when a count or a list, x its
+    nodes; else at least 1) x the loader workers; the run checks it again with Lightning's world size."""
+    from captioner.data.shards import READERS_REMEDY, expand, too_few_shards
+    from captioner.training.datamodule import loader_workers
+
+    devices = cfg["trainer"].get("devices")
+    count = len(devices) if isinstance(devices, (list, tuple)) else devices if isinstance(devices, int) else 1
+    nodes = cfg["trainer"].get("num_nodes")
+    ranks = max(1, count) * (nodes if isinstance(nodes, int) and nodes > 0 else 1)
+    workers = max(1, loader_workers(cfg["data"].get("num_workers")))
+    problem = too_few_shards(len(expand(patterns)), ranks, workers)
+    return None if problem is None else Problem(problem, READERS_REMEDY, Section.shards)
 
 
 def _file_problems(cfg: dict[str, Any]) -> list[Problem]:

@@ -6,8 +6,10 @@ Run folders are named by the second the run starts (``conf/hydra/default.yaml``)
 the same second, or a ``hydra.run.dir`` that names an earlier run, would share a folder: the second run
 would rewrite the first one's ``.hydra/`` files, metrics, bundle and checkpoints. ``NewRunFolder``
 creates the folder first (``fileio.new_folder``): when it already exists the run goes to ``<dir>_1``,
-``<dir>_2``, ... instead. The DDP worker processes that Lightning starts (``LOCAL_RANK`` > 0) and the
-non-zero ranks of an external launcher reuse the folder of the process that started the run.
+``<dir>_2``, ... instead (``hydra.run.dir=DIR`` chooses ``<dir>``; ``paths.output_dir``, which names the folder
+to the run, is refused when given: it would bypass this). The DDP worker processes that Lightning starts
+(``LOCAL_RANK`` > 0) and the non-zero ranks of an external launcher reuse the folder of the process that started
+the run.
 
 The run prints its composed config as a tree and saves it (resolved) as ``config.yaml``; a run that fails
 writes its one-line error into its log file and into ``FAILED``, so a failed run's folder says so, and a run

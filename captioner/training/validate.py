@@ -42,6 +42,7 @@ from captioner.training.command_line import nearest
 from captioner.training.metrics import MONITORS  # what CaptionerModule logs, so what a callback can monitor
 from captioner.training.run_folder import first_process
 
+RUN_FOLDER = "${hydra:runtime.output_dir}"  # paths.output_dir as conf/paths writes it: the folder NewRunFolder makes
 STREAMED = "captioner.data.shards.WebDatasetSource"  # the source whose training split streams (data=webdataset)
 
 
@@ -354,12 +355,18 @@ def _validate_or_exit(config: DictConfig) -> None:
 
 
 def _job_config(config: DictConfig) -> dict[str, Any]:
-    """The config the training function will get (without the ``hydra`` node), resolved to plain data.
+    """The config the training function will get (without the ``hydra`` node), resolved to plain data; ConfigError
+    for a ``paths.output_dir`` given (``NewRunFolder`` makes the run's folder new: ``hydra.run.dir`` chooses it).
 
     Before a run starts Hydra has not named its output folder yet: ``hydra.runtime.output_dir`` (which
     ``paths.output_dir`` names) is taken to be the folder the run asks for.
     """
     config = copy.deepcopy(config)
+    if OmegaConf.to_container(config.paths)["output_dir"] != RUN_FOLDER:
+        raise ConfigError(
+            f"paths.output_dir={config.paths.output_dir!r}: it is the run's own folder, made new for each run (an "
+            "earlier run's is never written into); choose where it goes with hydra.run.dir=DIR"
+        )
     if OmegaConf.is_missing(config.hydra.runtime, "output_dir"):
         probe = copy.deepcopy(config)
         HydraConfig.instance().set_config(probe)  # resolves ${hydra:...} in the run folder's name
