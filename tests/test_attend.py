@@ -345,7 +345,12 @@ def test_out_is_never_overwritten_without_force(bundles, inputs, tmp_path, capsy
         f"error: --out {out}: {out} already exists; pass --force to overwrite it"
     ]
     assert out.read_bytes() == before
-    assert cli.main([*args, "--force"]) == 0
+    assert cli.main([*args, "--force"]) == 0  # the file it wrote
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(before)  # the user's own, under another name
+    assert cli.main([*args[:4], "--out", str(mine), "--force", *args[6:]]) == 2
+    assert "was not written by captioner, and --force replaces only the files it wrote" in capsys.readouterr().err
+    assert mine.read_bytes() == before
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "keep.txt").write_text("mine")
     assert cli.main([*args[:4], "--out", str(tmp_path / "used")]) == 2

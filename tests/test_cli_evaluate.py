@@ -80,6 +80,16 @@ def test_evaluate_writes_coco_results_and_labelled_metrics(bundles, shapes, tmp_
     assert max(row["bleu1"] for row in per_image) > 0.0
     assert "per image:" in stdout
     assert cli.main(args) == 2 and "pass --force" in capsys.readouterr().err
+    (out / "metrics.json").unlink()
+    assert cli.main([*args, "--force"]) == 1  # its own files replaced (the unreadable image reported again)
+    assert json.loads((out / "metrics.json").read_text())["images"] == 5
+    capsys.readouterr()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "metrics.json").write_text("mine")  # the user's file where evaluate would write its own
+    at = args.index("--out") + 1
+    assert cli.main([*args[:at], str(mine), *args[at + 1 :], "--force"]) == 2
+    assert "was not written by captioner" in capsys.readouterr().err and (mine / "metrics.json").read_text() == "mine"
 
 
 def test_evaluate_says_what_hard_attention_read(bundles, shapes, tmp_path, monkeypatch, capsys):

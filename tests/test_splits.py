@@ -97,7 +97,14 @@ def test_an_existing_split_file_is_kept(coco_annotations: Path, tmp_path: Path, 
     args = ["splits", "coco", "--captions-dir", str(coco_annotations), "--out", str(out), "--partial"]
     assert cli.main(args) == 2
     assert "already exists; pass --force" in capsys.readouterr().err and out.read_text() == "mine"
-    assert cli.main([*args, "--force"]) == 0
+    assert cli.main([*args, "--force"]) == 2  # --force replaces only a file captioner wrote
+    assert capsys.readouterr().err == (
+        f"error: --out {out}: {out} was not written by captioner, and --force replaces only the files it wrote: move "
+        "it, or choose another --out\n"
+    )
+    assert out.read_text() == "mine"
+    out.unlink()
+    assert cli.main(args) == 0 and cli.main([*args, "--force"]) == 0  # its own file, replaced
     assert len(json.loads(out.read_text())["images"]) == 10
 
 

@@ -160,6 +160,8 @@ def _draw(
             while pending:
                 finish(bar)
         bar.update(len(found.paths) - bar.n)
+    if single and out.exists():
+        options.record_written(out)
     if not single and found.paths:
         for item in output.failed_inputs:
             failed = GalleryEntry(image=item.path, caption=None, error=item.reason)

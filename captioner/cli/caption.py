@@ -142,5 +142,6 @@ def server_results(args: argparse.Namespace, echo: bool) -> int:
         )
     else:
         write_results(target, captions)
+        options.record_written(target)
         print(f"results: {target} ({len(captions)} images)", file=sys.stderr)
     return output.close()

@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         max_pixels=args.max_pixels,
         decode=args.decode,
     )
+    for name in (RESULTS_FILE, METRICS_FILE, PER_IMAGE_FILE):
+        options.record_written(out / name)
     for item in skipped:
         print(f"error: {item.path}: {item.reason}", file=sys.stderr)
     print(metrics["table"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -104,10 +105,43 @@ def check_images_found(args: argparse.Namespace, label: str, paths: list[str]) -
         )
 
 
+# A folder's record of the files that captioner's commands wrote there (evaluate's results, caption --image-info's
+# results file, attend's NAME.png, a splits file), a JSON name per line: what --force may replace. A file it does
+# not name is the user's, which no command replaces. (A gallery keeps its own record: viz.layout.MANIFEST.)
+WRITTEN = ".captioner-written"
+
+
+def _recorded(folder: Path) -> set[str]:
+    """The names ``WRITTEN`` in ``folder`` lists (a line cut short, by a run stopped as it wrote it, left out)."""
+    names = set()
+    record = folder / WRITTEN
+    for line in record.read_text(encoding="utf-8", errors="replace").splitlines() if record.is_file() else []:
+        try:
+            names.add(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return names
+
+
 def refuse_overwrite(target: Path, args: argparse.Namespace) -> None:
-    """ConfigError when ``target`` exists and ``--force`` was not given."""
-    if target.exists() and not args.force:
-        raise ConfigError(f"--out {args.out}: {target} already exists; pass --force to overwrite it")
+    """ConfigError when ``target`` exists, unless ``--force`` was given and a captioner command wrote it
+    (``record_written``): a file of the user's is never replaced."""
+    if not target.exists():
+        return
+    if not args.force:
+        raise ConfigError(f"--out {args.out or target}: {target} already exists; pass --force to overwrite it")
+    if target.name not in _recorded(target.parent):
+        raise ConfigError(
+            f"--out {args.out or target}: {target} was not written by captioner, and --force replaces only the files "
+            "it wrote: move it, or choose another --out"
+        )
+
+
+def record_written(target: Path) -> None:
+    """Record in its folder that a captioner command wrote ``target``, so that ``--force`` may replace it."""
+    if target.name not in _recorded(target.parent):
+        with (target.parent / WRITTEN).open("a", encoding="utf-8") as record:
+            record.write(json.dumps(target.name) + "\n")
 
 
 def check_writable(target: Path, args: argparse.Namespace) -> None:

@@ -288,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _server(caption, "folder of the --image-info images")
     caption.add_argument("--out", metavar="DIR", help="folder for the --image-info results file")
-    caption.add_argument("--force", action="store_true", help="overwrite an existing results file")
+    caption.add_argument(
+        "--force", action="store_true", help="overwrite a results file captioner wrote (never one of yours)"
+    )
 
     attend = command(
         "attend",
@@ -305,7 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="FILE.png for one image, or a folder: a PNG per image, and index.html to step through each image's "
         "words (the folder holds all it shows: it can be moved)",
     )
-    attend.add_argument("--force", action="store_true", help="overwrite an existing --out (an earlier gallery)")
+    attend.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier gallery's files, or a NAME.png captioner wrote (never one of yours)",
+    )
 
     evaluate = command("evaluate", "BLEU and coco-caption metrics on a dataset split")
     _common(evaluate)
@@ -339,7 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--out", required=True, help="folder for results.json, metrics.json and per_image.json")
     evaluate.add_argument("--no-coco", action="store_true", help="skip the Java coco-caption suite")
-    evaluate.add_argument("--force", action="store_true", help="overwrite the files of an earlier --out")
+    evaluate.add_argument(
+        "--force", action="store_true", help="overwrite the files of an earlier evaluate in --out (never one of yours)"
+    )
     shapes = command("shapes", "generate the built-in shapes dataset, of a chosen size, into a chosen folder")
     shapes.add_argument("--out", required=True, metavar="DIR", help="the dataset's folder (new, or empty)")
     for name, (flag, what) in SHAPES_OPTIONS.items():
@@ -364,5 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     splits.add_argument(
         "--partial", action="store_true", help="coco: write the split of the listed images present (a COCO subset)"
     )
-    splits.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    splits.add_argument(
+        "--force", action="store_true", help="overwrite a split file captioner wrote (never one of yours)"
+    )
     return parser

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from captioner.cli import options
 from captioner.data import split_files
 from captioner.errors import ConfigError
 
@@ -18,8 +19,7 @@ def default_out(dataset: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Build the split file from ``--captions-dir`` and write it to ``--out``; print its sizes on stderr."""
     out = Path(args.out or default_out(args.dataset))
-    if out.exists() and not args.force:
-        raise ConfigError(f"--out {out} already exists; pass --force to overwrite it")
+    options.refuse_overwrite(out, args)
     if args.partial and args.dataset != "coco":
         raise ConfigError("--partial goes with coco (a subset of the COCO 2014 images)")
     if args.dataset == "coco":
@@ -27,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         split = split_files.flickr8k_split(args.captions_dir)
     split_files.write_split(split, out)
+    options.record_written(out)
     sizes = ", ".join(f"{name} {count:,}" for name, count in split_files.split_sizes(split).items())
     print(f"wrote {out}: {len(split['images']):,} images ({sizes})", file=sys.stderr)
     return 0
