@@ -488,6 +488,29 @@ def test_evaluate_reads_the_split_beside_the_model_and_scores_the_run_s_test_ima
         evaluate.run(args)
 
 
+def test_evaluate_without_the_run_s_split_file_scores_the_test_images_of_the_file_s_own_split_column(
+    tmp_path: Path,
+) -> None:
+    from captioner.cli import evaluate
+    from captioner.cli.parser import parse
+
+    names = [f"photos/p{index}.jpg" for index in range(6)]
+    write_images(tmp_path, names)
+    splits = ["train", "train", "test", "val", "test", "train"]
+    rows = [f"{name},a photo number {index},{split}" for index, (name, split) in enumerate(zip(names, splits))]
+    (tmp_path / "captions.csv").write_text("\n".join(["image,caption,split", *rows]) + "\n")
+    bundle = tmp_path / "elsewhere" / "bundle.pt"  # a bundle copied away from its run folder: no split file beside it
+    args = parse(["evaluate", "--model", str(bundle), "--captions", str(tmp_path / "captions.csv"), "--out", "e"])
+    records = evaluate._records(args)  # noqa: SLF001 - the split it scores
+    assert [(Path(r.image_path).name, r.image_id, r.captions) for r in records] == [
+        ("p2.jpg", 2, ("a photo number 2",)),
+        ("p4.jpg", 4, ("a photo number 4",)),
+    ]
+    (tmp_path / "captions.csv").write_text("\n".join(["image,caption", *(",".join(r.split(",")[:2]) for r in rows)]))
+    with pytest.raises(ConfigError, match="and the file has no 'split' column to split it: give the run's folder"):
+        evaluate._records(args)  # noqa: SLF001 - a hashed split is the run's seed's and sizes': never guessed
+
+
 # ------------------------------------------------------------------------------------------------ preflight
 def test_preflight_names_a_missing_file_or_folder_and_lists_each_problem_of_the_file_once(tmp_path: Path) -> None:
     plain = compose_plain(["experiment=captions_cpu"], tmp_path)

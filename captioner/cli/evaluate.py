@@ -115,8 +115,8 @@ def _run_split(model: str) -> Path | None:
 
 def _captions_records(args: argparse.Namespace) -> list[Record]:
     """The records of ``--split`` of a captions file, split (and numbered) as the run that wrote the split file
-    split it; the file's settings (columns, images folder) are that run's, ``--images`` replacing its folder."""
-    from captioner.data.captions_file import SPLIT_FILE
+    split it; the file's settings (columns, images folder) are that run's, ``--images`` replacing its folder.
+    Without the run's split file, the file's own split column (``_own_split_records``)."""
     from captioner.data.sources import CaptionsSource
     from captioner.fileio import read_json
 
@@ -124,10 +124,7 @@ def _captions_records(args: argparse.Namespace) -> list[Record]:
     split_file = Path(args.split_file) if args.split_file else _run_split(first)
     _check_given(("--captions", args.captions, "file"), ("--images", args.image_dir, "folder"))
     if split_file is None:
-        raise ConfigError(
-            f"--captions {args.captions}: no {SPLIT_FILE} beside --model {first} (a run on data=captions writes "
-            "it into its folder): give the run's folder, or its split with --split-file"
-        )
+        return _own_split_records(args, first)
     _check_given(("--split-file", str(split_file), "file"))
     written = read_json(split_file, "captions split file")
     settings = dict(written.get("settings") or {}) if isinstance(written, dict) else {}
@@ -138,6 +135,30 @@ def _captions_records(args: argparse.Namespace) -> list[Record]:
     records = source.records(args.split)
     if not records:
         raise DataError(f"--captions {args.captions}: the split of {split_file} has no {args.split} image")
+    return records
+
+
+def _own_split_records(args: argparse.Namespace, model: str) -> list[Record]:
+    """The records of ``--split`` of a captions file whose own split column splits it (the file's default
+    columns, ``--images`` its images folder): where no run's split file is at hand (a bundle copied elsewhere),
+    the split a run on it trained with. ConfigError for a file without that column, whose split only the run's
+    split file knows (its seed and sizes)."""
+    from captioner.config import CaptionsSpec
+    from captioner.data.captions_file import SPLIT_FILE
+    from captioner.data.sources import CaptionsSource
+
+    source = CaptionsSource(args.captions, images=args.image_dir)
+    if not source.read().split_column:
+        raise ConfigError(
+            f"--captions {args.captions}: no {SPLIT_FILE} beside --model {model} (a run on data=captions writes "
+            f"it into its folder), and the file has no {CaptionsSpec.split_column!r} column to split it: give the "
+            "run's folder, or its split with --split-file"
+        )
+    records = source.records(args.split)
+    if not records:
+        raise DataError(
+            f"--captions {args.captions}: its {CaptionsSpec.split_column!r} column names no {args.split} image"
+        )
     return records
 
 

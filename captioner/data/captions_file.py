@@ -107,6 +107,7 @@ class CaptionsSet:
     names: dict[int, str]  # image id -> the image's path as the file names it
     duplicates: list[int]  # the line numbers of duplicate rows (a caption its image already had)
     left_out: list[str]  # images a reused split does not list (a file changed since): in no split
+    split_column: bool = False  # whether the file's own split column gave the splits (not a run's, not the hash)
 
     def split(self, name: str) -> list[Record]:
         """The records of split ``name``."""
@@ -470,7 +471,7 @@ def read_captions(
             also = f" (named on {shown_lines(lines[image])})" if len(lines[image]) > 1 else ""
             hint = _url(image) or _found_as(image, root, listed)
             problems.add(lines[image][0], f"image not found: {path}{also}{hint}")
-    left_out = []
+    left_out, given = [], []
     if reused is not None:
         absent = [image for image in reused if image not in captions]
         if absent:
@@ -499,7 +500,7 @@ def read_captions(
         for image, (image_id, split) in sorted(assigned.items(), key=lambda item: item[1][0])
     ]
     names = {image_id: image for image, (image_id, _) in assigned.items()}
-    return CaptionsSet(records, names, duplicates, left_out)
+    return CaptionsSet(records, names, duplicates, left_out, split_column=reused is None and bool(given))
 
 
 def split_document(file: str | Path, spec: CaptionsSpec, found: CaptionsSet) -> dict[str, Any]:
