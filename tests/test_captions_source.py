@@ -122,6 +122,18 @@ def test_paths_are_relative_to_the_images_folder_when_given(tmp_path: Path) -> N
 
 
 # ----------------------------------------------------------------------------------- problems, all at once
+def test_a_split_column_may_name_the_splits_as_other_datasets_do(tmp_path: Path) -> None:
+    write_images(tmp_path, ["a.jpg", "b.jpg", "c.jpg"])
+    rows = ["a.jpg,one,Training", "b.jpg,two,validation", "c.jpg,three,TEST"]
+    (tmp_path / "captions.csv").write_text("\n".join(["image,caption,split", *rows]) + "\n")
+    found = read_captions(tmp_path / "captions.csv", CaptionsSpec())
+    assert [(Path(r.image_path).name, r.split) for r in found.records] == [
+        ("a.jpg", "train"),
+        ("b.jpg", "val"),
+        ("c.jpg", "test"),
+    ]
+
+
 def test_every_problem_of_a_csv_is_raised_at_once_with_its_line(tmp_path: Path) -> None:
     write_images(tmp_path, ["a.jpg", "b.jpg"])
     (tmp_path / "captions.csv").write_text(

@@ -170,9 +170,15 @@ def _not_encoded(raw: bytes, exc: UnicodeDecodeError) -> str:
     )
 
 
+# The other names of the splits that split columns use (Hugging Face's "validation"), read as SPLITS'.
+SPLIT_NAMES = {"training": "train", "validation": "val", "valid": "val", "testing": "test"}
+
+
 def _split_value(value: str, line: int, problems: Problems) -> str | None:
-    """A split column's value as a split name, or None (a problem) when it is none of SPLITS."""
+    """A split column's value as a split name (any case; ``SPLIT_NAMES``' too), or None (a problem) when it is none
+    of SPLITS."""
     name = value.strip().lower()
+    name = SPLIT_NAMES.get(name, name)
     if name not in SPLITS:
         problems.add(line, f"split {value.strip()!r} is not one of {', '.join(SPLITS)}")
         return None
