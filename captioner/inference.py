@@ -8,7 +8,7 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -42,7 +42,7 @@ from captioner.model.steps import Generation
 # a file, a PIL image, a tensor (3, H, W) or a numpy array (H, W, 3) of uint8 (as PIL and OpenCV give, in RGB)
 ImageLike = str | os.PathLike | Image.Image | torch.Tensor | np.ndarray
 # one image, a list, a batch tensor (B, 3, H, W) or a batch array (B, H, W, 3)
-Images = ImageLike | Sequence[ImageLike] | torch.Tensor | np.ndarray
+Images = ImageLike | Iterable[ImageLike] | torch.Tensor | np.ndarray
 # what a model reads of one image: (3, S, S); an ensemble, one per member (3, S_m, S_m)
 Pixels = torch.Tensor | tuple[torch.Tensor, ...]
 
@@ -177,9 +177,10 @@ class LoadedModel(TrainedModel):
         """Caption image files, PIL images, image tensors or numpy arrays; see :func:`caption_images`.
 
         One image gives one :class:`Captioned` (``.caption``, ``.score``, ``.alphas`` (T, H*W) on ``.grid``),
-        a list or a batch a list of them, one per input. A single image that cannot be captioned raises
-        (ImageError for a file, TypeError or ValueError for another object); an input of a list gets a result
-        with ``.error`` (the reason) and ``.caption`` None instead, unless ``raise_errors``. ``settings`` are the
+        a list (or a tuple, a generator: any iterable of them) or a batch a list of them, one per input. A single
+        image that cannot be captioned raises (ImageError for a file, TypeError or ValueError for another object);
+        an input of a list gets a result with ``.error`` (the reason) and ``.caption`` None instead, unless
+        ``raise_errors``. ``settings`` are the
         command line's decoding options as ``DecodingConfig`` fields over the model's ``decoding`` (how its run
         decoded its final scores: method, beam_size, max_len, seed, ...), checked as the command line checks its
         flags (``captioning_settings``): TypeError for an unknown name (naming the nearest), ConfigError for one
@@ -440,13 +441,14 @@ def caption_files(
 
 
 def _one_image(images: Images) -> bool:
-    """False for a list or tuple of images or a batch (a tensor (B, C, H, W), an array (B, H, W, C)), True for
-    anything else."""
+    """False for images given together: a list, a tuple or another iterable of them (a generator, ``Path.glob``'s),
+    or a batch (a tensor (B, C, H, W), an array (B, H, W, C)); True for one image (a path, a PIL image, a tensor or
+    an array of another shape) and anything that is no iterable."""
     if isinstance(images, torch.Tensor):
         return images.dim() != 4
     if isinstance(images, np.ndarray):
         return images.ndim != 4
-    return not isinstance(images, (list, tuple))
+    return isinstance(images, (str, bytes, os.PathLike, Image.Image)) or not isinstance(images, Iterable)
 
 
 def to_picture(item: ImageLike, max_pixels: int | None = None, size: int | None = None) -> Image.Image:

@@ -100,6 +100,9 @@ def test_a_list_or_a_batch_tensor_gives_one_result_per_image_in_order(model, pho
     stacked = model.caption(torch.stack(square), **GREEDY)  # (B, 3, H, W)
     assert [r.words for r in stacked] == [model.caption(t, **GREEDY).words for t in square]
     assert model.caption([], **GREEDY) == []
+    generated = model.caption((p for p in photos), batch_size=2, **GREEDY)  # a generator: Path.glob's, say
+    assert [(r.path, r.words) for r in generated] == [(r.path, r.words) for r in batched]
+    assert model.caption(photos[0], **GREEDY).words == one_by_one[0].words  # a Path stays one image
 
 
 def test_decoding_options_reach_generate(model, photos):
