@@ -134,13 +134,14 @@ def test_a_folder_scan_follows_links_out_of_the_folder_once_and_names_a_broken_o
 
 
 def test_a_folder_scan_never_opens_a_pipe(tmp_path):
-    """A named pipe, or a link to one without a suffix (whose header the search would read), is left out: opening
-    it waits for a writer that never comes."""
+    """A named pipe, or a link to one (without a suffix, whose header the search would read, or named like an
+    image), is skipped and counted, never opened: opening it waits for a writer that never comes."""
     folder = tmp_path / "photos"
     folder.mkdir()
     noise((8, 8)).save(folder / "a.png")
     os.mkfifo(folder / "pipe")
     (folder / "to_pipe").symlink_to(folder / "pipe")
+    (folder / "z.jpg").symlink_to(folder / "pipe")
     found: list = []
     search = threading.Thread(target=lambda: found.append(expand_inputs([str(folder)])), daemon=True)
     search.start()
@@ -149,7 +150,8 @@ def test_a_folder_scan_never_opens_a_pipe(tmp_path):
     if waited:  # a writer lets the search's open() of the pipe return
         os.close(os.open(folder / "pipe", os.O_WRONLY | os.O_NONBLOCK))
         search.join()
-    assert not waited and found[0].paths == [str(folder / "a.png")] and found[0].skipped == []
+    assert not waited and found[0].paths == [str(folder / "a.png")]
+    assert found[0].skipped == [str(folder / name) for name in ("pipe", "to_pipe", "z.jpg")]
 
 
 def test_a_folder_that_cannot_be_listed_is_an_input_error(tmp_path, monkeypatch):

@@ -118,7 +118,7 @@ def _broken_link(path: Path) -> bool:
 
 def _files(folder: Path, leave_out: Callable[[Path], bool], unread: list[Skipped] | None = None) -> list[Path]:
     """The files under ``folder``, recursively, sorted: regular files and links to them (a link whose target is
-    gone too: loading it says so; never a pipe, which a look at its header would wait on forever); hidden files and
+    gone too: loading it says so), and the special files (a pipe, a socket: ``_scan`` skips them); hidden files and
     folders (``.thumbs/``, ``._photo.jpg``) and those ``leave_out`` names left out. A link to a folder outside
     ``folder`` (``photos/nas -> /mnt/nas/photos``) is searched once; one to a folder inside it is not, since the
     search reaches that folder itself (a link up the tree: a loop). Each folder that cannot be listed (no
@@ -148,7 +148,7 @@ def _files(folder: Path, leave_out: Callable[[Path], bool], unread: list[Skipped
             Path(top, name)
             for name in names
             if not name.startswith(".")
-            and (Path(top, name).is_file() or _broken_link(Path(top, name)))
+            and not Path(top, name).is_dir()  # a link to a folder os.walk did not follow
             and not leave_out(Path(top, name))
         ]
     return sorted(files)
@@ -156,13 +156,15 @@ def _files(folder: Path, leave_out: Callable[[Path], bool], unread: list[Skipped
 
 def _scan(folder: Path, found: Inputs, leave_out: LeftOut) -> None:
     """A folder's image files (``_files``): files named like an image, and files without a suffix whose
-    header is an image's (a download or a camera's file without one). Other files are skipped; a folder that
-    cannot be listed is an input error, as one without images is."""
+    header is an image's (a download or a camera's file without one). Other files are skipped (counted), a pipe
+    or a socket too, never opened; a folder that cannot be listed is an input error, as one without images is."""
     images = []
     unread: list[Skipped] = []
     for path in _files(folder, leave_out, unread):
         suffix = path.suffix.lower()
-        if suffix in IMAGE_SUFFIXES or (not suffix and _holds_an_image(path)):
+        if not (path.is_file() or _broken_link(path)):  # a pipe, even named x.jpg: opening it would wait forever
+            found.skipped.append(str(path))
+        elif suffix in IMAGE_SUFFIXES or (not suffix and _holds_an_image(path)):
             images.append(str(path))
         else:
             found.skipped.append(str(path))
