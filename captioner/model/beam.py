@@ -47,6 +47,12 @@ def beam_search(
     return trimmed(untrimmed_beam_search(decoder, features, settings, unk_id, static_shapes))
 
 
+# The rows of ``_Beams.found`` (B, 4, P): what each of an image's P best finished captions holds, one tensor so
+# that merging a step's captions into them is one concatenation and one gather (each a kernel of a decoding
+# call's CUDA graph, at every word).
+VALUE, SUM, STEP, ROW = range(4)  # its score / lp (what ranks it), its sum / lp, the step of its <end>, its row
+
+
 class _Beams:
     """One group of ``width`` beams of each of B images: its live beams and the best ``kept`` finished captions so
     far; ``offset``: its first row among all the groups' K rows."""
@@ -56,10 +62,9 @@ class _Beams:
         self.scores = torch.full((batch, width), float("-inf"), device=device)  # (B, W) what the search ranks
         self.scores[:, 0] = 0.0  # the W rows start identical: expand one of them
         self.sums = self.scores.clone()  # (B, W) the log-probs summed (diverse: the scores without the penalty)
-        self.found = torch.full((batch, kept), float("-inf"), device=device)  # (B, P) finished: score / lp, best first
-        self.found_sums = self.found.clone()  # (B, P) their sums / lp
-        self.found_steps = torch.zeros(batch, kept, dtype=torch.long, device=device)  # (B, P) step of their <end>
-        self.found_rows = torch.zeros_like(self.found_steps)  # (B, P) the row (of all K) that emitted it
+        # (B, 4, P) finished, best first: VALUE, SUM, STEP, ROW (steps and rows exact in float32); none: -inf, 0
+        self.found = torch.zeros(batch, 4, kept, device=device)
+        self.found[:, VALUE:STEP] = float("-inf")
         self.done = torch.zeros(batch, dtype=torch.bool, device=device)  # (B,)
 
     def advance(self, log_probs: Tensor, penalised: Tensor, t: int, settings: DecodingConfig) -> tuple[Tensor, Tensor]:
@@ -71,24 +76,24 @@ class _Beams:
         top, index = candidates.topk(2 * width, dim=1)  # (B, 2W): at most W of them end with <end>
         sums = (self.sums.unsqueeze(-1) + log_probs).view(batch, width * vocab).gather(1, index)  # (B, 2W)
         parent, word = index // vocab, index % vocab  # (B, 2W)
-        ends = (word[:, :width] == END_ID) & top[:, :width].isfinite() & ~self.done.unsqueeze(1)  # (B, W)
+        end = word == END_ID  # (B, 2W)
+        ends = end[:, :width] & top[:, :width].isfinite() & ~self.done.unsqueeze(1)  # (B, W)
         lp = _penalty(t + 1, alpha)
         ended = (top[:, :width] / lp).masked_fill(~ends, float("-inf"))  # (B, W)
-        self._keep_found(ended, sums[:, :width] / lp, torch.full_like(word[:, :width], t), parent[:, :width])
-        self.scores, keep = top.masked_fill(word == END_ID, float("-inf")).topk(width, dim=1)  # (B, W)
+        steps = torch.full_like(ended, t)  # (B, W)
+        self._keep_found(torch.stack([ended, sums[:, :width] / lp, steps, parent[:, :width] + self.offset], dim=1))
+        self.scores, keep = top.masked_fill(end, float("-inf")).topk(width, dim=1)  # (B, W)
         self.sums = sums.gather(1, keep)
-        self.done = self.found[:, -1] >= self.scores.max(dim=1).values / _penalty(settings.max_len, alpha)
+        self.done = self.found[:, VALUE, -1] >= self.scores.max(dim=1).values / _penalty(settings.max_len, alpha)
         return parent.gather(1, keep), word.gather(1, keep)
 
-    def _keep_found(self, values: Tensor, sums: Tensor, steps: Tensor, parents: Tensor) -> None:
-        """Merge the hypotheses that ended at this step (B, W) (-inf: none) into the ``kept`` best finished; on a
-        tie the earlier one stays ahead."""
-        merged = torch.cat([self.found, values], dim=1)  # (B, P + W)
-        order = merged.sort(dim=1, descending=True, stable=True).indices[:, : self.found.size(1)]  # (B, P)
-        self.found = merged.gather(1, order)
-        self.found_sums = torch.cat([self.found_sums, sums], dim=1).gather(1, order)
-        self.found_steps = torch.cat([self.found_steps, steps], dim=1).gather(1, order)
-        self.found_rows = torch.cat([self.found_rows, parents + self.offset], dim=1).gather(1, order)
+    def _keep_found(self, ended: Tensor) -> None:
+        """Merge the hypotheses that ended at this step (B, 4, W) (VALUE -inf: none) into the ``kept`` best finished;
+        on a tie the earlier one stays ahead."""
+        merged = torch.cat([self.found, ended], dim=2)  # (B, 4, P + W)
+        kept = self.found.size(2)
+        order = merged[:, VALUE].sort(dim=1, descending=True, stable=True).indices[:, :kept]  # (B, P)
+        self.found = merged.gather(2, order.unsqueeze(1).expand(-1, 4, -1))
 
     def best(self, steps: int, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
         """After ``steps`` steps, the group's ``kept`` best captions, finished or live: their sums / lp, <end> steps
@@ -96,17 +101,18 @@ class _Beams:
         a live beam of the same score, a live beam before an empty slot of the finished ones."""
         batch, width = self.scores.shape
         lp = _penalty(steps, alpha)
-        values = torch.cat([self.found, self.scores / lp], dim=1)  # (B, P + W)
-        slot = torch.cat([torch.where(self.found.isfinite(), 0, 2), torch.ones_like(self.scores, dtype=torch.long)], 1)
+        found = self.found[:, VALUE]  # (B, P)
+        values = torch.cat([found, self.scores / lp], dim=1)  # (B, P + W)
+        slot = torch.cat([torch.where(found.isfinite(), 0, 2), torch.ones_like(self.scores, dtype=torch.long)], 1)
         first = slot.sort(dim=1, stable=True).indices  # (B, P + W) finished, live, empty
         order = first.gather(1, values.gather(1, first).sort(dim=1, descending=True, stable=True).indices)
-        order = order[:, : self.found.size(1)]  # (B, P)
-        live_steps = torch.full_like(self.found_steps[:, :1], steps).expand(batch, width)
-        live_rows = torch.arange(width, device=order.device).expand(batch, width) + self.offset
-        sums = torch.cat([self.found_sums, self.sums / lp], dim=1).gather(1, order)
-        end_steps = torch.cat([self.found_steps, live_steps], dim=1).gather(1, order)
-        rows = torch.cat([self.found_rows, live_rows], dim=1).gather(1, order)
-        return sums, end_steps, rows
+        order = order[:, : found.size(1)]  # (B, P)
+        live_steps = torch.full_like(self.scores, steps)  # (B, W)
+        live_rows = torch.arange(width, device=order.device, dtype=self.scores.dtype).expand(batch, width) + self.offset
+        live = torch.stack([self.sums / lp, live_steps, live_rows], dim=1)  # (B, 3, W): SUM, STEP, ROW
+        chosen = torch.cat([self.found[:, SUM:], live], dim=2).gather(2, order.unsqueeze(1).expand(-1, 3, -1))
+        sums, end_steps, rows = chosen.unbind(1)  # (B, P) x 3
+        return sums, end_steps.long(), rows.long()
 
 
 @torch.no_grad()
