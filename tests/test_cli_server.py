@@ -59,7 +59,8 @@ def test_caption_an_image_info_file_for_the_evaluation_server(bundles, shapes, t
     assert cli.main(args) == 0
     stdout, err = capsys.readouterr()
     target = out / "captions_test2014_sat-soft_results.json"
-    assert sorted(out.iterdir()) == [target]
+    record = out / ".captioner-written"  # what --force may replace: this file, which captioner wrote
+    assert sorted(out.iterdir()) == [record, target] and record.read_text() == f'"{target.name}"\n'
     assert before_summary(err, captioned=6, failed=0) == [f"results: {target} (6 images)"]
     rows = json.loads(target.read_text())
     ids = [image["id"] for image in json.loads(info.read_text())["images"]]
