@@ -38,7 +38,7 @@ from typing import Any
 from captioner.config import CaptionsSpec
 from captioner.data.readers import Record
 from captioner.data.splits import SPLITS
-from captioner.data.vocab import tokenize
+from captioner.data.vocab import has_words
 from captioner.errors import DataError, DataProblems
 from captioner.fileio import read_json
 
@@ -124,7 +124,7 @@ def _caption_problem(caption: str) -> str | None:
     punctuation, symbols or emoji, which would train an empty sentence); None when nothing is."""
     if not caption:
         return "empty caption"
-    if not tokenize(caption):
+    if not has_words(caption):
         return f"caption {caption!r} has no words (only punctuation, symbols or emoji)"
     return None
 

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from pycocotools.coco import COCO
 
 from captioner.data.splits import SPLITS
-from captioner.data.vocab import tokenize
+from captioner.data.vocab import has_words
 from captioner.errors import DataError, check_choice
 from captioner.fileio import read_json
 
@@ -118,11 +118,11 @@ def read_karpathy(
 
 
 def _worded(records: list[Record], file: str | Path) -> list[Record]:
-    """``records`` without their captions that have no word (``tokenize`` finds none: empty, or only punctuation
-    or symbols), and without the images left with no caption; one warning counts what was left out."""
+    """``records`` without their captions that have no word (``has_words``: empty, or only punctuation or
+    symbols), and without the images left with no caption; one warning counts what was left out."""
     kept, dropped, emptied = [], [], 0
     for record in records:
-        worded = [bool(tokenize(caption)) for caption in record.captions]
+        worded = [has_words(caption) for caption in record.captions]
         captions = tuple(caption for caption, word in zip(record.captions, worded) if word)
         dropped += [(record.image_id, caption) for caption, word in zip(record.captions, worded) if not word]
         if captions:

@@ -27,7 +27,7 @@ import numpy as np
 
 from captioner.data.readers import Record
 from captioner.data.sources import Holds, Source, SourcePath, check_paths
-from captioner.data.vocab import tokenize
+from captioner.data.vocab import has_words
 from captioner.errors import ConfigError, DataError, check_range
 
 if TYPE_CHECKING:
@@ -169,8 +169,8 @@ def _given_captions(sample: Mapping[str, Any], captions_field: str) -> list[Any]
 
 
 def _is_caption(given: Any) -> bool:
-    """Whether ``given`` is a caption: text with a word (``tokenize`` finds one)."""
-    return isinstance(given, str) and bool(tokenize(given))
+    """Whether ``given`` is a caption: text with a word (``has_words``)."""
+    return isinstance(given, str) and has_words(given)
 
 
 def sample_captions(sample: Mapping[str, Any], captions_field: str) -> list[str]:

@@ -29,6 +29,12 @@ def tokenize(text: str) -> list[str]:
     return _TOKENIZER.tokenize(text.lower())
 
 
+def has_words(caption: str) -> bool:
+    """Whether ``tokenize`` reads a word in ``caption``: one that is empty, or only punctuation, symbols or emoji,
+    would train (and be scored as) an empty sentence, so no reader takes it as a caption."""
+    return bool(tokenize(caption))
+
+
 def word_counts(captions: Iterable[str], lengths: Counter[int] | None = None) -> Counter[str]:
     """How often each word (``tokenize``'s) occurs in ``captions``; ``lengths`` (when given) counts the captions
     by their number of words on the way."""
