@@ -77,6 +77,29 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> Non
         json.dump(obj, handle, indent=indent)
 
 
+def read_record(path: str | os.PathLike) -> list[str]:
+    """The names a record of written files lists (``append_record``'s: a JSON string per line), in order; a line
+    cut short (by a run stopped as it wrote it) or holding no string is left out, and no record lists none."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    names = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            name = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(name, str):
+            names.append(name)
+    return names
+
+
+def append_record(path: str | os.PathLike, names: list[str]) -> None:
+    """Add ``names`` to the record of written files at ``path`` (``read_record``), one write for them all."""
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write("".join(json.dumps(name) + "\n" for name in names))
+
+
 def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
     """Read JSON (UTF-8; a byte-order mark, which Windows editors write, is dropped), raising DataError that names
     the file for a missing or malformed one."""

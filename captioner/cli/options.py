@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -16,6 +15,7 @@ from captioner import load_model
 from captioner.cli import parser
 from captioner.config import MAX_WORDS, DecodingConfig, EnsembleMean, HardInference, captioning_settings
 from captioner.errors import ConfigError, DataError, check_range
+from captioner.fileio import append_record, read_record
 
 if TYPE_CHECKING:
     from captioner import LoadedModel
@@ -111,18 +111,6 @@ def check_images_found(args: argparse.Namespace, label: str, paths: list[str]) -
 WRITTEN = ".captioner-written"
 
 
-def _recorded(folder: Path) -> set[str]:
-    """The names ``WRITTEN`` in ``folder`` lists (a line cut short, by a run stopped as it wrote it, left out)."""
-    names = set()
-    record = folder / WRITTEN
-    for line in record.read_text(encoding="utf-8", errors="replace").splitlines() if record.is_file() else []:
-        try:
-            names.add(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return names
-
-
 def refuse_overwrite(target: Path, args: argparse.Namespace) -> None:
     """ConfigError when ``target`` exists, unless ``--force`` was given and a captioner command wrote it
     (``record_written``): a file of the user's is never replaced."""
@@ -130,7 +118,7 @@ def refuse_overwrite(target: Path, args: argparse.Namespace) -> None:
         return
     if not args.force:
         raise ConfigError(f"--out {args.out or target}: {target} already exists; pass --force to overwrite it")
-    if target.name not in _recorded(target.parent):
+    if target.name not in read_record(target.parent / WRITTEN):
         raise ConfigError(
             f"--out {args.out or target}: {target} was not written by captioner, and --force replaces only the files "
             "it wrote: move it, or choose another --out"
@@ -139,9 +127,8 @@ def refuse_overwrite(target: Path, args: argparse.Namespace) -> None:
 
 def record_written(target: Path) -> None:
     """Record in its folder that a captioner command wrote ``target``, so that ``--force`` may replace it."""
-    if target.name not in _recorded(target.parent):
-        with (target.parent / WRITTEN).open("a", encoding="utf-8") as record:
-            record.write(json.dumps(target.name) + "\n")
+    if target.name not in read_record(target.parent / WRITTEN):
+        append_record(target.parent / WRITTEN, [target.name])
 
 
 def check_writable(target: Path, args: argparse.Namespace) -> None:

@@ -15,11 +15,12 @@ once every file of it is written (``GalleryFiles.move_in``): a run that fails le
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+
+from captioner.fileio import append_record, read_record
 
 MANIFEST = ".captioner-gallery"  # the record of the files a gallery wrote into its folder
 # At most this many bytes of an image's name go into its entry's: a file's name holds 255 bytes (NAME_MAX), and the
@@ -43,18 +44,9 @@ class GalleryFiles:
         self.written: set[str] = set()  # what this one recorded
 
     def _read(self) -> set[str]:
-        record = self.root / MANIFEST
-        if not record.is_file():
-            return set()
-        written = set()
-        for line in record.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                name = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a run that stopped while writing it
-                continue
-            if isinstance(name, str) and not Path(name).is_absolute() and ".." not in Path(name).parts:
-                written.add(name)
-        return written
+        """The names the record in root lists that lie inside root (none absolute, none with ``..``)."""
+        names = read_record(self.root / MANIFEST)
+        return {name for name in names if not Path(name).is_absolute() and ".." not in Path(name).parts}
 
     # ----------------------------------------------------------------------------------------- names
     @staticmethod
@@ -142,8 +134,7 @@ class GalleryFiles:
                 raise FileExistsError(f"{path} exists and no gallery wrote it; it is left as it is")
         if new:
             self.stage.mkdir(parents=True, exist_ok=True)
-            with open(self.stage / MANIFEST, "a", encoding="utf-8") as handle:
-                handle.write("".join(json.dumps(name) + "\n" for name in new))
+            append_record(self.stage / MANIFEST, new)
             self.written.update(new)
         return paths
 
